@@ -1,0 +1,34 @@
+# Two entry points: `make run` (install, start the daemon on its defaults)
+# and `make test` (install the test dependencies, run the suite).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: run test install install-test system-deps bench clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+install: $(VENV)/bin/python
+	$(PIP) -e .
+
+run: install
+	$(VENV)/bin/kvstore serve
+
+# Debian packages the integration tests drive: redis-server (reference) and
+# redis-tools (redis-cli, redis-benchmark).
+system-deps:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
+
+install-test: $(VENV)/bin/python system-deps
+	$(PIP) -e '.[test]'
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+bench: install-test
+	$(PY) -m loadtest.bench_vs_redis
+
+clean:
+	rm -rf $(VENV) *.egg-info
