@@ -1,0 +1,19 @@
+"""Wire constants shared by the store daemon and the client SDK.
+
+Both sides import this module, so a command name or a default port is
+spelled in exactly one place.
+"""
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 6380
+
+# KV-cache command names (the store's command table and the SDK both use these).
+KV_PUT = "KV.PUT"
+KV_MATCH = "KV.MATCH"
+KV_LOCATE = "KV.LOCATE"
+KV_STATS = "KV.STATS"
+
+# Tier names as they appear in KV.LOCATE, KV.STATS and INFO.
+TIER_GPU = "gpu"
+TIER_DRAM = "dram"
+TIER_SSD = "ssd"
