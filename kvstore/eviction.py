@@ -1,0 +1,129 @@
+"""Approximate LRU eviction that prefers chain leaves.
+
+Why sampling: an exact LRU needs a linked list node per key (an OrderedDict
+costs ~100 bytes a key in Python), which alone would blow the metadata budget.
+Like Redis's evict.c we keep one access stamp per entry in a flat array and,
+when memory is needed, sample a handful of random entries and evict the
+oldest. Unlike Redis we look at the chain structure first: a block whose
+children are cached is worth more than a leaf (a child without its parent is
+useless to a prefix match), so among the sampled entries leaves go first and
+a parent goes only when no sampled entry is a leaf.
+
+Entries are small integer slot ids handed out by the caller (the engine's
+index, or the conductor's simulated node cache), so the policy knows nothing
+of keys or values. Pinned entries (a read lease, a KV.PIN) are never chosen.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+NO_PARENT = -1
+
+
+class SampledLRU:
+    """Leaf-preferring approximate LRU over slot ids ``0..capacity-1``."""
+
+    def __init__(self, capacity: int = 1024, samples: int = 16, seed: int = 0):
+        self.samples = samples
+        self._rng = np.random.default_rng(seed)
+        self._clock = 0
+        self._live = np.zeros(capacity, dtype=np.bool_)
+        self._stamp = np.zeros(capacity, dtype=np.int64)
+        self._parent = np.full(capacity, NO_PARENT, dtype=np.int32)
+        self._children = np.zeros(capacity, dtype=np.int32)
+        self._pins = np.zeros(capacity, dtype=np.int32)
+        self._high = 0      # one past the highest slot ever inserted
+        self.count = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self._live)
+
+    def grow(self, capacity: int) -> None:
+        """Make room for slot ids below ``capacity`` (arrays double as needed)."""
+        old = len(self._live)
+        if capacity <= old:
+            return
+        new = max(capacity, old * 2)
+        for name, fill in (("_live", False), ("_stamp", 0), ("_parent", NO_PARENT),
+                           ("_children", 0), ("_pins", 0)):
+            arr = getattr(self, name)
+            grown = np.full(new, fill, dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+
+    def nbytes_per_slot(self) -> int:
+        """Bytes of policy metadata per slot (for INFO's per-key overhead)."""
+        return sum(a.itemsize for a in (self._live, self._stamp, self._parent,
+                                        self._children, self._pins))
+
+    def insert(self, slot: int, parent: int = NO_PARENT) -> None:
+        """Start tracking ``slot``; ``parent`` is the slot of its chain parent."""
+        if slot >= len(self._live):
+            self.grow(slot + 1)
+        self._clock += 1
+        self._live[slot] = True
+        self._stamp[slot] = self._clock
+        self._children[slot] = 0
+        self._pins[slot] = 0
+        if parent != NO_PARENT and self._live[parent]:
+            self._parent[slot] = parent
+            self._children[parent] += 1
+        else:
+            self._parent[slot] = NO_PARENT
+        self._high = max(self._high, slot + 1)
+        self.count += 1
+
+    def touch(self, slot: int) -> None:
+        """Record an access: the entry becomes the most recently used."""
+        self._clock += 1
+        self._stamp[slot] = self._clock
+
+    def remove(self, slot: int) -> None:
+        """Stop tracking ``slot`` and unlink it from its parent and children."""
+        parent = int(self._parent[slot])
+        if parent != NO_PARENT:
+            self._children[parent] -= 1
+        if self._children[slot]:
+            # Rare: a parent leaves before its children (DEL, expiry, or no
+            # leaf was found). Orphan the children so a reused slot id is
+            # never mistaken for their parent.
+            self._parent[: self._high][self._parent[: self._high] == slot] = NO_PARENT
+        self._live[slot] = False
+        self._parent[slot] = NO_PARENT
+        self._children[slot] = 0
+        self._pins[slot] = 0
+        self.count -= 1
+
+    def pin(self, slot: int) -> None:
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        if self._pins[slot] > 0:
+            self._pins[slot] -= 1
+
+    def is_pinned(self, slot: int) -> bool:
+        return bool(self._pins[slot])
+
+    def is_leaf(self, slot: int) -> bool:
+        return not self._children[slot]
+
+    def victim(self) -> int | None:
+        """The slot to evict next, or None when every live entry is pinned."""
+        if self.count == 0:
+            return None
+        for _ in range(4):
+            picked = self._pick(self._rng.integers(0, self._high, self.samples))
+            if picked is not None:
+                return picked
+        # The sampled slots were all free or pinned: look at everything once.
+        return self._pick(np.arange(self._high))
+
+    def _pick(self, cand: np.ndarray) -> int | None:
+        cand = cand[self._live[cand] & (self._pins[cand] == 0)]
+        if cand.size == 0:
+            return None
+        leaves = cand[self._children[cand] == 0]
+        if leaves.size:
+            cand = leaves
+        return int(cand[np.argmin(self._stamp[cand])])
