@@ -1,0 +1,111 @@
+"""Fixtures that start real daemon processes on loopback.
+
+`server` starts `python -m kvstore serve` on a free port and a Unix socket in
+a temporary folder, waits until it answers PING, and stops it with SIGTERM.
+`redis_server` does the same for a real redis-server (the reference).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    """A running server process and how to reach it."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    unix_socket: str | None = None
+    password: str | None = None
+    log_path: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering")
+        try:
+            with socket.create_connection((host, port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("server did not answer PING in time")
+
+
+def start_kvstore(tmp_path, *extra: str, password: str | None = None) -> Daemon:
+    """Start `kvstore serve` with a small arena; extra flags go through as given."""
+    port = free_port()
+    sock_path = str(tmp_path / f"kv-{port}.sock")
+    log_path = str(tmp_path / f"kv-{port}.log")
+    args = [sys.executable, "-m", "kvstore", "serve", "--port", str(port),
+            "--unixsocket", sock_path, "--dram-size", "64mb", *extra]
+    if password:
+        args += ["--requirepass", password]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    daemon = Daemon(proc, "127.0.0.1", port, sock_path, password, log_path, args)
+    try:
+        wait_ready(daemon.host, port, proc)
+    except Exception:
+        daemon.stop(signal.SIGKILL)
+        raise RuntimeError("kvstore did not start:\n" + daemon.log())
+    return daemon
+
+
+@pytest.fixture
+def server(tmp_path):
+    daemon = start_kvstore(tmp_path)
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (make test installs it)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = Daemon(proc, "127.0.0.1", port)
+    wait_ready("127.0.0.1", port, proc)
+    yield daemon
+    daemon.stop()
