@@ -1,0 +1,199 @@
+"""Medians, ratios and targets of a side-by-side benchmark, as a table.
+
+A benchmark fills a `Table` with `Row`s: one row per figure (say "GET 1 MiB,
+redis-py"), one column per system measured (the subject, the reference it is
+compared with, and any extra anchors), each cell a list of samples from the
+repeated runs. The table reports the median of each cell and the ratio
+subject/reference, which is the figure targets are set on: this host is shared
+and noisy, and a ratio of medians from interleaved runs is steadier than any
+absolute number. A cell that could not be measured keeps its reason instead of
+a number, so a partial run still prints everything it learned.
+
+The same table renders as plain text (terminal), Markdown (docs, with the
+date and machine) and JSON (every sample, for later comparison).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal for one row: the ratio subject/reference at least `bound`, or the subject's value at most `bound`."""
+
+    bound: float
+    on: str = "ratio"
+
+    def describe(self, unit: str) -> str:
+        if self.on == "ratio":
+            return f"ratio >= {self.bound:g}"
+        return f"<= {self.bound:g} {unit}"
+
+
+@dataclass
+class Row:
+    """One figure measured on every column: samples per column, or why a column has none."""
+
+    name: str
+    unit: str
+    target: Target | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def add(self, column: str, value: float) -> None:
+        self.samples.setdefault(column, []).append(value)
+
+    def fail(self, column: str, reason: str) -> None:
+        self.errors[column] = reason
+
+    def median(self, column: str) -> float | None:
+        values = self.samples.get(column)
+        return statistics.median(values) if values else None
+
+    def ratio(self, column: str, over: str) -> float | None:
+        top, bottom = self.median(column), self.median(over)
+        if top is None or not bottom:
+            return None
+        return top / bottom
+
+
+class Table:
+    """Rows in the order they were first named, compared as subject / reference (and subject / each extra)."""
+
+    def __init__(self, title: str, subject: str, reference: str, extras: tuple[str, ...] = ()) -> None:
+        self.title = title
+        self.subject = subject
+        self.reference = reference
+        self.extras = extras
+        self.rows: dict[str, Row] = {}
+        self.notes: list[str] = []
+
+    def row(self, name: str, unit: str, target: Target | None = None) -> Row:
+        if name not in self.rows:
+            self.rows[name] = Row(name, unit, target)
+        return self.rows[name]
+
+    def met(self, row: Row) -> bool | None:
+        """Whether the row's target is met by the medians; None without a target or a figure."""
+        if row.target is None:
+            return None
+        if row.target.on == "ratio":
+            value = row.ratio(self.subject, self.reference)
+            return None if value is None else value >= row.target.bound
+        value = row.median(self.subject)
+        return None if value is None else value <= row.target.bound
+
+    def header(self) -> list[str]:
+        cols = ["measurement", "unit", self.subject, self.reference, f"{self.subject}/{self.reference}",
+                "target", "met"]
+        for extra in self.extras:
+            cols += [extra, f"{self.subject}/{extra}"]
+        return cols
+
+    def cells(self, row: Row) -> list[str]:
+        met = self.met(row)
+        cells = [row.name, row.unit, self._value(row, self.subject), self._value(row, self.reference),
+                 _fmt(row.ratio(self.subject, self.reference)),
+                 row.target.describe(row.unit) if row.target else "",
+                 "" if met is None else ("yes" if met else "NO")]
+        for extra in self.extras:
+            cells += [self._value(row, extra), _fmt(row.ratio(self.subject, extra))]
+        return cells
+
+    def _value(self, row: Row, column: str) -> str:
+        if column in row.errors and column not in row.samples:
+            return "n/a"
+        return _fmt(row.median(column))
+
+    def failures(self) -> list[str]:
+        """One line per column and reason that left cells unmeasured, naming the first row it hit."""
+        rows_by_cause: dict[tuple[str, str], list[str]] = {}
+        for row in self.rows.values():
+            for column, reason in row.errors.items():
+                rows_by_cause.setdefault((column, reason), []).append(row.name)
+        return [f"{column} not measured in {len(names)} row(s) from '{names[0]}': {reason}"
+                for (column, reason), names in rows_by_cause.items()]
+
+    def render_text(self) -> str:
+        lines = [self.header()] + [self.cells(row) for row in self.rows.values()]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+        out = [self.title, ""]
+        for n, line in enumerate(lines):
+            out.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+            if n == 0:
+                out.append("  ".join("-" * width for width in widths))
+        out += [""] + self.notes + self.failures()
+        return "\n".join(out)
+
+    def render_markdown(self, machine: dict[str, str]) -> str:
+        out = [f"### {self.title}", "", "Measured " + ", ".join(f"{k}: {v}" for k, v in machine.items()) + ".", ""]
+        header = self.header()
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" if i == 0 else "--:" for i in range(len(header))) + "|")
+        for row in self.rows.values():
+            out.append("| " + " | ".join(self.cells(row)) + " |")
+        out.append("")
+        out += [f"- {line}" for line in self.notes + self.failures()]
+        return "\n".join(out)
+
+    def to_json(self, machine: dict[str, str]) -> dict:
+        rows = []
+        for row in self.rows.values():
+            columns = (self.subject, self.reference, *self.extras)
+            rows.append({
+                "name": row.name, "unit": row.unit, "samples": row.samples, "errors": row.errors,
+                "median": {c: row.median(c) for c in columns if c in row.samples},
+                "ratio": row.ratio(self.subject, self.reference),
+                "target": None if row.target is None else row.target.describe(row.unit),
+                "met": self.met(row),
+            })
+        return {"title": self.title, "machine": machine, "subject": self.subject, "reference": self.reference,
+                "rows": rows, "notes": self.notes}
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return ""
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def machine_info() -> dict[str, str]:
+    """Date, CPU count and model, and RAM of this host, for the report's header."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "nproc": str(len(os.sched_getaffinity(0))),
+        "cpu": _cpu_model(),
+        "ram": f"{_ram_gib():.0f} GiB",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / (1 << 20)
+    return 0.0
