@@ -1,0 +1,181 @@
+"""The on-SSD record: a small header that describes a value, and its payload.
+
+A value is stored as two pieces under the same key: the *header* (this
+module's :class:`RecordHeader`, ~30 bytes plus the parent key) and the
+*payload* (the value's bytes, possibly transformed). Keeping them apart lets
+a warm restart rebuild the index by reading headers only, never payloads.
+
+Header layout, little-endian (``HEADER``)::
+
+    magic     2s  b"KV"        rejects anything that is not a record
+    version   B   1            bumped when the layout changes
+    flags     B   Flags        LZ4 | SHUFFLE; unknown bits are rejected
+    plen      H                length of the parent key (0: no parent)
+    value_sz  Q                length of the value as the client sent it
+    stored_sz Q                length of the payload on disk
+    checksum  Q                xxh3-64 of the payload on disk
+    parent    plen bytes       the chain parent's key
+
+The checksum covers the payload exactly as stored, so a read verifies before
+it spends any time decompressing, and a flipped bit anywhere in the payload
+(or in the checksum, or in a size) is caught.
+
+Why compression is per value and guarded: KV tensors in fp16/bf16 are close
+to noise and lz4 saves nothing on them (ratio 1.00), while some values
+(text, sparse tensors, bf16 after byte-shuffling) do compress. The encoder
+first compresses a 64 KiB sample, plain and byte-shuffled, and compresses the
+whole value only when the sample saved enough; the compressed form is kept
+only when it is smaller than ``KEEP_RATIO`` of the value. Incompressible
+values thus cost one small probe, not a full pass.
+
+Byte-shuffle groups the low bytes of every 2-byte element, then the high
+bytes (sign and exponent of fp16/bf16, which repeat a lot). It is one numpy
+transpose each way, and applies only to values of even length.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import lz4.block
+import numpy as np
+import xxhash
+
+from kvstore.tiers import CorruptValue, TierError
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBHQQQ")
+MAX_PARENT_LEN = 0xFFFF
+PROBE_BYTES = 64 * 1024
+KEEP_RATIO = 0.95
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    LZ4 = 1        # payload is an lz4 block of the (possibly shuffled) value
+    SHUFFLE = 2    # value was byte-shuffled as 2-byte elements before lz4
+
+
+KNOWN_FLAGS = Flags.LZ4 | Flags.SHUFFLE
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """What is known about a stored value without reading its payload."""
+
+    flags: Flags
+    value_size: int
+    stored_size: int
+    checksum: int
+    parent: bytes | None = None
+
+    def pack(self) -> bytes:
+        parent = self.parent or b""
+        return HEADER.pack(MAGIC, VERSION, self.flags, len(parent), self.value_size,
+                           self.stored_size, self.checksum) + parent
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> RecordHeader:
+        """Parse a packed header; raise CorruptValue if it is not one."""
+        if len(raw) < HEADER.size:
+            raise CorruptValue(f"record header is {len(raw)} bytes, expected at least {HEADER.size}")
+        magic, version, flags, plen, value_size, stored_size, checksum = HEADER.unpack_from(raw)
+        if magic != MAGIC or version != VERSION:
+            raise CorruptValue(f"record header has magic {magic!r} version {version}")
+        if flags & ~KNOWN_FLAGS or len(raw) != HEADER.size + plen:
+            raise CorruptValue(f"record header has flags {flags:#x} and parent length {plen}")
+        if not flags & Flags.LZ4 and (flags or value_size != stored_size):
+            raise CorruptValue(f"uncompressed record has flags {flags:#x}, sizes {value_size}/{stored_size}")
+        if flags & Flags.SHUFFLE and value_size % 2:
+            raise CorruptValue(f"shuffled record has odd length {value_size}")
+        parent = raw[HEADER.size:] if plen else None
+        return cls(Flags(flags), value_size, stored_size, checksum, parent)
+
+    @property
+    def size(self) -> int:
+        """Bytes this header takes on disk."""
+        return HEADER.size + len(self.parent or b"")
+
+    def verify(self, payload: bytes) -> bool:
+        """Whether ``payload`` is exactly the payload this header describes."""
+        return len(payload) == self.stored_size and xxhash.xxh3_64_intdigest(payload) == self.checksum
+
+
+def encode(value, parent: bytes | None = None, *, compress: bool = True,
+           shuffle: bool = True) -> tuple[RecordHeader, bytes]:
+    """Header and payload for ``value`` (any contiguous buffer)."""
+    if parent is not None and len(parent) > MAX_PARENT_LEN:
+        raise TierError(f"parent key is {len(parent)} bytes, the limit is {MAX_PARENT_LEN}")
+    view = memoryview(value).cast("B")
+    flags = choose_transform(view, shuffle) if compress else Flags.NONE
+    payload = None
+    if flags:
+        source = shuffle_bytes(view) if flags & Flags.SHUFFLE else view
+        packed = lz4.block.compress(source, store_size=False)
+        if len(packed) < KEEP_RATIO * len(view):
+            payload = packed
+        else:
+            flags = Flags.NONE
+    if payload is None:
+        payload = value if isinstance(value, bytes) else view.tobytes()
+    header = RecordHeader(flags, len(view), len(payload), xxhash.xxh3_64_intdigest(payload), parent)
+    return header, payload
+
+
+def choose_transform(view: memoryview, shuffle: bool) -> Flags:
+    """Flags worth applying to the whole value, judged on a sample of it."""
+    sample = view[:PROBE_BYTES]
+    if not len(sample):
+        return Flags.NONE
+    candidates = {Flags.LZ4: sample}
+    if shuffle and len(view) % 2 == 0:
+        candidates[Flags.LZ4 | Flags.SHUFFLE] = shuffle_bytes(sample)
+    sizes = {flags: len(lz4.block.compress(data, store_size=False)) / len(data)
+             for flags, data in candidates.items()}
+    best = min(sizes, key=sizes.get)
+    return best if sizes[best] < KEEP_RATIO else Flags.NONE
+
+
+def decode(header: RecordHeader, payload: bytes) -> bytes:
+    """The value's bytes from a verified payload."""
+    if not header.flags:
+        return payload
+    data = _decompress(header, payload)
+    return unshuffle_bytes(data) if header.flags & Flags.SHUFFLE else data
+
+
+def decode_into(header: RecordHeader, payload: bytes, out) -> int:
+    """Write the value into ``out`` (a writable buffer); return its length."""
+    size = header.value_size
+    target = memoryview(out).cast("B")
+    if len(target) < size:
+        raise ValueError(f"buffer of {len(target)} bytes cannot hold a value of {size} bytes")
+    data = _decompress(header, payload) if header.flags & Flags.LZ4 else payload
+    if header.flags & Flags.SHUFFLE:
+        planes = np.frombuffer(data, dtype=np.uint8).reshape(2, -1)
+        np.copyto(np.frombuffer(target, dtype=np.uint8)[:size].reshape(-1, 2), planes.T)
+    else:
+        target[:size] = data
+    return size
+
+
+def _decompress(header: RecordHeader, payload: bytes) -> bytes:
+    try:
+        data = lz4.block.decompress(payload, uncompressed_size=header.value_size)
+    except lz4.block.LZ4BlockError as exc:
+        raise CorruptValue(f"lz4 payload does not decompress: {exc}") from exc
+    if len(data) != header.value_size:
+        raise CorruptValue(f"payload decompressed to {len(data)} bytes, header says {header.value_size}")
+    return data
+
+
+def shuffle_bytes(data) -> bytes:
+    """Low byte of every 2-byte element, then every high byte."""
+    return np.frombuffer(data, dtype=np.uint8).reshape(-1, 2).T.tobytes()
+
+
+def unshuffle_bytes(data) -> bytes:
+    """Inverse of :func:`shuffle_bytes`."""
+    return np.frombuffer(data, dtype=np.uint8).reshape(2, -1).T.tobytes()

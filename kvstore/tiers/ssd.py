@@ -1,0 +1,424 @@
+"""The SSD tier: values in RocksDB (rocksdict, raw bytes), verified on read.
+
+Layout. Each value is two RocksDB entries under the same key, written in one
+WriteBatch so they appear and disappear together: its header in the ``meta``
+column family and its payload in the ``value`` column family (the format is
+in :mod:`kvstore.tiers.record`). Headers are tiny and sit in their own SST
+files, so a warm restart (``scan_index``) reads ~40 bytes per value and never
+touches payloads: 100,000 values come back in well under a second.
+
+Durability. Writes go through RocksDB's WAL by default, so a value whose put
+returned survives ``kill -9`` of the process (``sync=True`` also survives a
+power cut, at the price of an fsync per batch). With ``wal=False`` the newest
+writes are lost on a crash, but ``atomic_flush`` keeps the two column
+families in step, so a header never outlives its payload.
+
+Verification. ``get`` checks the payload against the header's xxh3 checksum
+before decompressing. A read that fails is retried once under the write lock
+(an unlocked read can straddle a concurrent overwrite); if it fails again the
+record is deleted and :class:`CorruptValue` is raised, so a bad value is
+reported once and never served.
+
+Capacity. ``capacity_bytes`` is a hard limit on header + payload bytes; the
+engine keeps the tier under its watermarks by evicting ahead of time, and a
+put that would pass the limit raises :class:`TierFull` and writes nothing.
+
+Threads. RocksDB releases the GIL during I/O, so ``SSDWorker`` runs the tier
+on threads: reads on a small pool, puts on one writer thread that drains the
+queue into a single WriteBatch (group commit: one WAL append for many puts).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rocksdict import (BlockBasedOptions, DBCompressionType, Options, Rdict,
+                       WriteBatch, WriteOptions)
+
+from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
+from kvstore.tiers.record import RecordHeader, decode, decode_into, encode
+
+META_CF = "meta"
+VALUE_CF = "value"
+COMPRESSION_MODES = ("auto", "off")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRecord:
+    """One stored value as the engine's index needs it after a restart."""
+
+    key: bytes
+    stored_size: int       # header + payload bytes on disk
+    value_size: int        # bytes a reader gets back
+    parent: bytes | None
+
+
+class SSDTier:
+    """Keyed, checksummed, optionally compressed values in one RocksDB."""
+
+    def __init__(self, db: Rdict, path: str, capacity_bytes: int, *, compress: bool,
+                 shuffle: bool, write_options: WriteOptions):
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.compress = compress
+        self.shuffle = shuffle
+        self.checksum_failures = 0
+        self._db = db
+        self._meta = db.get_column_family(META_CF)
+        self._values = db.get_column_family(VALUE_CF)
+        self._meta_cf = db.get_column_family_handle(META_CF)
+        self._value_cf = db.get_column_family_handle(VALUE_CF)
+        self._write_options = write_options
+        self._lock = threading.Lock()
+        self._used = self._count = self._value_bytes = 0
+        damaged = []
+        for key, header in self._headers():
+            if header is None:
+                damaged.append(key)
+            else:
+                self._account(header.size + header.stored_size, header.value_size, +1)
+        for key in damaged:
+            self._delete_entries(key)
+            self.checksum_failures += 1
+
+    @classmethod
+    def open(cls, path: str, capacity_bytes: int, *, compression: str = "auto",
+             shuffle: bool = True, sync: bool = False, wal: bool = True) -> SSDTier:
+        """Open (or create) the tier in directory ``path``; TierError says why not."""
+        if compression not in COMPRESSION_MODES:
+            raise ValueError(f"compression must be one of {COMPRESSION_MODES}, not {compression!r}")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity must be positive, not {capacity_bytes}")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise TierError(f"SSD tier directory {path} cannot be created: {exc.strerror}") from exc
+        try:
+            db = Rdict(path, _db_options(), column_families={
+                META_CF: _meta_options(), VALUE_CF: _value_options()})
+        except Exception as exc:  # rocksdict raises bare Exception with RocksDB's status text
+            raise _describe_failure(path, "open", exc) from exc
+        write_options = WriteOptions()
+        write_options.sync = sync
+        write_options.disable_wal = not wal
+        return cls(db, path, capacity_bytes, compress=compression == "auto",
+                   shuffle=shuffle, write_options=write_options)
+
+    # -- accounting ----------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._used
+
+    @property
+    def compression_ratio(self) -> float:
+        """Value bytes per byte stored (1.0 when nothing compresses)."""
+        return self._value_bytes / self._used if self._used else 1.0
+
+    def _account(self, stored_size: int, value_size: int, sign: int) -> None:
+        self._used += sign * stored_size
+        self._value_bytes += sign * value_size
+        self._count += sign
+
+    # -- writes --------------------------------------------------------------
+
+    def put(self, key: bytes, value, parent: bytes | None = None) -> int:
+        """Store ``value`` (any contiguous buffer) under ``key``; bytes used on disk."""
+        return self.put_batch([(key, value, parent)])[0]
+
+    def put_batch(self, items: Iterable[tuple[bytes, Any, bytes | None]]) -> list[int]:
+        """Store several values atomically (one WriteBatch); bytes used by each."""
+        records = [(key, *self._encode(value, parent)) for key, value, parent in items]
+        latest = {key: (header, payload) for key, header, payload in records}
+        with self._lock:
+            self._check_open()
+            previous = {key: self._stored_header(key) for key in latest}
+            growth = sum(h.size + h.stored_size for h, _ in latest.values())
+            growth -= sum(h.size + h.stored_size for h in previous.values() if h)
+            if self._used + growth > self.capacity_bytes:
+                raise TierFull(f"SSD tier at {self.path} needs {growth} more bytes, "
+                               f"{self.free_bytes} of {self.capacity_bytes} are free")
+            batch = WriteBatch(raw_mode=True)
+            for key, (header, payload) in latest.items():
+                batch.put(key, header.pack(), self._meta_cf)
+                batch.put(key, payload, self._value_cf)
+            self._write(batch, "write")
+            for key, (header, _) in latest.items():
+                if previous[key]:
+                    self._account(previous[key].size + previous[key].stored_size,
+                                  previous[key].value_size, -1)
+                self._account(header.size + header.stored_size, header.value_size, +1)
+        return [header.size + header.stored_size for _, header, _ in records]
+
+    def _encode(self, value, parent: bytes | None) -> tuple[RecordHeader, bytes]:
+        header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle)
+        if header.size + header.stored_size > self.capacity_bytes:
+            raise ValueTooLarge(f"value of {header.value_size} bytes ({header.stored_size} stored) "
+                                f"is larger than the SSD tier's capacity of {self.capacity_bytes}")
+        return header, payload
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key``; whether it was there."""
+        with self._lock:
+            self._check_open()
+            return self._remove(key)
+
+    def _remove(self, key: bytes) -> bool:
+        """Delete both entries of ``key`` (caller holds the lock)."""
+        raw = self._meta.get(key)
+        if raw is None:
+            return False
+        self._delete_entries(key)
+        header = _parse_header(raw)
+        if header:
+            self._account(header.size + header.stored_size, header.value_size, -1)
+        return True
+
+    def _delete_entries(self, key: bytes) -> None:
+        batch = WriteBatch(raw_mode=True)
+        batch.delete(key, self._meta_cf)
+        batch.delete(key, self._value_cf)
+        self._write(batch, "delete")
+
+    def _stored_header(self, key: bytes) -> RecordHeader | None:
+        """Header of ``key`` as accounted: None when absent or unreadable."""
+        return _parse_header(self._meta.get(key))
+
+    def _write(self, batch: WriteBatch, action: str) -> None:
+        try:
+            self._db.write(batch, self._write_options)
+        except Exception as exc:  # RocksDB status text: disk full, read-only, ...
+            raise _describe_failure(self.path, action, exc) from exc
+
+    # -- reads ---------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        self._check_open()
+        return self._meta.get(key) is not None
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value, verified; None when absent. Raises CorruptValue (and drops it)."""
+        return self._fetch(key, decode)
+
+    def get_into(self, key: bytes, buffer) -> int | None:
+        """Copy the verified value into ``buffer``; its length, or None when absent."""
+        return self._fetch(key, lambda header, payload: decode_into(header, payload, buffer))
+
+    def _fetch(self, key: bytes, finish: Callable[[RecordHeader, bytes], T]) -> T | None:
+        self._check_open()
+        try:
+            return self._load(key, finish)
+        except CorruptValue:
+            pass
+        with self._lock:   # retry where no put or delete of this key can interleave
+            self._check_open()
+            try:
+                return self._load(key, finish)
+            except CorruptValue as exc:
+                self.checksum_failures += 1
+                self._remove(key)
+                raise CorruptValue(f"SSD value {key!r} failed verification and was dropped: {exc}") from None
+
+    def _load(self, key: bytes, finish: Callable[[RecordHeader, bytes], T]) -> T | None:
+        try:
+            raw = self._meta.get(key)
+            payload = self._values.get(key) if raw is not None else None
+        except Exception as exc:  # RocksDB status text, e.g. a damaged block on disk
+            if "corruption" in str(exc).lower():
+                raise CorruptValue(str(exc)) from exc
+            raise _describe_failure(self.path, "read", exc) from exc
+        if raw is None:
+            return None
+        header = RecordHeader.unpack(raw)
+        if payload is None:
+            raise CorruptValue("header without payload")
+        if not header.verify(payload):
+            raise CorruptValue(f"checksum mismatch over {len(payload)} stored bytes")
+        return finish(header, payload)
+
+    def scan_index(self) -> Iterator[IndexRecord]:
+        """Every stored value's index record, reading headers only."""
+        for key, header in self._headers():
+            if header is not None:
+                yield IndexRecord(key, header.size + header.stored_size, header.value_size, header.parent)
+
+    def _headers(self) -> Iterator[tuple[bytes, RecordHeader | None]]:
+        self._check_open()
+        for key, raw in self._meta.items():
+            yield key, _parse_header(raw)
+
+    # -- lifetime ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._db is None:
+            raise TierError(f"SSD tier at {self.path} is closed")
+
+    def close(self) -> None:
+        """Flush memtables (a restart then replays no WAL) and release the directory."""
+        with self._lock:
+            if self._db is None:
+                return
+            db, self._db = self._db, None
+            for family in (self._meta, self._values):
+                family.close()
+            self._meta = self._values = self._meta_cf = self._value_cf = None
+            try:
+                db.flush()
+            except Exception as exc:
+                raise _describe_failure(self.path, "flush", exc) from exc
+            finally:
+                db.close()
+
+
+class SSDWorker:
+    """Runs an SSDTier off the event loop; queued puts share one WriteBatch.
+
+    Reads and deletes go to a small thread pool (``submit``). Puts go to one
+    writer thread that takes everything queued, up to ``max_batch_bytes``,
+    and stores it with one ``put_batch``; if the batch as a whole fails, the
+    items are retried one by one so each caller gets its own result or error.
+    A put's value buffer must stay unchanged until its future is done.
+    """
+
+    def __init__(self, tier: SSDTier, *, readers: int = 2, max_batch_bytes: int = 16 << 20):
+        self.tier = tier
+        self.max_batch_bytes = max_batch_bytes
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="ssd-read")
+        self._queue: queue.SimpleQueue[_PendingPut | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="ssd-write", daemon=True)
+        self._writer.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` on a reader thread; await the result."""
+        return asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
+
+    def put(self, key: bytes, value, parent: bytes | None = None) -> asyncio.Future[int]:
+        """Queue a put; the future gives the bytes stored or the tier's error."""
+        loop = asyncio.get_running_loop()
+        pending = _PendingPut(key, value, parent, loop, loop.create_future())
+        self._queue.put(pending)
+        return pending.future
+
+    def _write_loop(self) -> None:
+        while (first := self._queue.get()) is not None:
+            batch, size = [first], len(memoryview(first.value).cast("B"))
+            while size < self.max_batch_bytes:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)   # finish this batch, then stop
+                    break
+                batch.append(item)
+                size += len(memoryview(item.value).cast("B"))
+            self._store(batch)
+
+    def _store(self, batch: list[_PendingPut]) -> None:
+        try:
+            sizes = self.tier.put_batch([(p.key, p.value, p.parent) for p in batch])
+        except Exception:
+            for pending in batch:
+                pending.settle(self.tier.put, pending.key, pending.value, pending.parent)
+            return
+        for pending, stored in zip(batch, sizes):
+            pending.resolve(stored, None)
+
+    def close(self) -> None:
+        """Finish queued puts and stop the threads (the tier stays open)."""
+        self._queue.put(None)
+        self._writer.join()
+        self._readers.shutdown(wait=True)
+
+
+@dataclass(slots=True)
+class _PendingPut:
+    key: bytes
+    value: Any
+    parent: bytes | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def settle(self, fn: Callable[..., int], *args: Any) -> None:
+        try:
+            self.resolve(fn(*args), None)
+        except Exception as exc:
+            self.resolve(None, exc)
+
+    def resolve(self, result: int | None, error: BaseException | None) -> None:
+        self.loop.call_soon_threadsafe(_set_future, self.future, result, error)
+
+
+def _parse_header(raw: bytes | None) -> RecordHeader | None:
+    if raw is None:
+        return None
+    try:
+        return RecordHeader.unpack(raw)
+    except CorruptValue:
+        return None
+
+
+def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():        # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _describe_failure(path: str, action: str, exc: Exception) -> TierError:
+    """Turn RocksDB's status text into an error that names the cause."""
+    text = str(exc)
+    lowered = text.lower()
+    if "lock" in lowered:
+        cause = "the directory is locked by another process using it as an SSD tier"
+    elif "no space left" in lowered:
+        cause = "the disk is full"
+    elif "read-only file system" in lowered or "permission denied" in lowered:
+        cause = "the directory is not writable"
+    elif "not a directory" in lowered or "no such file" in lowered:
+        cause = "the path is not a usable directory"
+    else:
+        cause = "RocksDB reported an error"
+    return TierError(f"SSD tier at {path}: {action} failed, {cause} ({text})")
+
+
+def _db_options() -> Options:
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.create_missing_column_families(True)
+    options.set_atomic_flush(True)          # meta and value flush together
+    options.set_max_background_jobs(2)
+    options.set_keep_log_file_num(4)
+    return options
+
+
+def _meta_options() -> Options:
+    options = Options(raw_mode=True)
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)       # most puts ask about keys that are absent
+    options.set_block_based_table_factory(table)
+    return options
+
+
+def _value_options() -> Options:
+    options = Options(raw_mode=True)
+    options.set_compression_type(DBCompressionType.none())   # payloads are lz4'd per value already
+    options.set_write_buffer_size(64 << 20)
+    return options
