@@ -1,0 +1,102 @@
+"""The `kvstore` command line: the one door to the node, the conductor and the replay.
+
+`serve` runs a store node with Redis-style flags (or a TOML file with the same
+keys). Other subcommands import their package only when used, so the store
+never depends on the conductor or the workers.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvstore import __version__
+from kvstore.config import EVICTION_POLICIES, Config, ConfigError, parse_size
+from proto.wire import DEFAULT_HOST, DEFAULT_PORT
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run a store node",
+                       description="Run a kvstore node speaking RESP on TCP (and a Unix socket).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags "
+                   "(dram-size = \"4gb\"); flags given on the command line win")
+    p.add_argument("--bind", metavar="ADDR", help=f"addresses to listen on, space separated (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, metavar="N", help=f"TCP port, 0 for none chosen by the OS (default {DEFAULT_PORT})")
+    p.add_argument("--unixsocket", metavar="PATH", help="also listen on this Unix socket")
+    p.add_argument("--dram-size", type=_size, metavar="SIZE",
+                   help="bytes of the shared-memory DRAM arena that holds values, e.g. 256mb, 4gb (default 1gb)")
+    p.add_argument("--maxmemory-policy", choices=EVICTION_POLICIES,
+                   help="what to do when the arena is full (default allkeys-lru)")
+    p.add_argument("--requirepass", metavar="PASS", help="password clients must AUTH with")
+    p.add_argument("--proto-max-bulk-len", type=_size, metavar="SIZE",
+                   help="largest bulk string a client may send (default 512mb)")
+    p.add_argument("--maxclients", type=int, metavar="N", help="most clients connected at once (default 10000)")
+    p.add_argument("--loglevel", choices=("debug", "verbose", "notice", "warning"),
+                   help="log verbosity (default notice)")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    cfg = Config.from_toml(args.config) if args.config else Config()
+    for name in ("bind", "port", "unixsocket", "dram_size", "maxmemory_policy", "requirepass",
+                 "proto_max_bulk_len", "maxclients", "loglevel"):
+        value = getattr(args, name)
+        if value is not None:
+            cfg.set(name, value)
+    cfg.validate()
+    return cfg
+
+
+def setup_logging(level: str) -> None:
+    levels = {"debug": logging.DEBUG, "verbose": logging.DEBUG, "notice": logging.INFO, "warning": logging.WARNING}
+    logging.basicConfig(level=levels[level], stream=sys.stderr,
+                        format="%(process)d:M %(asctime)s.%(msecs)03d * %(message)s",
+                        datefmt="%d %b %Y %H:%M:%S")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg = build_config(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.loglevel)
+    from kvstore.server import run
+    return run(cfg, args.config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands owned by other packages parse their own flags.
+    if argv and argv[0] == "replay":
+        from conductor.cli import replay_main
+        return replay_main(argv[1:])
+    if argv and argv[0] == "conductor":
+        from conductor.cli import conductor_main
+        return conductor_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="kvstore", description="A KV-cache store for LLM serving "
+                                     "that speaks the Redis protocol.")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve_parser(sub)
+    sub.add_parser("replay", help="replay a Mooncake trace through the conductor's simulator "
+                   "(kvstore replay --help)", add_help=False)
+    sub.add_parser("conductor", help="run the cache-aware conductor service (kvstore conductor --help)",
+                   add_help=False)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""KV-cache commands: KV.PUT, KV.MATCH, KV.LOCATE, KV.STATS.
+
+These speak in block keys (prefix-chained hashes of token blocks). KV.MATCH
+answers "how long is the cached prefix of this prompt" in one round trip,
+whatever the chain length; KV.PUT records the chain link so eviction can
+prefer leaves.
+"""
+from __future__ import annotations
+
+from kvstore.commands.strings import store
+from kvstore.commands.table import SYNTAX, CommandError, command
+from kvstore.protocol import writer
+from proto import wire
+
+
+@command(wire.KV_PUT, -3, "write denyoom", "kvcache",
+         "Stores a KV block, optionally linked to its parent block; NX keeps an existing one.",
+         values=lambda i: i == 2)
+def kv_put(conn, args):
+    parent, nx, i = None, False, 3
+    while i < len(args):
+        opt = args[i].upper()
+        if opt == b"PARENT" and i + 1 < len(args):
+            parent = args[i + 1]
+            i += 2
+        elif opt == b"NX":
+            nx = True
+            i += 1
+        else:
+            raise CommandError(SYNTAX)
+    if nx and conn.engine.lookup(args[1]) is not None:
+        return writer.ZERO
+    store(conn, args[1], args[2], parent)
+    return writer.ONE
+
+
+@command(wire.KV_MATCH, -2, "readonly fast", "kvcache",
+         "Returns how many leading keys of a block chain are cached.", keys=(1, -1, 1))
+def kv_match(conn, args):
+    return writer.integer(conn.engine.match_prefix(args[1:]))
+
+
+@command(wire.KV_LOCATE, -2, "readonly fast", "kvcache",
+         "Returns, per key, the tier and size of the block or nil.", keys=(1, -1, 1))
+def kv_locate(conn, args):
+    engine = conn.engine
+    items = []
+    for key in args[1:]:
+        slot = engine.lookup(key)
+        if slot is None:
+            items.append(conn.enc.null)
+        else:
+            items.append(writer.array([writer.bulk(engine.tier_of(slot)), writer.integer(engine.size_of(slot))]))
+    return writer.array(items)
+
+
+@command(wire.KV_STATS, 1, "readonly fast", "kvcache", "Returns hit, miss and per-tier byte counters.",
+         keys=(0, 0, 0))
+def kv_stats(conn, args):
+    return conn.enc.map([(writer.bulk(name), writer.integer(value))
+                         for name, value in conn.engine.kv_stats().items()])

@@ -1,0 +1,240 @@
+"""Connection and server commands: PING, ECHO, SELECT, AUTH, HELLO, CLIENT,
+CONFIG, INFO, COMMAND, MEMORY, QUIT, SHUTDOWN.
+
+These are what clients send on connect (redis-py: HELLO, CLIENT SETINFO;
+redis-cli: COMMAND DOCS) and what operators use, so their error texts are
+Redis 7's, word for word.
+"""
+from __future__ import annotations
+
+import hmac
+
+from kvstore import info
+from kvstore.commands.table import SYNTAX, CommandError, all_commands, command, lookup, parse_int
+from kvstore.config import ConfigError
+from kvstore.protocol import writer
+
+COMPAT_VERSION = "7.0.0"
+READ_ONLY_SETTINGS = ("bind", "port", "unixsocket", "dram-size")
+
+
+@command("PING", -1, "fast", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
+def ping(conn, args):
+    if len(args) > 2:
+        raise CommandError("wrong number of arguments for 'ping' command")
+    return writer.PONG if len(args) == 1 else writer.bulk(args[1])
+
+
+@command("ECHO", 2, "fast", "connection", "Returns the given string.", keys=(0, 0, 0))
+def echo(conn, args):
+    return writer.bulk(args[1])
+
+
+@command("SELECT", 2, "loading stale fast", "connection", "Changes the selected database.", keys=(0, 0, 0))
+def select(conn, args):
+    db = parse_int(args[1], "value is not an integer or out of range")
+    if db != 0:
+        raise CommandError("SELECT is not allowed in cluster mode")
+    return writer.OK
+
+
+def check_password(conn, user: bytes, password: bytes) -> None:
+    """Authenticate ``conn`` or raise Redis's WRONGPASS error."""
+    required = conn.server.config.requirepass
+    ok = user == b"default" and (required is None or hmac.compare_digest(password, required.encode()))
+    if not ok:
+        raise CommandError("invalid username-password pair or user is disabled.", "WRONGPASS")
+    conn.set_authenticated()
+
+
+@command("AUTH", -2, "noscript loading stale fast no-auth", "connection", "Authenticates the connection.",
+         keys=(0, 0, 0))
+def auth(conn, args):
+    if len(args) > 3:
+        raise CommandError(SYNTAX)
+    if len(args) == 2 and conn.server.config.requirepass is None:
+        raise CommandError("AUTH <password> called without any password configured for the default user. "
+                           "Are you sure your configuration is correct?")
+    user, password = (b"default", args[1]) if len(args) == 2 else (args[1], args[2])
+    check_password(conn, user, password)
+    return writer.OK
+
+
+@command("HELLO", -1, "noscript loading stale fast no-auth", "connection", "Handshakes with the server.",
+         keys=(0, 0, 0))
+def hello(conn, args):
+    protocol = conn.enc.protocol
+    if len(args) > 1:
+        protocol = parse_int(args[1], "Protocol version is not an integer or out of range")
+        if protocol not in (2, 3):
+            raise CommandError("unsupported protocol version", "NOPROTO")
+    i, name = 2, None
+    while i < len(args):
+        opt = args[i].upper()
+        if opt == b"AUTH" and i + 2 < len(args):
+            check_password(conn, args[i + 1], args[i + 2])
+            i += 3
+        elif opt == b"SETNAME" and i + 1 < len(args):
+            name = args[i + 1]
+            i += 2
+        else:
+            raise CommandError(f"Syntax error in HELLO option '{args[i].decode(errors='replace')}'")
+    if not conn.authenticated:
+        raise CommandError("HELLO must be called with the client already authenticated, otherwise the "
+                           "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client "
+                           "and select the RESP protocol version at the same time", "NOAUTH")
+    if name is not None:
+        conn.set_name(name)
+    conn.enc.protocol = protocol
+    b = writer.bulk
+    return conn.enc.map([
+        (b("server"), b("redis")), (b("version"), b(COMPAT_VERSION)), (b("proto"), writer.integer(protocol)),
+        (b("id"), writer.integer(conn.id)), (b("mode"), b("standalone")), (b("role"), b("master")),
+        (b("modules"), writer.EMPTY_ARRAY)])
+
+
+@command("CLIENT", -2, "noscript loading stale", "connection", "A container for client connection commands.",
+         keys=(0, 0, 0), subcommands={"setname": "Sets the connection name.", "getname": "Returns the name of the connection.",
+                                      "id": "Returns the unique client ID of the connection.",
+                                      "list": "Lists open connections.", "info": "Returns information about the connection.",
+                                      "setinfo": "Sets information specific to the client or connection."})
+def client(conn, args):
+    sub = args[1].lower()
+    n = len(args)
+    if sub == b"setname" and n == 3:
+        conn.set_name(args[2])
+        return writer.OK
+    if sub == b"getname" and n == 2:
+        return conn.enc.null if not conn.name else writer.bulk(conn.name)
+    if sub == b"id" and n == 2:
+        return writer.integer(conn.id)
+    if sub == b"list" and n == 2:
+        return conn.enc.verbatim("".join(c.describe() + "\n" for c in conn.server.clients.values()))
+    if sub == b"info" and n == 2:
+        return conn.enc.verbatim(conn.describe() + "\n")
+    if sub == b"setinfo" and n == 4:
+        return conn.set_lib_info(args[2], args[3])
+    raise CommandError(f"unknown subcommand or wrong number of arguments for '{args[1].decode(errors='replace')}'. "
+                       "Try CLIENT HELP.")
+
+
+@command("CONFIG", -2, "admin noscript loading stale", "server", "A container for server configuration commands.",
+         keys=(0, 0, 0), subcommands={"get": "Returns the effective values of configuration parameters.",
+                                      "set": "Sets configuration parameters in-flight.",
+                                      "resetstat": "Resets the server's statistics."})
+def config(conn, args):
+    sub = args[1].lower()
+    if sub == b"get" and len(args) >= 3:
+        return _config_get(conn, args[2:])
+    if sub == b"set" and len(args) >= 4 and len(args) % 2 == 0:
+        return _config_set(conn, args[2:])
+    if sub == b"resetstat" and len(args) == 2:
+        conn.server.reset_stats()
+        return writer.OK
+    raise CommandError(f"unknown subcommand or wrong number of arguments for '{args[1].decode(errors='replace')}'. "
+                       "Try CONFIG HELP.")
+
+
+def _config_get(conn, patterns: list[bytes]) -> bytes:
+    from kvstore.commands.keyspace import matches
+    values = conn.server.config_values()
+    pairs = [(writer.bulk(name), writer.bulk(value)) for name, value in values.items()
+             if any(matches(p.lower(), name.encode()) for p in patterns)]
+    return conn.enc.map(pairs)
+
+
+def _config_set(conn, pairs: list[bytes]) -> bytes:
+    for i in range(0, len(pairs), 2):
+        name = pairs[i].decode(errors="replace").lower()
+        if name in READ_ONLY_SETTINGS:
+            raise CommandError(f"CONFIG SET failed (possibly related to argument '{name}') - can't set immutable config")
+        try:
+            conn.server.set_config(name, pairs[i + 1].decode(errors="replace"))
+        except ConfigError as e:
+            if str(e).startswith("unknown setting"):
+                raise CommandError(f"Unknown option or number of arguments for CONFIG SET - '{name}'") from None
+            raise CommandError(f"CONFIG SET failed (possibly related to argument '{name}') - {e}") from None
+    return writer.OK
+
+
+@command("INFO", -1, "loading stale", "server", "Returns information and statistics about the server.",
+         keys=(0, 0, 0))
+def info_(conn, args):
+    sections = [a.decode(errors="replace").lower() for a in args[1:]]
+    return conn.enc.verbatim(info.render(conn.server, sections))
+
+
+def _command_info(cmd) -> bytes:
+    flags = [writer.simple(f) for f in cmd.flags]
+    return writer.array([writer.bulk(cmd.name), writer.integer(cmd.arity), writer.array(flags),
+                         writer.integer(cmd.first_key), writer.integer(cmd.last_key), writer.integer(cmd.step),
+                         writer.array([writer.simple("@" + cmd.group)]), writer.EMPTY_ARRAY,
+                         writer.EMPTY_ARRAY, writer.EMPTY_ARRAY])
+
+
+def _command_docs(conn, cmd) -> bytes:
+    b = writer.bulk
+    fields = [(b("summary"), b(cmd.summary)), (b("since"), b("1.0.0")), (b("group"), b(cmd.group))]
+    if cmd.subcommands:
+        subs = [(b(f"{cmd.name}|{name}"), conn.enc.map([(b("summary"), b(text)), (b("since"), b("1.0.0")),
+                                                          (b("group"), b(cmd.group))]))
+                for name, text in cmd.subcommands.items()]
+        fields.append((b("subcommands"), conn.enc.map(subs)))
+    return conn.enc.map(fields)
+
+
+@command("COMMAND", -1, "loading stale", "server", "Returns detailed information about all commands.",
+         keys=(0, 0, 0), subcommands={"count": "Returns a count of commands.",
+                                      "docs": "Returns documentary information about one, multiple or all commands.",
+                                      "info": "Returns information about one, multiple or all commands.",
+                                      "list": "Returns a list of command names."})
+def command_(conn, args):
+    commands = sorted(all_commands(), key=lambda c: c.name)
+    if len(args) == 1:
+        return writer.array([_command_info(c) for c in commands])
+    sub = args[1].lower()
+    if sub == b"count" and len(args) == 2:
+        return writer.integer(len(commands))
+    if sub == b"list" and len(args) == 2:
+        return writer.bulk_array([c.name for c in commands])
+    if sub == b"info":
+        wanted = [lookup(a) for a in args[2:]] if len(args) > 2 else commands
+        return writer.array([conn.enc.null_array if c is None else _command_info(c) for c in wanted])
+    if sub == b"docs":
+        wanted = [lookup(a) for a in args[2:]] if len(args) > 2 else commands
+        return conn.enc.map([(writer.bulk(c.name), _command_docs(conn, c)) for c in wanted if c is not None])
+    raise CommandError(f"unknown subcommand '{args[1].decode(errors='replace')}'. Try COMMAND HELP.")
+
+
+@command("MEMORY", -2, "readonly", "server", "A container for memory diagnostics commands.",
+         keys=(0, 0, 0), subcommands={"usage": "Estimates the memory usage of a key."})
+def memory(conn, args):
+    if args[1].lower() == b"usage" and len(args) in (3, 5):
+        if len(args) == 5:
+            if args[3].upper() != b"SAMPLES":
+                raise CommandError(SYNTAX)
+            parse_int(args[4])
+        slot = conn.engine.lookup(args[2])
+        if slot is None:
+            return conn.enc.null
+        return writer.integer(conn.engine.memory_usage(args[2], slot))
+    raise CommandError(f"unknown subcommand or wrong number of arguments for '{args[1].decode(errors='replace')}'. "
+                       "Try MEMORY HELP.")
+
+
+@command("QUIT", -1, "noscript loading stale fast no-auth", "connection", "Closes the connection.", keys=(0, 0, 0))
+def quit_(conn, args):
+    conn.close_after_reply = True
+    return writer.OK
+
+
+@command("SHUTDOWN", -1, "admin noscript loading stale", "server", "Synchronously saves the database(s) to disk "
+         "and shuts down the Redis server.", keys=(0, 0, 0))
+def shutdown(conn, args):
+    for opt in args[1:]:
+        if opt.upper() not in (b"NOSAVE", b"SAVE", b"NOW", b"FORCE", b"ABORT"):
+            raise CommandError(SYNTAX)
+    if any(a.upper() == b"ABORT" for a in args[1:]):
+        raise CommandError("No shutdown in progress.")
+    conn.server.request_shutdown(f"SHUTDOWN from client id={conn.id}")
+    conn.close_after_reply = True

@@ -1,0 +1,133 @@
+"""String commands: SET, GET, GETDEL, MGET, MSET, STRLEN, GETRANGE.
+
+Values stay in the arena: a big SET value arrives as an `Extent` the reader
+already filled (committed as is), a small one is copied in; GET sends from
+the arena through the connection. Replies match Redis 7 byte for byte.
+"""
+from __future__ import annotations
+
+from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
+from kvstore.engine import Extent, now_ms
+from kvstore.protocol import writer
+
+MAX_EXPIRE_MS = 2**63 // 1000
+
+
+def store(conn, key: bytes, value, parent: bytes | None = None, keep_ttl: bool = False) -> None:
+    """Publish ``value`` (bytes or a filled Extent) under ``key``."""
+    if isinstance(value, Extent):
+        conn.engine.commit(key, value, parent, keep_ttl)
+    else:
+        conn.engine.put(key, value, parent, keep_ttl)
+
+
+def _set_options(args: list) -> tuple[str | None, bool, int | None, bool]:
+    """Parse SET's options: (condition, get, deadline_ms, keep_ttl)."""
+    cond, get, deadline, keep_ttl, i = None, False, None, False, 3
+    while i < len(args):
+        opt = args[i].upper()
+        if opt in (b"NX", b"XX") and cond is None:
+            cond = opt.decode()
+        elif opt == b"GET" and not get:
+            get = True
+        elif opt == b"KEEPTTL" and deadline is None and not keep_ttl:
+            keep_ttl = True
+        elif opt in (b"EX", b"PX", b"EXAT", b"PXAT") and deadline is None and not keep_ttl \
+                and i + 1 < len(args):
+            i += 1
+            deadline = _deadline(opt, parse_int(args[i]), "set")
+        else:
+            raise CommandError(SYNTAX)
+        i += 1
+    return cond, get, deadline, keep_ttl
+
+
+def _deadline(unit: bytes, amount: int, cmd: str) -> int:
+    if amount <= 0 or (unit in (b"EX", b"EXAT") and amount > MAX_EXPIRE_MS):
+        raise CommandError(f"invalid expire time in '{cmd}' command")
+    ms = amount * 1000 if unit in (b"EX", b"EXAT") else amount
+    return ms if unit in (b"EXAT", b"PXAT") else now_ms() + ms
+
+
+@command("SET", -3, "write denyoom", "string", "Sets the string value of a key, ignoring its type.",
+         values=lambda i: i == 2)
+def set_(conn, args):
+    key, value = args[1], args[2]
+    if len(args) == 3:
+        store(conn, key, value)
+        return writer.OK
+    cond, get, deadline, keep_ttl = _set_options(args)
+    engine = conn.engine
+    slot = engine.lookup(key)
+    old = None
+    if get:
+        old = conn.enc.null if slot is None else writer.bulk(engine.value(slot))
+    if (cond == "NX" and slot is not None) or (cond == "XX" and slot is None):
+        return old or conn.enc.null
+    store(conn, key, value, keep_ttl=keep_ttl)
+    if deadline is not None:
+        engine.set_expire(key, deadline)
+    return old or writer.OK
+
+
+@command("GET", 2, "readonly fast", "string", "Returns the string value of a key.")
+def get(conn, args):
+    slot = conn.engine.get_slot(args[1])
+    if slot is None:
+        return conn.enc.null
+    conn.write_value(slot)
+
+
+@command("GETDEL", 2, "write fast", "string", "Returns the string value of a key after deleting the key.")
+def getdel(conn, args):
+    slot = conn.engine.get_slot(args[1])
+    if slot is None:
+        return conn.enc.null
+    reply = writer.bulk(conn.engine.value(slot))
+    conn.engine.delete(args[1])
+    return reply
+
+
+@command("MGET", -2, "readonly fast", "string", "Atomically returns the string values of one or more keys.",
+         keys=(1, -1, 1))
+def mget(conn, args):
+    conn.write(b"*%d\r\n" % (len(args) - 1))
+    for key in args[1:]:
+        slot = conn.engine.get_slot(key)
+        if slot is None:
+            conn.write(conn.enc.null)
+        else:
+            conn.write_value(slot)
+
+
+@command("MSET", -3, "write denyoom", "string", "Atomically creates or modifies the string values of one or more keys.",
+         keys=(1, -1, 2), values=lambda i: i % 2 == 0)
+def mset(conn, args):
+    if len(args) % 2 == 0:
+        raise CommandError("wrong number of arguments for 'mset' command")
+    for i in range(1, len(args), 2):
+        store(conn, args[i], args[i + 1])
+    return writer.OK
+
+
+@command("STRLEN", 2, "readonly fast", "string", "Returns the length of a string value.")
+def strlen(conn, args):
+    slot = conn.engine.lookup(args[1])
+    return writer.integer(0 if slot is None else conn.engine.size_of(slot))
+
+
+@command("GETRANGE", 4, "readonly", "string", "Returns a substring of the string stored at a key.")
+def getrange(conn, args):
+    start, end = parse_int(args[2]), parse_int(args[3])
+    slot = conn.engine.lookup(args[1])
+    if slot is None:
+        return writer.bulk(b"")
+    size = conn.engine.size_of(slot)
+    if start < 0 and end < 0 and start > end:
+        return writer.bulk(b"")
+    start = max(0, size + start if start < 0 else start)
+    end = max(0, size + end if end < 0 else end)
+    end = min(end, size - 1)
+    if start > end or size == 0:
+        return writer.bulk(b"")
+    return writer.bulk(conn.engine.view(slot)[start:end + 1].tobytes())

@@ -1,0 +1,83 @@
+"""The command table: every command's name, arity, flags, key positions and handler.
+
+One table answers three questions: how to dispatch a request (name -> handler,
+arity checked before the handler runs, as Redis's processCommand does), what
+``COMMAND``/``COMMAND INFO``/``COMMAND DOCS`` report (so redis-cli and
+cluster-aware clients see the truth), and which argument positions carry
+values (the reader receives those straight into the arena).
+
+Handlers take ``(conn, args)`` and return the encoded reply, or None when they
+queued the reply themselves (values sent from the arena).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class CommandError(Exception):
+    """A command failed: becomes ``-CODE message`` on the wire."""
+
+    def __init__(self, message: str, code: str = "ERR"):
+        super().__init__(message)
+        self.code = code
+
+
+WRONG_TYPE_INT = "value is not an integer or out of range"
+SYNTAX = "syntax error"
+
+
+@dataclass(slots=True)
+class Command:
+    name: str
+    arity: int                      # > 0: exact argc; < 0: at least -arity
+    flags: tuple[str, ...]
+    handler: Callable
+    group: str
+    summary: str
+    first_key: int = 1
+    last_key: int = 1
+    step: int = 1
+    value_args: Callable[[int], bool] | None = None   # argument index -> carries a value?
+    subcommands: dict[str, str] = field(default_factory=dict)
+
+    def arity_ok(self, argc: int) -> bool:
+        return argc == self.arity if self.arity > 0 else argc >= -self.arity
+
+
+TABLE: dict[bytes, Command] = {}
+
+
+def command(name: str, arity: int, flags: str, group: str, summary: str, *,
+            keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None):
+    """Register the decorated function as the handler of ``name``."""
+    def register(fn: Callable) -> Callable:
+        cmd = Command(name.lower(), arity, tuple(flags.split()), fn, group, summary,
+                      *keys, value_args=values, subcommands=subcommands or {})
+        TABLE[name.upper().encode()] = cmd
+        TABLE[name.lower().encode()] = cmd
+        return fn
+    return register
+
+
+def lookup(name: bytes) -> Command | None:
+    cmd = TABLE.get(name)
+    if cmd is None:
+        cmd = TABLE.get(name.upper())
+    return cmd
+
+
+def all_commands() -> list[Command]:
+    seen = {}
+    for cmd in TABLE.values():
+        seen[cmd.name] = cmd
+    return list(seen.values())
+
+
+def parse_int(arg: bytes, message: str = WRONG_TYPE_INT) -> int:
+    """An integer argument, strictly as Redis's string2ll reads it."""
+    if arg.isdigit() or (arg[:1] == b"-" and arg[1:].isdigit()):
+        value = int(arg)
+        if -2**63 <= value < 2**63:
+            return value
+    raise CommandError(message)

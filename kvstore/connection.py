@@ -1,0 +1,290 @@
+"""One client connection: read requests, run commands, write replies.
+
+Why raw non-blocking sockets on the event loop (``add_reader``/``add_writer``)
+rather than asyncio transports: a transport copies whatever it cannot send at
+once into its own buffer, and hands received data over as fresh bytes. Here
+the socket receives straight into the reader's buffer or into a value's arena
+extent (``recv_into``), and replies leave with one ``sendmsg`` of a list of
+buffers: small replies gathered in a bytearray, large values as memoryviews of
+the arena, each under a read lease until the kernel has taken its last byte.
+
+Backpressure: while replies are waiting for the socket we stop reading from
+that client, so a client that does not read cannot make us buffer without
+bound.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections import deque
+from itertools import islice
+
+from kvstore.commands import CommandError, lookup
+from kvstore.engine import Extent, OutOfMemory
+from kvstore.protocol import writer
+from kvstore.protocol.reader import ProtocolError, RequestReader
+
+log = logging.getLogger("kvstore")
+
+BIG_REPLY = 64 * 1024      # values at least this big are sent from the arena, not copied
+IOV_MAX = 512
+READS_PER_EVENT = 64
+OOM_ERROR = writer.error("command not allowed when used memory > 'maxmemory'.", "OOM")
+NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
+
+
+class Connection:
+    """A client of the server, with its reader, write queue and identity."""
+
+    def __init__(self, server, sock: socket.socket, conn_id: int):
+        self.server = server
+        self.engine = server.engine
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.id = conn_id
+        self.enc = writer.Encoder(2)
+        self.name = b""
+        self.lib_name = b""
+        self.lib_ver = b""
+        self.created = self.last_active = time.monotonic()
+        self.last_command = "NULL"
+        self.addr, self.laddr = _addresses(sock)
+        self.authenticated = server.config.requirepass is None
+        self.reader = RequestReader(server.config.proto_max_bulk_len, self._allocate)
+        self.reader.authenticated = self.authenticated
+        self.wbuf = bytearray()
+        self.out: deque = deque()          # (buffer, lease or None) waiting for the socket
+        self.close_after_reply = False
+        self.closed = False
+        self.reading = True
+        self.writing = False
+
+    # ------------------------------------------------------------- identity
+
+    def set_authenticated(self) -> None:
+        self.authenticated = self.reader.authenticated = True
+
+    def set_name(self, name: bytes) -> None:
+        if any(c <= 32 or c > 126 for c in name):
+            raise CommandError("Client names cannot contain spaces, newlines or special characters.")
+        self.name = name
+
+    def set_lib_info(self, attr: bytes, value: bytes) -> bytes:
+        if any(c <= 32 or c > 126 for c in value):
+            raise CommandError(f"{attr.decode(errors='replace')} cannot contain spaces, newlines or special characters.")
+        if attr.lower() == b"lib-name":
+            self.lib_name = value
+        elif attr.lower() == b"lib-ver":
+            self.lib_ver = value
+        else:
+            raise CommandError(f"Unrecognized option '{attr.decode(errors='replace')}'")
+        return writer.OK
+
+    def describe(self) -> str:
+        """A CLIENT LIST line."""
+        now = time.monotonic()
+        return (f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} name={self.name.decode()} "
+                f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
+                f"ssub=0 multi=-1 qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
+                f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
+                f"omem=0 tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} user=default redir=-1 "
+                f"resp={self.enc.protocol} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}")
+
+    # ------------------------------------------------------------- reading
+
+    def on_readable(self) -> None:
+        reader = self.reader
+        try:
+            for _ in range(READS_PER_EVENT):
+                buf = reader.recv_buffer()
+                n = self.sock.recv_into(buf)
+                if n == 0:
+                    self.close()
+                    return
+                reader.received(n)
+                if n < len(buf) or (reader.big is None and not reader.discarding):
+                    break
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.close()
+            return
+        self.last_active = time.monotonic()
+        self._run_parsed()
+        self.flush()
+
+    def _run_parsed(self) -> None:
+        try:
+            commands = self.reader.parse()
+            error = None
+        except ProtocolError as exc:
+            commands, error = self.reader.parsed_before_error, exc
+        for args, failure, has_holders in commands:
+            self.execute(args, failure, has_holders)
+            if self.close_after_reply:
+                return
+        if error is not None:
+            log.info("Protocol error (%s) from client id=%d addr=%s", error, self.id, self.addr)
+            self.wbuf += writer.error(f"Protocol error: {error}")
+            self.close_after_reply = True
+
+    def _allocate(self, args: list, size: int):
+        """Destination for a big bulk: an arena extent when it is a stored value."""
+        cmd = lookup(args[0]) if args else None
+        if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
+                and self.authenticated:
+            extent = self.engine.reserve(size)
+            return extent.view, extent
+        buf = bytearray(size)
+        return memoryview(buf), buf
+
+    # ------------------------------------------------------------- commands
+
+    def execute(self, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
+        cmd = lookup(args[0])
+        try:
+            if cmd is None:
+                raise CommandError(_unknown_command(args))
+            if not self.authenticated and "no-auth" not in cmd.flags:
+                self.wbuf += NOAUTH_ERROR
+                return
+            if not cmd.arity_ok(len(args)):
+                raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
+            if failure is not None:
+                raise failure
+            self.last_command = cmd.name
+            reply = cmd.handler(self, args)
+            if reply is not None:
+                self.wbuf += reply
+        except CommandError as exc:
+            self.wbuf += writer.error(str(exc), exc.code)
+        except OutOfMemory:
+            self.wbuf += OOM_ERROR
+        except Exception:
+            log.exception("command %r failed", args[0][:64])
+            self.wbuf += writer.error("internal error while running the command")
+        finally:
+            if has_holders:
+                for arg in args:
+                    if isinstance(arg, Extent) and not arg.committed:
+                        self.engine.release(arg)
+            self.server.stats.commands += 1
+
+    # ------------------------------------------------------------- writing
+
+    def write(self, data: bytes) -> None:
+        self.wbuf += data
+
+    def write_value(self, slot: int) -> None:
+        """Queue the value of ``slot`` as a bulk reply, sending big ones from the arena."""
+        engine = self.engine
+        size = engine.size_of(slot)
+        self.wbuf += b"$%d\r\n" % size
+        if size < BIG_REPLY:
+            self.wbuf += engine.view(slot)
+            self.wbuf += b"\r\n"
+            return
+        lease = (engine.lease(slot), slot, engine.key_of(slot))
+        self.out.append((self.wbuf, None))
+        self.out.append((engine.view(slot), lease))
+        self.wbuf = bytearray(b"\r\n")
+
+    def flush(self) -> None:
+        if self.closed:
+            return
+        if self.wbuf:
+            self.out.append((self.wbuf, None))
+            self.wbuf = bytearray()
+        out = self.out
+        while out:
+            try:
+                if len(out) == 1:
+                    sent = self.sock.send(out[0][0])
+                else:
+                    sent = self.sock.sendmsg([b for b, _ in islice(out, 0, IOV_MAX)])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.close()
+                return
+            if not self._consume(sent):
+                break
+        self._update_interest()
+
+    def _consume(self, sent: int) -> bool:
+        """Drop what the kernel took; True when every queued buffer went out."""
+        out = self.out
+        while sent and out:
+            buf, lease = out[0]
+            n = len(buf)
+            if sent < n:
+                out[0] = (memoryview(buf)[sent:], lease)
+                return False
+            sent -= n
+            out.popleft()
+            if lease is not None:
+                self.engine.unlease(*lease)
+        return not out
+
+    def _update_interest(self) -> None:
+        loop = self.server.loop
+        if self.out:
+            if not self.writing:
+                loop.add_writer(self.fd, self.flush)
+                self.writing = True
+            if self.reading:
+                loop.remove_reader(self.fd)
+                self.reading = False
+            return
+        if self.writing:
+            loop.remove_writer(self.fd)
+            self.writing = False
+        if self.close_after_reply:
+            self.close()
+        elif not self.reading:
+            self.reading = True
+            loop.add_reader(self.fd, self.on_readable)
+            if self.reader.end > self.reader.start:
+                loop.call_soon(self.on_readable_buffered)
+
+    def on_readable_buffered(self) -> None:
+        """Run commands that arrived while we were not reading."""
+        if not self.closed and self.reading:
+            self._run_parsed()
+            self.flush()
+
+    # ------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        loop = self.server.loop
+        loop.remove_reader(self.fd)
+        loop.remove_writer(self.fd)
+        for holder in self.reader.pending_holders():
+            if isinstance(holder, Extent):
+                self.engine.release(holder)
+        for _, lease in self.out:
+            if lease is not None:
+                self.engine.unlease(*lease)
+        self.out.clear()
+        self.sock.close()
+        self.server.forget(self)
+
+
+def _unknown_command(args: list) -> str:
+    shown = ""
+    for arg in args[1:]:
+        if len(shown) >= 128:
+            break
+        shown += "'" + arg[:128 - len(shown)].decode(errors="replace") + "' "
+    return f"unknown command '{args[0][:128].decode(errors='replace')}', with args beginning with: {shown}"
+
+
+def _addresses(sock: socket.socket) -> tuple[str, str]:
+    if sock.family == socket.AF_UNIX:
+        return "/unixsocket:0", sock.getsockname() + ":0"
+    peer, local = sock.getpeername(), sock.getsockname()
+    return f"{peer[0]}:{peer[1]}", f"{local[0]}:{local[1]}"

@@ -1,0 +1,301 @@
+"""The engine: the key index, the values' places in the arena, and eviction.
+
+The engine knows nothing of RESP or sockets. A key maps to a small integer
+slot; per-slot facts (arena offset, value size) live in flat numpy arrays and
+the eviction policy keeps its own per-slot arrays (access stamp, chain
+parent, children, pins). That layout keeps the metadata near 150 bytes a key,
+where a Python object per entry would cost twice that.
+
+A write is two steps so a value is never visible half-written: ``reserve``
+hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
+under ``noeviction``) that the connection receives the bytes straight into,
+and ``commit`` publishes it under its key. A reader that sends a value from
+the arena holds a lease on the extent; a delete or overwrite during the send
+hides the key at once but frees the bytes only when the lease ends.
+
+Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
+lazily on access and actively by a periodic sampling cycle.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.allocator import BuddyAllocator
+from kvstore.arena import Arena
+from kvstore.eviction import NO_PARENT, SampledLRU
+from proto.wire import TIER_DRAM
+
+
+class OutOfMemory(Exception):
+    """No room for a value: the store is full and may not evict, or the value is too big."""
+
+
+@dataclass(slots=True)
+class Extent:
+    """A piece of the arena: reserved for an incoming value, or holding one."""
+
+    offset: int
+    size: int
+    view: memoryview
+    committed: bool = False
+
+
+@dataclass
+class EngineStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    expired: int = 0
+    oom_rejections: int = 0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Engine:
+    """The index of one node's DRAM tier."""
+
+    def __init__(self, dram_size: int, policy: str = "allkeys-lru", prefault: bool = True):
+        self.arena = Arena(dram_size, prefault=prefault)
+        self.allocator = BuddyAllocator(dram_size)
+        self.eviction = SampledLRU(capacity=1024)
+        self.policy = policy
+        self.limit = dram_size          # CONFIG SET maxmemory may lower it
+        self.index: dict[bytes, int] = {}
+        self.expires: dict[bytes, int] = {}
+        self.stats = EngineStats()
+        self._keys: list[bytes | None] = []
+        self._offset = np.zeros(1024, dtype=np.int64)
+        self._size = np.zeros(1024, dtype=np.int64)
+        self._free_slots: list[int] = []
+        self._leases: dict[int, int] = {}       # offset -> readers in flight
+        self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
+        self.value_bytes = 0
+
+    # ----------------------------------------------------------- writes
+
+    def reserve(self, size: int) -> Extent:
+        """An extent for a value of ``size`` bytes, evicting if the policy allows."""
+        if not self.allocator.fits(size):
+            self.stats.oom_rejections += 1
+            raise OutOfMemory(f"value of {size} bytes is larger than the DRAM tier")
+        block = 1 << self.allocator.order_for(size)
+        while True:
+            if self.allocator.used + block <= self.limit:
+                offset = self.allocator.alloc(size)
+                if offset is not None:
+                    return Extent(offset, size, self.arena.view[offset:offset + size])
+            if self.policy == "noeviction" or not self._evict_one():
+                self.stats.oom_rejections += 1
+                raise OutOfMemory("no room in the DRAM tier")
+
+    def release(self, extent: Extent) -> None:
+        """Give back a reservation that was never committed."""
+        extent.view.release()
+        self.allocator.free(extent.offset, extent.size)
+
+    def commit(self, key: bytes, extent: Extent, parent: bytes | None = None,
+               keep_ttl: bool = False) -> None:
+        """Publish ``extent`` as the value of ``key``, replacing any old value."""
+        extent.committed = True
+        extent.view.release()
+        old = self.index.get(key)
+        if old is not None:
+            self._drop(old, keep_ttl=keep_ttl)
+        slot = self._new_slot(key)
+        self._offset[slot] = extent.offset
+        self._size[slot] = extent.size
+        self.value_bytes += extent.size
+        self.index[key] = slot
+        parent_slot = self.index.get(parent, NO_PARENT) if parent is not None else NO_PARENT
+        self.eviction.insert(slot, parent_slot)
+
+    def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
+        """Copy ``data`` (any buffer) into the arena under ``key``."""
+        src = memoryview(data).cast("B")
+        extent = self.reserve(src.nbytes)
+        extent.view[:] = src
+        self.commit(key, extent, parent, keep_ttl)
+
+    def delete(self, key: bytes) -> bool:
+        slot = self.lookup(key)
+        if slot is None:
+            return False
+        self._drop(slot)
+        return True
+
+    def flush(self) -> None:
+        for slot in list(self.index.values()):
+            self._drop(slot)
+
+    # ----------------------------------------------------------- reads
+
+    def lookup(self, key: bytes) -> int | None:
+        """The slot of a live key (expired keys are removed on the way)."""
+        slot = self.index.get(key)
+        if slot is not None and self.expires and key in self.expires:
+            if self.expires[key] <= now_ms():
+                self._drop(slot)
+                self.stats.expired += 1
+                return None
+        return slot
+
+    def get_slot(self, key: bytes) -> int | None:
+        """Lookup for a read: counts the hit or miss and refreshes recency."""
+        slot = self.lookup(key)
+        if slot is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.eviction.touch(slot)
+        return slot
+
+    def key_of(self, slot: int) -> bytes:
+        return self._keys[slot]
+
+    def size_of(self, slot: int) -> int:
+        return int(self._size[slot])
+
+    def view(self, slot: int) -> memoryview:
+        offset = int(self._offset[slot])
+        return self.arena.view[offset:offset + int(self._size[slot])]
+
+    def value(self, slot: int) -> bytes:
+        offset = int(self._offset[slot])
+        return self.arena.array[offset:offset + int(self._size[slot])].tobytes()
+
+    def match_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys are present: the longest cached prefix."""
+        n = 0
+        for key in keys:
+            slot = self.lookup(key)
+            if slot is None:
+                break
+            self.eviction.touch(slot)
+            n += 1
+        return n
+
+    # ----------------------------------------------------------- leases
+
+    def lease(self, slot: int) -> int:
+        """Keep the value of ``slot`` in place while it is sent; returns a token."""
+        offset = int(self._offset[slot])
+        self._leases[offset] = self._leases.get(offset, 0) + 1
+        self.eviction.pin(slot)
+        return offset
+
+    def unlease(self, offset: int, slot: int, key: bytes) -> None:
+        left = self._leases[offset] - 1
+        if left:
+            self._leases[offset] = left
+        else:
+            del self._leases[offset]
+            if offset in self._doomed:
+                self.allocator.free(offset, self._doomed.pop(offset))
+        if self.index.get(key) == slot and int(self._offset[slot]) == offset:
+            self.eviction.unpin(slot)
+
+    # ----------------------------------------------------------- expiry
+
+    def set_expire(self, key: bytes, deadline_ms: int) -> None:
+        self.expires[key] = deadline_ms
+
+    def persist(self, key: bytes) -> bool:
+        return self.expires.pop(key, None) is not None
+
+    def expire_cycle(self, samples: int = 20) -> int:
+        """Drop expired keys among a random sample (Redis's active expiry)."""
+        if not self.expires:
+            return 0
+        now = now_ms()
+        keys = random.sample(list(self.expires), min(samples, len(self.expires)))
+        dropped = 0
+        for key in keys:
+            if self.expires[key] <= now:
+                self._drop(self.index[key])
+                self.stats.expired += 1
+                dropped += 1
+        return dropped
+
+    # ----------------------------------------------------------- iteration
+
+    def scan(self, cursor: int, count: int) -> tuple[int, list[bytes]]:
+        """Keys from slot ``cursor`` on; a key present throughout is seen once."""
+        keys, n = [], len(self._keys)
+        while cursor < n and len(keys) < count:
+            key = self._keys[cursor]
+            cursor += 1
+            if key is not None and self.lookup(key) is not None:
+                keys.append(key)
+        return (0 if cursor >= n else cursor), keys
+
+    # ----------------------------------------------------------- accounting
+
+    def tier_of(self, slot: int) -> str:
+        return TIER_DRAM
+
+    def memory_usage(self, key: bytes, slot: int) -> int:
+        """Bytes a key costs: its arena block plus its share of the index."""
+        offset = int(self._offset[slot])
+        return self.allocator.block_size(offset) + sys.getsizeof(key) + int(self.metadata_bytes_per_key())
+
+    def kv_stats(self) -> dict[str, int]:
+        s = self.stats
+        return {"hits": s.hits, "misses": s.misses, "keys": len(self.index), "evictions": s.evictions,
+                "bytes_gpu": 0, "bytes_dram": self.value_bytes, "bytes_ssd": 0}
+
+    def metadata_bytes_per_key(self) -> float:
+        """Index overhead per key: dict entry, key object, slot int, arrays."""
+        n = len(self.index)
+        if not n:
+            return 0.0
+        sample = list(self.index)[:64]
+        key_bytes = sum(sys.getsizeof(k) for k in sample) / len(sample)
+        per_slot = self._offset.itemsize + self._size.itemsize + self.eviction.nbytes_per_slot() + 8
+        return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_slot
+
+    def close(self) -> None:
+        self.arena.close()
+
+    # ----------------------------------------------------------- internals
+
+    def _new_slot(self, key: bytes) -> int:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._keys[slot] = key
+            return slot
+        slot = len(self._keys)
+        self._keys.append(key)
+        if slot >= len(self._offset):
+            self._offset = np.concatenate([self._offset, np.zeros_like(self._offset)])
+            self._size = np.concatenate([self._size, np.zeros_like(self._size)])
+        return slot
+
+    def _drop(self, slot: int, keep_ttl: bool = False) -> None:
+        key = self._keys[slot]
+        del self.index[key]
+        if not keep_ttl:
+            self.expires.pop(key, None)
+        offset, size = int(self._offset[slot]), int(self._size[slot])
+        if offset in self._leases:
+            self._doomed[offset] = size
+        else:
+            self.allocator.free(offset, size)
+        self.value_bytes -= size
+        self.eviction.remove(slot)
+        self._keys[slot] = None
+        self._free_slots.append(slot)
+
+    def _evict_one(self) -> bool:
+        slot = self.eviction.victim()
+        if slot is None:
+            return False
+        self._drop(slot)
+        self.stats.evictions += 1
+        return True

@@ -1,0 +1,278 @@
+"""Incremental RESP request parser that lands large values where they belong.
+
+Why not parse into bytes like everyone else: a 4 MiB SET would then cost a
+fresh 4 MiB buffer (page faults) and a copy into the store. Instead, when the
+parser meets a bulk of at least ``BIG_BULK`` bytes it asks its owner for the
+destination (``allocate``: an arena extent for a value, a plain bytearray for
+anything else) and the socket receives the rest of that bulk straight into it
+(``recv_buffer`` hands out the destination's unfilled tail). Small arguments
+are parsed from one reusable buffer per connection.
+
+The reader never touches a socket: ``recv_buffer()`` says where the next bytes
+go, ``received(n)`` says how many arrived, ``parse()`` returns the complete
+commands. Errors and limits follow Redis's networking.c, message for message;
+a ``ProtocolError`` means: reply with it, then close the connection.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+BIG_BULK = 32 * 1024
+INLINE_MAX = 64 * 1024        # Redis's PROTO_INLINE_MAX_SIZE
+MAX_MULTIBULK = 2**31 - 1     # Redis's INT_MAX
+UNAUTH_MULTIBULK = 10
+UNAUTH_BULK = 16384
+INITIAL_BUFFER = 16 * 1024
+
+_DISCARD = memoryview(bytearray(1024 * 1024))
+
+
+class ProtocolError(Exception):
+    """Malformed input: the connection gets ``-ERR Protocol error: ...`` and is closed."""
+
+
+# allocate(args_so_far, size) -> (writable view, holder); holder becomes the arg.
+Allocate = Callable[[list, int], tuple[memoryview, Any]]
+
+
+def _plain_alloc(args: list, size: int) -> tuple[memoryview, Any]:
+    buf = bytearray(size)
+    return memoryview(buf), buf
+
+
+def _int(buf: bytearray, start: int, stop: int) -> int | None:
+    """Redis's string2ll: optional '-', digits only, no spaces or '+'."""
+    text = buf[start:stop]
+    if text.isdigit() or (text[:1] == b"-" and text[1:].isdigit()):
+        return int(text)
+    return None
+
+
+def split_inline(line: bytes) -> list[bytes]:
+    """Split an inline command like sdssplitargs: whitespace, quotes, escapes."""
+    if b'"' not in line and b"'" not in line:
+        return line.split()
+    args, i, n = [], 0, len(line)
+    while True:
+        while i < n and line[i:i + 1].isspace():
+            i += 1
+        if i >= n:
+            return args
+        cur = bytearray()
+        quote = None
+        while True:
+            if i >= n:
+                if quote:
+                    raise ProtocolError("unbalanced quotes in request")
+                break
+            c = line[i:i + 1]
+            if quote:
+                if c == b"\\" and quote == b'"' and i + 1 < n:
+                    i += 1
+                    cur += {b"n": b"\n", b"r": b"\r", b"t": b"\t"}.get(line[i:i + 1], line[i:i + 1])
+                elif c == quote:
+                    if i + 1 < n and not line[i + 1:i + 2].isspace():
+                        raise ProtocolError("unbalanced quotes in request")
+                    i += 1
+                    break
+                else:
+                    cur += c
+            elif c.isspace():
+                break
+            elif c in (b'"', b"'"):
+                quote = c
+            else:
+                cur += c
+            i += 1
+        args.append(bytes(cur))
+
+
+class RequestReader:
+    """Turns the bytes of one connection into commands (lists of arguments)."""
+
+    def __init__(self, max_bulk_len: int, allocate: Allocate | None = None):
+        self.max_bulk_len = max_bulk_len
+        self.allocate = allocate or _plain_alloc
+        self.authenticated = True
+        self.buf = bytearray(INITIAL_BUFFER)
+        self.mv = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+        self.args: list | None = None   # arguments of the command being read
+        self.want = 0                   # arguments still to come
+        self.failure: Exception | None = None
+        self.has_holders = False
+        self.skip = 0                   # CRLF after a big bulk still to skip
+        self.big: memoryview | None = None
+        self.big_holder: Any = None
+        self.big_got = 0
+        self.discarding = 0             # bytes of a bulk with nowhere to go
+        self.parsed_before_error: list = []
+
+    # ------------------------------------------------------------ feeding
+
+    def recv_buffer(self) -> memoryview:
+        """Where the next received bytes must go."""
+        if self.big is not None:
+            return self.big[self.big_got:]
+        if self.discarding:
+            return _DISCARD[:min(len(_DISCARD), self.discarding)]
+        if self.end == len(self.buf):
+            self._make_room()
+        return self.mv[self.end:]
+
+    def received(self, n: int) -> None:
+        if self.big is not None:
+            self.big_got += n
+            if self.big_got == len(self.big):
+                self._finish_big(self.big_holder)
+        elif self.discarding:
+            self.discarding -= n
+            if not self.discarding:
+                self._finish_big(None)
+        else:
+            self.end += n
+
+    def _make_room(self) -> None:
+        live = self.end - self.start
+        if self.start:
+            self.buf[:live] = self.buf[self.start:self.end]
+        else:
+            bigger = bytearray(2 * len(self.buf))
+            bigger[:live] = self.buf[:live]
+            self.mv.release()
+            self.buf, self.mv = bigger, memoryview(bigger)
+        self.start, self.end = 0, live
+
+    def pending_holders(self) -> list:
+        """Destinations of a command cut short (to give back when the client goes)."""
+        held = [a for a in (self.args or []) if not isinstance(a, (bytes, type(None)))]
+        if self.big_holder is not None:
+            held.append(self.big_holder)
+        return held
+
+    # ------------------------------------------------------------ parsing
+
+    def parse(self) -> list[tuple[list, Exception | None, bool]]:
+        """Complete commands as (args, failure, has_holders) tuples."""
+        out = []
+        try:
+            self._parse_into(out)
+        except ProtocolError:
+            self.parsed_before_error = out
+            raise
+        if self.start == self.end and self.big is None and not self.discarding:
+            self.start = self.end = 0
+        return out
+
+    def _parse_into(self, out: list) -> None:
+        buf = self.buf
+        while self.big is None and not self.discarding:
+            if self.skip:
+                take = min(self.skip, self.end - self.start)
+                self.start += take
+                self.skip -= take
+                if self.skip:
+                    break
+            if self.args is None and not self._begin_command(out):
+                break
+            if self.args is not None:
+                if not self._read_bulks(buf):
+                    break
+                out.append((self.args, self.failure, self.has_holders))
+                self.args = None
+
+    def _begin_command(self, out: list) -> bool:
+        buf, pos, end = self.buf, self.start, self.end
+        if pos >= end:
+            return False
+        if buf[pos] != 42:                                   # not '*': inline
+            nl = buf.find(b"\n", pos, end)
+            if nl < 0:
+                if end - pos > INLINE_MAX:
+                    raise ProtocolError("too big inline request")
+                return False
+            line = bytes(buf[pos:nl]).rstrip(b"\r")
+            self.start = nl + 1
+            args = split_inline(line)
+            if args:
+                out.append((args, None, False))
+            return True
+        nl = buf.find(b"\r\n", pos, end)
+        if nl < 0:
+            if end - pos > INLINE_MAX:
+                raise ProtocolError("too big mbulk count string")
+            return False
+        n = _int(buf, pos + 1, nl)
+        if n is None or n > MAX_MULTIBULK:
+            raise ProtocolError("invalid multibulk length")
+        if not self.authenticated and n > UNAUTH_MULTIBULK:
+            raise ProtocolError("unauthenticated multibulk length")
+        self.start = nl + 2
+        if n > 0:
+            self.args, self.want, self.failure, self.has_holders = [], n, None, False
+        return True
+
+    def _read_bulks(self, buf: bytearray) -> bool:
+        """Read arguments into ``self.args``; True once all have arrived."""
+        args = self.args
+        while self.want:
+            if self.skip:
+                take = min(self.skip, self.end - self.start)
+                self.start += take
+                self.skip -= take
+                if self.skip:
+                    return False
+            pos, end = self.start, self.end
+            if pos >= end:
+                return False
+            if buf[pos] != 36:                               # '$'
+                raise ProtocolError(f"expected '$', got '{chr(buf[pos])}'")
+            nl = buf.find(b"\r\n", pos, end)
+            if nl < 0:
+                if end - pos > INLINE_MAX:
+                    raise ProtocolError("too big bulk count string")
+                return False
+            size = _int(buf, pos + 1, nl)
+            if size is None or size < 0 or size > self.max_bulk_len:
+                raise ProtocolError("invalid bulk length")
+            if not self.authenticated and size > UNAUTH_BULK:
+                raise ProtocolError("unauthenticated bulk length")
+            body = nl + 2
+            if size >= BIG_BULK:
+                self.start = body
+                self._begin_big(size)
+                if self.big is not None or self.discarding:
+                    return False
+                continue
+            if body + size + 2 > end:
+                return False
+            args.append(self.mv[body:body + size].tobytes())
+            self.start = body + size + 2
+            self.want -= 1
+        return True
+
+    def _begin_big(self, size: int) -> None:
+        """Start receiving a big bulk into its own destination."""
+        take = min(self.end - self.start, size)
+        try:
+            view, holder = self.allocate(self.args, size)
+        except Exception as exc:                             # no room: drain, then fail
+            self.failure = exc
+            self.start += take
+            self.discarding = size - take
+            if not self.discarding:
+                self._finish_big(None)
+            return
+        self.has_holders = True
+        view[:take] = self.mv[self.start:self.start + take]
+        self.start += take
+        self.big, self.big_holder, self.big_got = view, holder, take
+        if take == size:
+            self._finish_big(holder)
+
+    def _finish_big(self, holder) -> None:
+        self.args.append(bytes(holder) if isinstance(holder, bytearray) else holder)
+        self.big, self.big_holder, self.big_got = None, None, 0
+        self.want -= 1
+        self.skip = 2

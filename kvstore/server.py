@@ -1,0 +1,183 @@
+"""The node: listening sockets, the accept loop, the cron, and shutdown.
+
+One event loop thread owns the engine; connections are callbacks on it (see
+connection.py for why raw sockets). The cron runs Redis's active expiry every
+100 ms. Shutdown (SIGTERM, SIGINT or SHUTDOWN) stops accepting, closes every
+client and removes the Unix socket file.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+from kvstore.config import Config, parse_size
+from kvstore.connection import Connection
+from kvstore.engine import Engine
+
+log = logging.getLogger("kvstore")
+
+CRON_SECONDS = 0.1
+BACKLOG = 511
+
+
+@dataclass
+class ServerStats:
+    connections: int = 0
+    commands: int = 0
+    rejected: int = 0
+
+
+class Server:
+    def __init__(self, config: Config, config_file: str | None = None):
+        self.config = config
+        self.config_file = config_file
+        self.engine = Engine(config.dram_size, config.maxmemory_policy)
+        self.clients: dict[int, Connection] = {}
+        self.stats = ServerStats()
+        self.listeners: list[socket.socket] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_name = "asyncio"
+        self.started_at = 0.0
+        self._next_id = 1
+        self._stopped: asyncio.Future | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.loop_name = "uvloop" if type(self.loop).__module__.startswith("uvloop") else "epoll"
+        self.started_at = time.time()
+        self._stopped = self.loop.create_future()
+        self._listen()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.request_shutdown, f"Received {signal.Signals(sig).name}")
+        self.loop.call_later(CRON_SECONDS, self._cron)
+        log.info("Ready to accept connections (dram %d bytes, prefault %.2fs, %s)",
+                 self.config.dram_size, self.engine.arena.prefault_seconds, self.loop_name)
+        await self._stopped
+        self._close()
+
+    def _listen(self) -> None:
+        cfg = self.config
+        for addr in cfg.bind.split():
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            lsock = socket.socket(family, socket.SOCK_STREAM)
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((addr, cfg.port))
+            self._add_listener(lsock, tcp=True)
+            log.info("Listening on %s:%d", addr, lsock.getsockname()[1])
+        if cfg.unixsocket:
+            if os.path.exists(cfg.unixsocket):
+                os.unlink(cfg.unixsocket)
+            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lsock.bind(cfg.unixsocket)
+            self._add_listener(lsock, tcp=False)
+            log.info("Listening on unix socket %s", cfg.unixsocket)
+
+    def _add_listener(self, lsock: socket.socket, tcp: bool) -> None:
+        lsock.listen(BACKLOG)
+        lsock.setblocking(False)
+        self.listeners.append(lsock)
+        self.loop.add_reader(lsock.fileno(), self._accept, lsock, tcp)
+
+    def _accept(self, lsock: socket.socket, tcp: bool) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            self.stats.connections += 1
+            if len(self.clients) >= self.config.maxclients:
+                self.stats.rejected += 1
+                try:
+                    sock.send(b"-ERR max number of clients reached\r\n")
+                finally:
+                    sock.close()
+                continue
+            sock.setblocking(False)
+            if tcp:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(self, sock, self._next_id)
+            self._next_id += 1
+            self.clients[conn.id] = conn
+            self.loop.add_reader(conn.fd, conn.on_readable)
+
+    def forget(self, conn: Connection) -> None:
+        self.clients.pop(conn.id, None)
+
+    def _cron(self) -> None:
+        try:
+            while self.engine.expire_cycle() >= 5:    # many expired: keep going, as Redis does
+                pass
+        finally:
+            if not self._stopped.done():
+                self.loop.call_later(CRON_SECONDS, self._cron)
+
+    def request_shutdown(self, reason: str) -> None:
+        log.info("%s, shutting down", reason)
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+
+    def _close(self) -> None:
+        for lsock in self.listeners:
+            self.loop.remove_reader(lsock.fileno())
+            lsock.close()
+        for conn in list(self.clients.values()):
+            conn.flush()
+            conn.close()
+        if self.config.unixsocket and os.path.exists(self.config.unixsocket):
+            os.unlink(self.config.unixsocket)
+        log.info("Bye")
+
+    # ------------------------------------------------------------ config
+
+    def config_values(self) -> dict[str, str]:
+        cfg = self.config
+        values = {name: cfg.get(name) for name in cfg.names()}
+        values["maxmemory"] = str(self.engine.limit)
+        values["requirepass"] = cfg.requirepass or ""
+        return values
+
+    def set_config(self, name: str, value: str) -> None:
+        if name == "maxmemory":
+            limit = parse_size(value)
+            self.engine.limit = min(limit, self.config.dram_size) if limit else self.config.dram_size
+            return
+        self.config.set(name, value or None if name == "requirepass" else value)
+        self.config.validate()
+        self.engine.policy = self.config.maxmemory_policy
+        for conn in self.clients.values():
+            conn.reader.max_bulk_len = self.config.proto_max_bulk_len
+
+    def reset_stats(self) -> None:
+        self.stats = ServerStats()
+        self.engine.stats.__init__()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def run(config: Config, config_file: str | None = None) -> int:
+    """Run a node until it is asked to stop; returns the process exit code."""
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    server = Server(config, config_file)
+    try:
+        runner(server.serve())
+    except OSError as exc:
+        log.error("Could not start: %s", exc)
+        return 1
+    finally:
+        server.close()
+    return 0
