@@ -1,0 +1,78 @@
+"""One blocking connection to a store node: send a pipeline, read its replies.
+
+A round trip writes every request with `sendmsg` of the buffers laid out by
+`resp.pack` (large values go out from the caller's memory), then drives the
+sans-I/O `ReplyReader` once per request, answering each memoryview it yields
+with one `recv_into`. The socket's timeout bounds every wait; a timeout or a
+socket error leaves the connection in an unknown state, so the pool closes it.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any, Sequence
+
+from client import resp
+from client.errors import ConnectionError
+from client.sockets import Endpoint, check_handshake, handshake, is_stale, socket_errors, tune
+
+
+class Connection:
+    """A connected, authenticated socket and its receive buffer."""
+
+    def __init__(self, endpoint: Endpoint, timeout: float | None, password: str | None = None):
+        self.endpoint = endpoint
+        with socket_errors(f"connecting to {endpoint}"):
+            self._sock = _connect(endpoint, timeout)
+        self._reader = resp.ReplyReader()
+        try:
+            check_handshake(self.round_trip(handshake(password)))
+        except BaseException:
+            self.close()
+            raise
+
+    def round_trip(self, requests: Sequence[Sequence[Any]],
+                   sinks: Sequence[resp.Sink] | None = None) -> list[Any]:
+        """Send all requests at once, then read one reply per request."""
+        if not requests:
+            return []
+        sinks = sinks or [None] * len(requests)
+        with socket_errors(f"request to {self.endpoint}"):
+            self._send(resp.pack(requests))
+            return [self._drive(self._reader.read(sink)) for sink in sinks]
+
+    def is_stale(self) -> bool:
+        return self._reader.buffered > 0 or is_stale(self._sock)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _send(self, buffers: list) -> None:
+        while buffers:
+            sent = self._sock.sendmsg(buffers[:resp.IOV_MAX])
+            buffers = resp.drop_sent(buffers, sent)
+
+    def _drive(self, parse: resp.Receive) -> Any:
+        try:
+            view = next(parse)
+            while True:
+                received = self._sock.recv_into(view)
+                if not received:
+                    raise ConnectionError(f"{self.endpoint} closed the connection")
+                view = parse.send(received)
+        except StopIteration as done:
+            return done.value
+
+
+def _connect(endpoint: Endpoint, timeout: float | None) -> socket.socket:
+    if not endpoint.unix_socket:
+        sock = socket.create_connection((endpoint.host, endpoint.port), timeout)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(endpoint.unix_socket)
+        except BaseException:
+            sock.close()
+            raise
+    tune(sock)
+    return sock

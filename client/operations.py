@@ -1,0 +1,168 @@
+"""What each SDK method sends, and how its replies become the method's result.
+
+Every public method of `KVClient` and `AsyncKVClient` is a one-line call into
+this module, which returns a `Call`: the commands of one round trip (a batch
+is one pipelined round trip), the sink for each reply (where a bulk value is
+received), whether the call may be retried on a new connection, and the
+function that turns the replies into the result. The clients only execute
+Calls, the sync one with a blocking pool and the async one with an asyncio
+pool, so the command logic exists once.
+
+This is also the seam for other transports: a shared-memory path can take a
+`get_into` or `put` before it becomes a wire Call, and fall back to it.
+
+Retrying is safe for reads and for overwriting puts. A put-once (`NX`) put
+and DEL are not retried once sent: had the first attempt landed, the retry
+would report "existed" or "0 deleted" for work that the first attempt did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from client import resp
+from client.buffers import Key, writable_view
+from client.errors import BufferTooSmall, KVError, ProtocolError
+from client.hashing import BlockHasher
+from proto import wire
+
+Value = Any        # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
+Items = Mapping[Key, Value] | Iterable[tuple[Key, Value]]
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a cached block lives: its tier ("gpu", "dram" or "ssd") and its size in bytes."""
+
+    tier: str
+    size: int
+
+
+@dataclass
+class Call:
+    """One round trip: pipelined requests, a sink per reply, and how replies become the result."""
+
+    requests: list[tuple]
+    finish: Callable[[list[Any]], Any]
+    sinks: list[resp.Sink] | None = None
+    idempotent: bool = True
+
+
+def put(key: Key, value: Value, parent: Key | None, overwrite: bool) -> Call:
+    return Call([_put_args(key, value, parent, overwrite)], lambda replies: bool(_only(replies)),
+                idempotent=overwrite)
+
+
+def batch_put(items: Items, parents: Sequence[Key | None] | None, overwrite: bool) -> Call:
+    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+    links = [None] * len(pairs) if parents is None else list(parents)
+    if len(links) != len(pairs):
+        raise ValueError(f"{len(pairs)} items but {len(links)} parents")
+    requests = [_put_args(k, v, p, overwrite) for (k, v), p in zip(pairs, links)]
+    return Call(requests, lambda replies: [bool(r) for r in _checked(replies)], idempotent=overwrite)
+
+
+def get(key: Key) -> Call:
+    return Call([("GET", key)], _only)
+
+
+def batch_get(keys: Sequence[Key]) -> Call:
+    return Call([("GET", k) for k in keys], _checked)
+
+
+def get_into(key: Key, buffer: Any) -> Call:
+    return batch_get_into([key], [buffer], finish=_only)
+
+
+def batch_get_into(keys: Sequence[Key], buffers: Sequence[Any],
+                   finish: Callable[[list[Any]], Any] | None = None) -> Call:
+    if len(keys) != len(buffers):
+        raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+    sinks = [_into(k, writable_view(b)) for k, b in zip(keys, buffers)]
+    return Call([("GET", k) for k in keys], finish or _checked, sinks)
+
+
+def exists(keys: Sequence[Key]) -> Call:
+    return _counting("EXISTS", keys, idempotent=True)
+
+
+def delete(keys: Sequence[Key]) -> Call:
+    return _counting("DEL", keys, idempotent=False)
+
+
+def match_prefix(keys: Sequence[Key]) -> Call:
+    return _counting(wire.KV_MATCH, keys, idempotent=True)
+
+
+def match_tokens(hasher: BlockHasher, token_ids: Any) -> Call:
+    call = match_prefix(hasher.keys(token_ids))
+    count_blocks = call.finish
+    call.finish = lambda replies: count_blocks(replies) * hasher.block_tokens
+    return call
+
+
+def locate(keys: Sequence[Key]) -> Call:
+    if not keys:
+        return Call([], lambda replies: [])
+    return Call([(wire.KV_LOCATE, *keys)], lambda replies: [_location(e) for e in _only(replies)])
+
+
+def stats() -> Call:
+    return Call([(wire.KV_STATS,)], lambda replies: _stats(_only(replies)))
+
+
+def ping() -> Call:
+    return Call([("PING",)], lambda replies: _only(replies) == "PONG")
+
+
+def execute(args: Sequence[Any]) -> Call:
+    """Any command, its reply returned as parsed (errors raised)."""
+    return Call([tuple(args)], _only, idempotent=False)
+
+
+def _put_args(key: Key, value: Value, parent: Key | None, overwrite: bool) -> tuple:
+    args: tuple = (wire.KV_PUT, key, value)
+    if parent is not None:
+        args += ("PARENT", parent)
+    if not overwrite:
+        args += ("NX",)
+    return args
+
+
+def _counting(command: str, keys: Sequence[Key], idempotent: bool) -> Call:
+    if not keys:
+        return Call([], lambda replies: 0)
+    return Call([(command, *keys)], _only, idempotent=idempotent)
+
+
+def _into(key: Key, view: memoryview) -> resp.Sink:
+    return resp.into(view, lambda size: BufferTooSmall(key, size, view.nbytes))
+
+
+def _checked(replies: list[Any]) -> list[Any]:
+    """The replies, after raising the first error among them."""
+    for reply in replies:
+        if isinstance(reply, KVError):
+            raise reply
+    return replies
+
+
+def _only(replies: list[Any]) -> Any:
+    return _checked(replies)[0]
+
+
+def _location(entry: Any) -> Location | None:
+    if entry is None:
+        return None
+    try:
+        tier, size = entry
+        return Location(bytes(tier).decode(), int(size))
+    except (TypeError, ValueError):
+        raise ProtocolError(f"unexpected KV.LOCATE entry {entry!r}") from None
+
+
+def _stats(reply: Any) -> dict[str, int]:
+    if not isinstance(reply, list) or len(reply) % 2:
+        raise ProtocolError(f"unexpected KV.STATS reply {reply!r}")
+    return {bytes(name).decode(): value for name, value in zip(reply[::2], reply[1::2])}
+

@@ -1,0 +1,72 @@
+"""Where a connection goes and what both connection kinds do to their sockets.
+
+A connection is a plain socket (TCP or Unix) and a `ReplyReader`. The sync
+and async connections differ only in how they wait; the endpoint, the socket
+options, the handshake and the check for a dead idle connection live here.
+
+The staleness check is what lets a server restart go unnoticed: an idle
+pooled connection has nothing to read, so if poll() says it is readable the
+peer closed it (or sent something unasked) and the pool replaces it before a
+request is written on it. That matters most for puts, which are not retried
+once sent.
+"""
+from __future__ import annotations
+
+import builtins
+import select
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from client.errors import AuthenticationError, ConnectionError, KVError, ResponseError, TimeoutError
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A server address: a Unix socket path when given, else host and TCP port."""
+
+    host: str
+    port: int
+    unix_socket: str | None = None
+
+    def __str__(self) -> str:
+        return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}"
+
+
+def tune(sock: socket.socket) -> None:
+    """Socket options for request/reply traffic: no Nagle delay on small commands."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def is_stale(sock: socket.socket) -> bool:
+    """True when an idle connection is readable: closed by the peer, or out of step."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
+
+
+def handshake(password: str | None) -> list[tuple[str, ...]]:
+    """The commands a fresh connection sends before any request."""
+    return [("AUTH", password)] if password is not None else []
+
+
+def check_handshake(replies: list[Any]) -> None:
+    """Raise when the server refused the handshake."""
+    for reply in replies:
+        if isinstance(reply, ResponseError):
+            raise AuthenticationError(reply.message)
+
+
+@contextmanager
+def socket_errors(doing: str) -> Iterator[None]:
+    """Turn the socket layer's exceptions into the SDK's, naming what was being done."""
+    try:
+        yield
+    except KVError:
+        raise
+    except builtins.TimeoutError as exc:
+        raise TimeoutError(f"{doing}: no answer in time") from exc
+    except OSError as exc:
+        raise ConnectionError(f"{doing}: {exc}") from exc
