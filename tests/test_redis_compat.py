@@ -200,10 +200,11 @@ Step = Union[tuple, bytes, float, Pipelined]
 TTL_TOLERANCE = {b"TTL": 1, b"PTTL": 1500}
 
 
-def run_steps(daemon: Daemon, steps: list[Step]) -> list[tuple[bytes, bytes]]:
-    """(request, raw reply) for each step, on a fresh connection to an empty keyspace."""
+def run_steps(daemon: Daemon, steps: list[Step], flush: bool = True) -> list[tuple[bytes, bytes]]:
+    """(request, raw reply) for each step, on a fresh connection (to an empty keyspace)."""
     with RespConnection(daemon) as conn:
-        assert conn.call("FLUSHALL") == b"+OK\r\n"
+        if flush:
+            assert conn.call("FLUSHALL") == b"+OK\r\n"
         transcript = []
         for step in steps:
             if isinstance(step, float):
@@ -429,6 +430,50 @@ def target(request, kv) -> Daemon:
     with RespConnection(daemon) as conn:
         conn.call("FLUSHALL")
     return daemon
+
+
+PASSWORD = "pw"
+AUTH_STEPS: list[Step] = [
+    ("GET", "k"), ("PING",), ("SELECT", "0"), ("CLIENT", "SETNAME", "x"), ("FOO", "a"), ("GET",),
+    ("HELLO", "3"), ("HELLO", "3", "AUTH", "default", "wrong"), ("AUTH", "wrong"),
+    ("AUTH", "default", "wrong"), ("AUTH", "nouser", PASSWORD), ("AUTH",), ("AUTH", "a", "b", "c"),
+    ("GET", "k"), b"AUTH wrong\r\n", ("AUTH", PASSWORD), ("SET", "k", "v"), ("GET", "k"),
+    ("AUTH", "default", PASSWORD), ("AUTH", "wrong"), ("GET", "k"), ("DEL", "k"),
+]
+
+
+@pytest.fixture(scope="module")
+def kv_with_password(tmp_path_factory) -> Daemon:
+    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-auth"), password=PASSWORD)
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture
+def redis_with_password(redis_server) -> Daemon:
+    with RespConnection(redis_server) as conn:
+        assert conn.call("CONFIG", "SET", "requirepass", PASSWORD) == b"+OK\r\n"
+    redis_server.password = PASSWORD
+    return redis_server
+
+
+@pytest.fixture(params=["redis", "kvstore"])
+def target_with_password(request) -> Daemon:
+    name = "redis_with_password" if request.param == "redis" else "kv_with_password"
+    return request.getfixturevalue(name)
+
+
+def test_auth_replies_match_redis(redis_with_password, kv_with_password):
+    expected = run_steps(redis_with_password, AUTH_STEPS, flush=False)
+    assert run_steps(kv_with_password, AUTH_STEPS, flush=False) == expected
+
+
+def test_hello_auth_authenticates(target_with_password):
+    with RespConnection(target_with_password) as conn:
+        reply = conn.call("HELLO", "3", "AUTH", "default", PASSWORD, "SETNAME", "authed")
+        assert dict(decode(reply))[b"proto"] == 3
+        assert conn.call("CLIENT", "GETNAME") == b"$6\r\nauthed\r\n"
+        assert conn.call("GET", "missing") == b"_\r\n"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
