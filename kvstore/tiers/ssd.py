@@ -269,20 +269,24 @@ class SSDTier:
             raise TierError(f"SSD tier at {self.path} is closed")
 
     def close(self) -> None:
-        """Flush memtables (a restart then replays no WAL) and release the directory."""
+        """Flush memtables (a restart then replays no WAL) and release the directory.
+
+        The directory is released even when the flush fails (a full disk);
+        the error is raised afterwards, and the WAL still holds the writes.
+        """
         with self._lock:
             if self._db is None:
                 return
             db, self._db = self._db, None
-            for family in (self._meta, self._values):
-                family.close()
-            self._meta = self._values = self._meta_cf = self._value_cf = None
-            try:
-                db.flush()
-            except Exception as exc:
-                raise _describe_failure(self.path, "flush", exc) from exc
-            finally:
-                db.close()
+            self._meta = self._values = self._meta_cf = self._value_cf = None  # each holds the DB open
+            errors = []
+            for step in (db.flush, db.close):
+                try:
+                    step()
+                except Exception as exc:  # RocksDB status text
+                    errors.append(exc)
+            if errors:
+                raise _describe_failure(self.path, "close", errors[0]) from errors[0]
 
 
 class SSDWorker:
@@ -390,6 +394,8 @@ def _describe_failure(path: str, action: str, exc: Exception) -> TierError:
         cause = "the directory is locked by another process using it as an SSD tier"
     elif "no space left" in lowered:
         cause = "the disk is full"
+    elif "file too large" in lowered:
+        cause = "a file reached the file size limit"
     elif "read-only file system" in lowered or "permission denied" in lowered:
         cause = "the directory is not writable"
     elif "not a directory" in lowered or "no such file" in lowered:

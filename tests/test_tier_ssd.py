@@ -1,0 +1,454 @@
+"""Tests for the SSD tier (kvstore/tiers/ssd.py) on a real RocksDB in tmp_path.
+
+Fault tests start real Python processes: a writer killed with SIGKILL in the
+middle of heavy writes, a second process holding the directory's lock, and
+(where the kernel lets us make a private mount namespace) a read-only and a
+full filesystem.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rocksdict import Options, Rdict
+
+from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
+from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier, SSDWorker
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def value_for(index: int, size: int = 64 * 1024) -> bytes:
+    """Deterministic, incompressible value number ``index``."""
+    return np.random.default_rng(index).bytes(size)
+
+
+def bf16_noise(n_values: int) -> bytes:
+    floats = np.random.default_rng(7).standard_normal(n_values).astype(np.float32)
+    return (floats.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def run_python(code: str, *args: str, prefix: list[str] | None = None,
+               timeout: float = 60) -> subprocess.CompletedProcess:
+    command = (prefix or []) + [sys.executable, "-c", textwrap.dedent(code), *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    opened = SSDTier.open(str(tmp_path / "ssd"), GIB)
+    yield opened
+    opened.close()
+
+
+def test_put_get_round_trip_and_accounting(tier):
+    value = value_for(1)
+    stored = tier.put(b"k1", value, parent=b"k0")
+    assert stored > len(value)                       # raw payload plus header
+    assert tier.get(b"k1") == value
+    assert tier.contains(b"k1") and not tier.contains(b"k2")
+    assert tier.get(b"k2") is None
+    assert (tier.count, tier.used_bytes) == (1, stored)
+
+    buffer = bytearray(len(value) + 10)
+    assert tier.get_into(b"k1", buffer) == len(value)
+    assert buffer[:len(value)] == value
+    assert tier.get_into(b"k2", buffer) is None
+
+    assert tier.delete(b"k1") and not tier.delete(b"k1")
+    assert (tier.count, tier.used_bytes) == (0, 0)
+    assert tier.get(b"k1") is None
+
+
+def test_overwrite_replaces_value_and_size(tier):
+    tier.put(b"k", value_for(1, 1000))
+    stored = tier.put(b"k", value_for(2, 3000))
+    assert tier.get(b"k") == value_for(2, 3000)
+    assert (tier.count, tier.used_bytes) == (1, stored)
+
+
+def test_put_accepts_any_buffer(tier):
+    source = bytearray(value_for(3, 5000))
+    tier.put(b"mv", memoryview(source)[100:4100])
+    tier.put(b"np", np.frombuffer(source, dtype=np.uint16))
+    assert tier.get(b"mv") == bytes(source[100:4100])
+    assert tier.get(b"np") == bytes(source)
+
+
+def test_put_batch_stores_all_and_last_duplicate_wins(tier):
+    sizes = tier.put_batch([(b"a", b"1" * 100, None), (b"b", b"2" * 200, b"a"), (b"a", b"3" * 300, None)])
+    assert len(sizes) == 3
+    assert tier.get(b"a") == b"3" * 300 and tier.get(b"b") == b"2" * 200
+    assert tier.count == 2
+    assert tier.used_bytes == sizes[1] + sizes[2]
+
+
+def test_bf16_values_are_shuffled_and_compressed(tmp_path):
+    value = bf16_noise(1 << 19)
+    with_shuffle = SSDTier.open(str(tmp_path / "a"), GIB)
+    without = SSDTier.open(str(tmp_path / "b"), GIB, compression="off")
+    try:
+        assert with_shuffle.put(b"k", value) < 0.95 * len(value)
+        assert without.put(b"k", value) > len(value)
+        assert with_shuffle.compression_ratio > 1.05
+        assert with_shuffle.get(b"k") == without.get(b"k") == value
+    finally:
+        with_shuffle.close()
+        without.close()
+
+
+def test_values_survive_a_clean_restart(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    stored = {i: tier.put(b"key%d" % i, value_for(i), parent=b"key%d" % (i - 1) if i else None)
+              for i in range(50)}
+    tier.delete(b"key7")
+    used = tier.used_bytes
+    tier.close()
+
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert (tier.count, tier.used_bytes) == (49, used)
+        records = {r.key: r for r in tier.scan_index()}
+        assert b"key7" not in records and len(records) == 49
+        assert records[b"key3"] == IndexRecord(b"key3", stored[3], 64 * 1024, b"key2")
+        assert records[b"key0"].parent is None
+        assert all(tier.get(b"key%d" % i) == value_for(i) for i in range(50) if i != 7)
+    finally:
+        tier.close()
+
+
+def flip_byte(path: str, family: str, key: bytes, position: int) -> None:
+    """Damage one stored byte through RocksDB itself, as silent corruption would."""
+    families = {META_CF: Options(raw_mode=True), VALUE_CF: Options(raw_mode=True)}
+    db = Rdict(path, Options(raw_mode=True), column_families=families)
+    column = db.get_column_family(family)
+    damaged = bytearray(column[key])
+    damaged[position] ^= 0x40
+    column[key] = bytes(damaged)
+    column.close()
+    del column
+    db.close()
+
+
+def test_corrupted_payload_is_reported_once_and_dropped(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    tier.put(b"good", value_for(1))
+    tier.put(b"bad", value_for(2))
+    tier.close()
+    flip_byte(path, VALUE_CF, b"bad", 12345)
+
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert tier.count == 2
+        with pytest.raises(CorruptValue, match="bad"):
+            tier.get(b"bad")
+        assert tier.checksum_failures == 1
+        assert not tier.contains(b"bad")
+        assert tier.get(b"bad") is None
+        assert tier.count == 1 and [r.key for r in tier.scan_index()] == [b"good"]
+        assert tier.get(b"good") == value_for(1)
+    finally:
+        tier.close()
+
+
+def test_corrupted_compressed_payload_is_caught_by_get_into(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    tier.put(b"text", b"compressible text " * 10_000)
+    tier.close()
+    flip_byte(path, VALUE_CF, b"text", 100)
+
+    tier = SSDTier.open(path, GIB)
+    try:
+        with pytest.raises(CorruptValue):
+            tier.get_into(b"text", bytearray(200_000))
+        assert tier.count == 0 and tier.used_bytes == 0
+    finally:
+        tier.close()
+
+
+def test_corrupted_header_is_dropped_at_open(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    tier.put(b"a", b"x" * 100)
+    tier.put(b"b", b"y" * 100)
+    tier.close()
+    flip_byte(path, META_CF, b"a", 0)   # the magic
+
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert tier.checksum_failures == 1
+        assert [r.key for r in tier.scan_index()] == [b"b"]
+        assert tier.get(b"a") is None and tier.count == 1
+    finally:
+        tier.close()
+
+
+WRITER = """
+    import sys
+    import numpy as np
+    from kvstore.tiers.ssd import SSDTier
+    tier = SSDTier.open(sys.argv[1], 1 << 34)
+    with open(sys.argv[2], "w") as acks:
+        i = 0
+        while True:
+            size = 16 * 1024 * (1 + i % 16)
+            tier.put(b"key%d" % i, np.random.default_rng(i).bytes(size))
+            acks.write("%d\\n" % i)
+            acks.flush()
+            i += 1
+"""
+
+
+def test_kill_9_during_heavy_writes_keeps_only_whole_values(tmp_path):
+    path, acks = str(tmp_path / "ssd"), tmp_path / "acks"
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), path, str(acks)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while (not acks.exists() or acks.stat().st_size < 2000) and time.monotonic() < deadline:
+            assert writer.poll() is None, "writer died before it was killed"
+            time.sleep(0.05)
+        os.kill(writer.pid, signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait()
+    acknowledged = {int(line) for line in acks.read_text().split("\n")[:-1]}
+    assert len(acknowledged) > 200
+
+    tier = SSDTier.open(path, 1 << 34)
+    try:
+        records = list(tier.scan_index())
+        found = {int(r.key[3:]) for r in records}
+        assert acknowledged <= found                 # every acknowledged put survived
+        for record in records:
+            index = int(record.key[3:])
+            expected = np.random.default_rng(index).bytes(16 * 1024 * (1 + index % 16))
+            assert record.value_size == len(expected)
+            assert tier.get(record.key) == expected  # whole and verified
+        assert tier.checksum_failures == 0
+    finally:
+        tier.close()
+
+
+HOLDER = """
+    import sys
+    from kvstore.tiers.ssd import SSDTier
+    tier = SSDTier.open(sys.argv[1], 1 << 30)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    tier.close()
+"""
+
+
+def test_directory_locked_by_another_process(tmp_path):
+    path = str(tmp_path / "ssd")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), path], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(TierError, match="locked by another process"):
+            SSDTier.open(path, GIB)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    SSDTier.open(path, GIB).close()       # free again once the holder is gone
+
+
+def test_second_open_in_the_same_process_is_refused(tier):
+    with pytest.raises(TierError, match="locked"):
+        SSDTier.open(tier.path, GIB)
+
+
+def test_path_that_cannot_be_a_directory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TierError, match="cannot be created"):
+        SSDTier.open(str(blocker / "ssd"), GIB)
+
+
+def private_mount_prefix(mount: str) -> list[str]:
+    """`unshare` in a private mount namespace running ``mount`` first, or skip."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare(1) is not installed")
+    probe = subprocess.run([unshare, "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"cannot make a private mount namespace here: {probe.stderr.strip()}")
+    return [unshare, "-m", "sh", "-c", mount + ' && exec "$0" "$@"']
+
+
+OPEN_AND_REPORT = """
+    import sys
+    from kvstore.tiers import TierError
+    from kvstore.tiers.ssd import SSDTier
+    try:
+        SSDTier.open(sys.argv[1], 1 << 30).close()
+        print("opened")
+    except TierError as exc:
+        print("TierError:", exc)
+"""
+
+
+def test_read_only_directory(tmp_path):
+    readonly = tmp_path / "ro"
+    SSDTier.open(str(readonly / "ssd"), GIB).close()     # an existing tier, then remounted read-only
+    prefix = private_mount_prefix(f"mount --bind {readonly} {readonly} && mount -o remount,ro,bind {readonly}")
+    result = run_python(OPEN_AND_REPORT, str(readonly / "ssd"), prefix=prefix)
+    assert "TierError:" in result.stdout, result.stderr
+    assert "not writable" in result.stdout, result.stdout
+
+
+FILL_DISK = """
+    import sys
+    import numpy as np
+    from kvstore.tiers import TierError
+    from kvstore.tiers.ssd import SSDTier
+    tier = SSDTier.open(sys.argv[1], 1 << 30, compression="off")
+    written = 0
+    try:
+        while True:
+            tier.put(b"k%d" % written, np.random.default_rng(written).bytes(256 * 1024))
+            written += 1
+    except TierError as exc:
+        print("TierError:", exc)
+    used, count = tier.used_bytes, tier.count
+    intact = all(tier.get(b"k%d" % i) == np.random.default_rng(i).bytes(256 * 1024) for i in range(written))
+    print("written", written, "count", count, "accounted", used == sum(
+        r.stored_size for r in tier.scan_index()), "intact", intact)
+    try:
+        tier.close()
+    except TierError as exc:
+        print("close:", exc)
+"""
+
+
+def fill_disk_prefix(tmp_path: Path) -> list[str]:
+    """A 4 MiB tmpfs over the directory, or a 4 MiB file-size limit where mounts are refused."""
+    mountpoint = tmp_path / "small"
+    mountpoint.mkdir()
+    try:
+        return private_mount_prefix(f"mount -t tmpfs -o size=4m tmpfs {mountpoint}")
+    except pytest.skip.Exception:
+        limit = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                 "resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))")
+        return [sys.executable, "-c", limit + "; import os, sys; os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+def test_full_disk_is_a_clear_error_and_earlier_values_stay_readable(tmp_path):
+    prefix = fill_disk_prefix(tmp_path)
+    result = run_python(FILL_DISK, str(tmp_path / "small" / "ssd"), prefix=prefix)
+    assert "TierError:" in result.stdout, result.stderr
+    assert "disk is full" in result.stdout or "file size limit" in result.stdout, result.stdout
+    written = int(result.stdout.split("written ")[1].split()[0])
+    assert written >= 1
+    assert f"count {written} accounted True intact True" in result.stdout
+
+
+def test_value_larger_than_the_tier_is_refused(tmp_path):
+    tier = SSDTier.open(str(tmp_path / "ssd"), 1 << 20)
+    try:
+        with pytest.raises(ValueTooLarge, match="larger than the SSD tier's capacity"):
+            tier.put(b"huge", value_for(1, 2 << 20))
+        tier.put(b"a", value_for(2, 600_000))
+        with pytest.raises(TierFull, match="free"):
+            tier.put(b"b", value_for(3, 600_000))
+        assert tier.count == 1 and not tier.contains(b"b") and not tier.contains(b"huge")
+        tier.put(b"a", value_for(3, 900_000))        # overwriting frees the old size first
+        assert tier.get(b"a") == value_for(3, 900_000)
+    finally:
+        tier.close()
+
+
+def test_closed_tier_refuses_calls(tmp_path):
+    tier = SSDTier.open(str(tmp_path / "ssd"), GIB)
+    tier.close()
+    tier.close()
+    with pytest.raises(TierError, match="closed"):
+        tier.get(b"k")
+
+
+def test_bad_arguments_to_open(tmp_path):
+    with pytest.raises(ValueError):
+        SSDTier.open(str(tmp_path / "a"), GIB, compression="zstd")
+    with pytest.raises(ValueError):
+        SSDTier.open(str(tmp_path / "b"), 0)
+
+
+def test_concurrent_overwrites_never_look_corrupt(tier):
+    """Readers racing writers of the same keys see one whole value or the other."""
+    versions = [value_for(v, 32 * 1024) for v in range(4)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def write() -> None:
+        for round_ in range(150):
+            tier.put(b"k%d" % (round_ % 3), versions[round_ % 4])
+        stop.set()
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                for key in (b"k0", b"k1", b"k2"):
+                    value = tier.get(key)
+                    assert value is None or value in versions
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert tier.checksum_failures == 0 and tier.count == 3
+
+
+def test_worker_batches_puts_and_reads_off_the_loop(tier):
+    async def scenario() -> None:
+        worker = SSDWorker(tier)
+        try:
+            sizes = await asyncio.gather(*(worker.put(b"w%d" % i, value_for(i, 8192)) for i in range(64)))
+            assert len(sizes) == 64 and all(size > 8192 for size in sizes)
+            values = await asyncio.gather(*(worker.submit(tier.get, b"w%d" % i) for i in range(64)))
+            assert values == [value_for(i, 8192) for i in range(64)]
+            assert await worker.submit(tier.delete, b"w0")
+        finally:
+            worker.close()
+
+    asyncio.run(scenario())
+    assert tier.count == 63
+
+
+def test_worker_gives_each_put_its_own_error(tmp_path):
+    tier = SSDTier.open(str(tmp_path / "ssd"), 1 << 20)
+
+    async def scenario() -> list:
+        worker = SSDWorker(tier)
+        try:
+            puts = [worker.put(b"small%d" % i, b"s" * 1000) for i in range(5)]
+            puts.insert(2, worker.put(b"huge", value_for(1, 2 << 20)))
+            return await asyncio.gather(*puts, return_exceptions=True)
+        finally:
+            worker.close()
+
+    try:
+        results = asyncio.run(scenario())
+        assert isinstance(results[2], ValueTooLarge)
+        assert all(isinstance(r, int) for i, r in enumerate(results) if i != 2)
+        assert tier.count == 5
+    finally:
+        tier.close()
