@@ -1,0 +1,376 @@
+"""Integration tests for client/sync_client.py (KVClient) against real processes.
+
+They start the real kvstore daemon: one per module, emptied before each test
+and reached over TCP and its Unix socket, plus daemons of their own (through
+`start_kvstore`) for a password and for a restart mid-session. Small loopback
+listeners of their own stand for the failures a daemon does not produce on
+demand: a server that never answers, one that drops a connection in the
+middle of a request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import pytest
+from conftest import Daemon, free_port, start_kvstore, wait_ready
+
+from client import (AuthenticationError, BlockHasher, BufferTooSmall, ConnectionError, KVClient,
+                    KVError, Location, Namespace, ResponseError, TimeoutError)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory) -> Iterator[Daemon]:
+    """One kvstore daemon for the tests of this module that do not stop or reconfigure it."""
+    running = start_kvstore(tmp_path_factory.mktemp("kvstore"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def server(daemon) -> Daemon:
+    """The module's daemon, emptied (FLUSHALL) before each test."""
+    with KVClient(daemon.host, daemon.port) as kv:
+        kv.execute("FLUSHALL")
+    return daemon
+
+
+@pytest.fixture(params=["tcp", "unix"])
+def client(request, server) -> Iterator[KVClient]:
+    via_socket = {"unix_socket": server.unix_socket} if request.param == "unix" else {}
+    with KVClient(server.host, server.port, **via_socket) as kv:
+        yield kv
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+# --- helpers shared with test_client_async.py -------------------------------------
+
+def restart(daemon: Daemon) -> Daemon:
+    """Stop the daemon and start a fresh one with the same flags (same port, same socket)."""
+    daemon.stop()
+    with open(daemon.log_path, "ab") as log:
+        proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
+    fresh = dataclasses.replace(daemon, proc=proc)
+    try:
+        wait_ready(fresh.host, fresh.port, proc)
+    except Exception:
+        fresh.stop()
+        raise
+    return fresh
+
+
+@contextmanager
+def silent_listener() -> Iterator[int]:
+    """A TCP port whose listener accepts connections (in the kernel backlog) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
+
+
+@contextmanager
+def dropping_server(reply: bytes) -> Iterator[int]:
+    """A TCP port whose first connection is closed after its first request arrives;
+    every later connection answers each request it receives with `reply`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        first = True
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                while conn.recv(65536):
+                    if first:
+                        break
+                    conn.sendall(reply)
+            first = False
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+
+
+# --- every method ----------------------------------------------------------------
+
+def test_ping(client):
+    assert client.ping() is True
+
+
+def test_missing_key_is_not_an_error(client):
+    assert client.get("absent") is None
+    assert client.get_into("absent", bytearray(8)) is None
+    assert client.batch_get(["absent", "also-absent"]) == [None, None]
+
+
+def test_put_is_put_once_unless_overwrite(client):
+    assert client.put("k", b"first") is True
+    assert client.put("k", b"second") is False
+    assert client.get("k") == b"first"
+    assert client.put("k", b"third", overwrite=True) is True
+    assert client.get("k") == b"third"
+
+
+def test_put_accepts_any_bytes_like_value(client):
+    array = np.arange(1000, dtype=np.float16).reshape(10, 100)
+    client.put("array", array)
+    client.put("view", memoryview(b"abcdef")[2:])
+    client.put("bytearray", bytearray(b"xyz"))
+    client.put("text", "héllo")
+    assert client.get("array") == array.tobytes()
+    assert client.get("view") == b"cdef"
+    assert client.get("bytearray") == b"xyz"
+    assert client.get("text") == "héllo".encode()
+
+
+def test_large_value_round_trip(client):
+    value = payload(3 * MiB + 7)
+    assert client.put("big", value) is True
+    got = client.get("big")
+    assert isinstance(got, bytearray) and got == value
+
+
+def test_put_with_parent_records_a_chain(client):
+    assert client.put("root", b"r") is True
+    assert client.put("child", b"c", parent="root") is True
+    assert client.match_prefix(["root", "child"]) == 2
+
+
+def test_get_into_numpy_array(client):
+    value = payload(2 * MiB, seed=1)
+    client.put("k", value)
+    target = np.zeros(2 * MiB // 4, dtype=np.float32)
+    assert client.get_into("k", target) == 2 * MiB
+    assert target.tobytes() == value
+
+
+def test_get_into_bytearray_leaves_the_rest_untouched(client):
+    client.put("k", b"hello")
+    target = bytearray(b"#" * 12)
+    assert client.get_into("k", target) == 5
+    assert target == b"hello#######"
+
+
+def test_get_into_memoryview_slice(client):
+    client.put("k", payload(100_000, seed=2))
+    backing = bytearray(300_000)
+    assert client.get_into("k", memoryview(backing)[100_000:]) == 100_000
+    assert backing[100_000:200_000] == payload(100_000, seed=2)
+    assert backing[:100_000] == bytes(100_000)
+
+
+def test_get_into_rejects_read_only_and_strided_buffers(client):
+    with pytest.raises(TypeError):
+        client.get_into("k", b"immutable")
+    with pytest.raises(TypeError):
+        client.get_into("k", np.zeros((8, 8))[:, ::2])
+
+
+@pytest.mark.parametrize("size", [10, 3 * MiB])
+def test_buffer_too_small_keeps_the_connection(server, size):
+    with KVClient(server.host, server.port, pool_size=1) as kv:
+        kv.put("k", payload(size, seed=3))
+        conn_id = kv.execute("CLIENT", "ID")
+        target = bytearray(b"#" * (size - 1))
+        with pytest.raises(BufferTooSmall) as raised:
+            kv.get_into("k", target)
+        assert (raised.value.size, raised.value.capacity) == (size, size - 1)
+        assert target == b"#" * (size - 1)
+        assert kv.get("k") == payload(size, seed=3)
+        assert kv.execute("CLIENT", "ID") == conn_id
+
+
+def test_exists_and_delete(client):
+    client.batch_put({"a": b"1", "b": b"2"})
+    assert client.exists("a", "b", "c") == 2
+    assert client.exists() == 0
+    assert client.delete("a", "c") == 1
+    assert client.exists("a", "b") == 1
+    assert client.delete() == 0
+
+
+def test_batch_put_and_batch_get(client):
+    items = [(f"block-{i}", payload(1000 + i, seed=i)) for i in range(50)]
+    parents = [None] + [key for key, _ in items[:-1]]
+    assert client.batch_put(items, parents=parents) == [True] * 50
+    assert client.batch_put(items[:2] + [("fresh", b"f")]) == [False, False, True]
+    assert client.batch_put({"fresh": b"g"}, overwrite=True) == [True]
+    got = client.batch_get([key for key, _ in items] + ["missing", "fresh"])
+    assert got == [value for _, value in items] + [None, b"g"]
+    assert client.match_prefix([key for key, _ in items]) == 50
+
+
+def test_batch_put_checks_parents_length(client):
+    with pytest.raises(ValueError):
+        client.batch_put([("a", b"1"), ("b", b"2")], parents=[None])
+
+
+def test_batch_get_into_rows_of_one_array(client):
+    blocks = np.random.default_rng(4).integers(0, 2**16, (64, 32 * 1024), dtype=np.uint16)
+    keys = [f"row-{i}" for i in range(len(blocks))]
+    client.batch_put(zip(keys, blocks))
+    into = np.zeros_like(blocks)
+    assert client.batch_get_into(keys + ["missing"], [*into, bytearray(4)]) == [blocks[0].nbytes] * 64 + [None]
+    assert np.array_equal(into, blocks)
+
+
+def test_batch_get_into_too_small_reads_every_reply(server):
+    with KVClient(server.host, server.port, pool_size=1) as kv:
+        kv.batch_put({"a": b"aaaa", "b": payload(MiB), "c": b"cc"})
+        buffers = [bytearray(4), bytearray(10), bytearray(2)]
+        with pytest.raises(BufferTooSmall) as raised:
+            kv.batch_get_into(["a", "b", "c"], buffers)
+        assert raised.value.key == "b"
+        assert buffers == [b"aaaa", bytes(10), b"cc"]
+        assert kv.batch_get(["c", "a"]) == [b"cc", b"aaaa"]
+
+
+def test_match_prefix_counts_leading_keys(client):
+    keys = [f"chain-{i}" for i in range(256)]
+    client.batch_put([(k, b"v") for k in keys[:100]])
+    client.put(keys[150], b"v")
+    assert client.match_prefix(keys) == 100
+    assert client.match_prefix(keys[1:]) == 99
+    assert client.match_prefix(["nope", *keys]) == 0
+    assert client.match_prefix([]) == 0
+
+
+def test_match_tokens_counts_whole_cached_blocks(client):
+    hasher = BlockHasher(Namespace("tiny-llama", dtype="float16"), 16, prefix="tiny:")
+    prompt = np.arange(16 * 6 + 5)
+    keys = hasher.keys(prompt)
+    client.batch_put([(k, b"kv") for k in keys[:4]], parents=[None, *keys[:3]])
+    assert client.match_tokens(hasher, prompt) == 4 * 16
+    assert client.match_tokens(hasher, prompt[:40]) == 2 * 16
+    assert client.match_tokens(hasher, prompt[:15]) == 0
+    other_tenant = BlockHasher(Namespace("tiny-llama", dtype="float16", salt="t2"), 16, prefix="tiny:")
+    assert client.match_tokens(other_tenant, prompt) == 0
+
+
+def test_locate(client):
+    client.put("here", payload(4096))
+    assert client.locate(["here", "gone"]) == [Location("dram", 4096), None]
+    assert client.locate([]) == []
+
+
+def test_stats_counts_hits_and_misses(client):
+    before = client.stats()
+    assert {"hits", "misses", "keys", "evictions", "bytes_gpu", "bytes_dram", "bytes_ssd"} <= set(before)
+    client.put("s", b"12345")
+    client.get("s")
+    client.get("not-there")
+    after = client.stats()
+    assert after["hits"] == before["hits"] + 1
+    assert after["misses"] == before["misses"] + 1
+    assert after["keys"] == before["keys"] + 1
+    assert after["bytes_dram"] >= before["bytes_dram"] + 5
+
+
+# --- errors and faults --------------------------------------------------------------
+
+def test_server_error_reply_is_raised_and_the_connection_survives(server):
+    with KVClient(server.host, server.port, pool_size=1) as kv:
+        conn_id = kv.execute("CLIENT", "ID")
+        with pytest.raises(ResponseError) as raised:
+            kv.execute("KV.MATCH")
+        assert raised.value.code == "ERR" and "wrong number of arguments" in raised.value.message
+        with pytest.raises(ResponseError):
+            kv.execute("NO.SUCH.COMMAND", "x")
+        assert kv.ping() and kv.execute("CLIENT", "ID") == conn_id
+
+
+@pytest.mark.parametrize("via", ["tcp", "unix"])
+def test_password(tmp_path, via):
+    daemon = start_kvstore(tmp_path, password="pw")
+    where = {"unix_socket": daemon.unix_socket} if via == "unix" else {}
+    try:
+        with KVClient(daemon.host, daemon.port, password="pw", **where) as kv:
+            assert kv.put("k", b"v") and kv.get("k") == b"v"
+        with KVClient(daemon.host, daemon.port, password="wrong", **where) as kv:
+            with pytest.raises(AuthenticationError):
+                kv.ping()
+        with KVClient(daemon.host, daemon.port, **where) as kv:
+            with pytest.raises(AuthenticationError):
+                kv.get("k")
+    finally:
+        daemon.stop()
+
+
+def test_server_restarted_mid_session(tmp_path):
+    daemon = start_kvstore(tmp_path)
+    try:
+        with KVClient(daemon.host, daemon.port) as kv:
+            assert kv.put("before", b"1")
+            daemon = restart(daemon)
+            assert kv.get("before") is None          # a fresh daemon, an empty cache
+            assert kv.put("after", b"2") is True     # the stale pooled connection was replaced
+            assert kv.batch_get(["after"]) == [b"2"]
+    finally:
+        daemon.stop()
+
+
+def test_idempotent_reads_retry_after_a_dropped_connection():
+    with dropping_server(b"$5\r\nhello\r\n") as port:
+        with KVClient(port=port, retries=2, timeout=5) as kv:
+            assert kv.get("k") == b"hello"
+
+
+def test_put_once_is_not_retried_after_it_was_sent():
+    with dropping_server(b":1\r\n") as port:
+        with KVClient(port=port, retries=2, timeout=5) as kv:
+            with pytest.raises(ConnectionError):
+                kv.put("k", b"v")
+            assert kv.put("k", b"v") is True
+
+
+def test_timeout_against_a_server_that_never_answers():
+    with silent_listener() as port:
+        with KVClient(port=port, timeout=0.2) as kv:
+            with pytest.raises(TimeoutError):
+                kv.ping()
+            with pytest.raises(TimeoutError):
+                kv.get_into("k", bytearray(10))
+
+
+def test_connection_refused_is_a_connection_error():
+    with KVClient(port=free_port(), retries=1) as kv:
+        with pytest.raises(ConnectionError) as raised:
+            kv.get("k")
+    assert isinstance(raised.value, KVError) and isinstance(raised.value, OSError)
+
+
+def test_closed_client_refuses_work(server):
+    kv = KVClient(server.host, server.port)
+    kv.ping()
+    kv.close()
+    with pytest.raises(KVError):
+        kv.ping()
+
+
+def test_threads_share_one_client(server):
+    with KVClient(server.host, server.port, pool_size=3) as kv:
+        def worker(n: int) -> bool:
+            key, value = f"thread-{n}", payload(20_000 + n, seed=n)
+            kv.put(key, value)
+            into = bytearray(len(value))
+            return kv.get(key) == value and kv.get_into(key, into) == len(value) and into == value
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(worker, range(64)))
+        assert kv.exists(*[f"thread-{n}" for n in range(64)]) == 64
