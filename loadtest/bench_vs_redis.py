@@ -23,6 +23,7 @@ are measured with that same client, and the ratio is what counts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -44,13 +45,14 @@ from loadtest.report import Row, Table, Target, machine_info
 KVSTORE, REDIS, MOONCAKE = "kvstore", "redis", "mooncake"
 KIB, MIB = 1 << 10, 1 << 20
 GB = 1e9
+WARMUP_ROUNDS = 3  # untimed round trips before a one-client loop: connection set-up and first-touch page faults
 
 
 @dataclass(frozen=True)
 class Settings:
     """How much work each figure gets; `quick()` is the smoke-run variant."""
 
-    repeats: int = 3
+    repeats: int = 5
     memory: str = "2gb"
     sizes: tuple[int, ...] = (64 * KIB, MIB, 4 * MIB)
     large_bytes: int = 1 << 30          # bytes one redis-benchmark run of large values moves, per test
@@ -163,6 +165,9 @@ def redispy_set_get(server: Server, size: int, iterations: int) -> list[float]:
     client = redis.Redis(host=server.host, port=server.port, socket_timeout=60)
     try:
         key = f"bench:redis-py:{size}"
+        for _ in range(WARMUP_ROUNDS):
+            client.set(key, value)
+            client.get(key)
         started = time.perf_counter()
         for _ in range(iterations):
             client.set(key, value)
@@ -184,11 +189,12 @@ class MooncakeClient:
     """A MooncakeDistributedStore client in this process that keeps no segment of its own, so every
     put and get crosses TCP to the holder process."""
 
-    def __init__(self, master_address: str, metadata_url: str) -> None:
+    def __init__(self, master_address: str, metadata_url: str, log_path: str) -> None:
         from mooncake.store import MooncakeDistributedStore
 
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", metadata_url, 0, 64 * MIB, "tcp", "", master_address)
+        with stderr_to(log_path):  # its setup logs a page to stderr whatever GLOG_* says
+            rc = self.store.setup("127.0.0.1", metadata_url, 0, 64 * MIB, "tcp", "", master_address)
         if rc != 0:
             raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
         self.generation = 0
@@ -197,6 +203,9 @@ class MooncakeClient:
         """GB/s of `iterations` puts of fresh keys (Mooncake objects are put once), then gets of them."""
         self.generation += 1
         value = os.urandom(size)
+        for n in range(WARMUP_ROUNDS):
+            self.store.put(f"warmup-{self.generation}-{n}", value)
+            self.store.get(f"warmup-{self.generation}-{n}")
         keys = [f"bench-{self.generation}-{i}" for i in range(iterations)]
         started = time.perf_counter()
         for key in keys:
@@ -217,14 +226,27 @@ class MooncakeClient:
         self.store.close()
 
 
+@contextlib.contextmanager
+def stderr_to(path: str):
+    """Send this process's file descriptor 2 (native libraries write there) to a file for a while."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as sink:
+            os.dup2(sink.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def connect_mooncake(group: ProcessGroup, settings: Settings) -> MooncakeClient | str:
     """A Mooncake client with a segment as large as the others' memory, or the one-line reason there is none."""
-    os.environ.setdefault("GLOG_minloglevel", "3")  # read when the library loads: keep its log off the table
     try:
         import mooncake.store  # noqa: F401  (fails fast when the wheel or libibverbs1 is missing)
 
         cluster = start_mooncake(group, parse_size(settings.memory))
-        return MooncakeClient(cluster.master_address, cluster.metadata_url)
+        return MooncakeClient(cluster.master_address, cluster.metadata_url, str(group.log_dir / "mooncake-client.log"))
     except (ImportError, OSError, RuntimeError) as exc:
         return one_line(exc, 200)
 
@@ -419,7 +441,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one run of each figure with less data (smoke run)")
     parser.add_argument("--only", action="append", choices=GROUPS, metavar="GROUP",
                         help=f"measure only this group ({', '.join(GROUPS)}); may be repeated")
-    parser.add_argument("--repeats", type=int, help="runs of each figure, servers alternating (default 3, quick 1)")
+    parser.add_argument("--repeats", type=int, help="runs of each figure, servers alternating (default 5, quick 1)")
     parser.add_argument("--memory", default="2gb", help="--dram-size of kvstore and maxmemory of Redis (default 2gb)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store column")
     parser.add_argument("--json", metavar="FILE", help="write every sample, median and ratio to FILE")

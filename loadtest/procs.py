@@ -201,14 +201,9 @@ def start_mooncake(group: ProcessGroup, segment_bytes: int, timeout: float = 30.
     _wait_for_port(HOST, http_port, master, timeout)
     holder_code = _MOONCAKE_HOLDER.format(host=HOST, metadata=cluster.metadata_url, segment=segment_bytes,
                                           master=cluster.master_address)
-    holder = group.start("mooncake-holder", [sys.executable, "-c", holder_code], env=mooncake_env())
+    holder = group.start("mooncake-holder", [sys.executable, "-c", holder_code])
     _wait_for_log(holder, "MOUNTED", timeout)
     return cluster
-
-
-def mooncake_env() -> dict[str, str]:
-    """Environment that keeps Mooncake's glog chatter to warnings and errors."""
-    return dict(os.environ, GLOG_minloglevel="1")
 
 
 def _wait_for_port(host: str, port: int, process: Process, timeout: float) -> None:
