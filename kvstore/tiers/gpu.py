@@ -1,0 +1,158 @@
+"""The GPU tier: one device arena carved into extents by the buddy allocator.
+
+Why one arena: ``cudaMalloc`` per value costs far more than the copy of a KV
+block and fragments device memory, so the tier allocates its whole size once
+at start-up and hands out extents with the same
+:class:`kvstore.allocator.BuddyAllocator` as the DRAM arena. The engine asks
+for an extent (``alloc``), copies in (``write``) and out (``read_into``), and
+gives it back (``free``).
+
+Why ``cupy.cuda.Memory`` and not ``cupy.empty``: ``cupy.empty`` draws from
+cupy's memory pool, whose underlying allocation may start before the array.
+A CUDA IPC handle names a whole allocation, so a peer process opening
+``ipc_handle()`` must find the arena at offset 0 of it; a direct allocation
+guarantees that.
+
+Copies run on a dedicated non-blocking stream and are synchronized before the
+call returns, so they can be issued from the engine's worker threads without
+queueing behind other work on the default stream, and the caller may reuse
+its host buffer at once. Host buffers are ordinary (pageable) memory; the
+driver stages them. ``device_view`` gives a cupy view of an extent for
+device-to-device copies into an inference engine's tensors.
+
+Without a usable GPU (cupy not installed, no driver, no device)
+``gpu_available()`` says why, without raising, and ``GPUTier.open`` raises
+:class:`TierError` with that reason: the daemon turns it into a startup error
+when the operator asked for the tier, and into one log line otherwise.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from kvstore.allocator import BuddyAllocator
+from kvstore.tiers import TierError
+
+
+def gpu_available() -> tuple[bool, str]:
+    """Whether a CUDA device is usable through cupy, and a one-line reason."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA install that breaks the import
+        return False, f"cupy is not importable ({exc})"
+    try:
+        if not cupy.is_available():
+            return False, "cupy finds no usable CUDA device (no GPU, or no driver)"
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: driver missing or too old
+        return False, f"CUDA runtime error: {exc}"
+    return True, f"{count} CUDA device(s)"
+
+
+class GPUTier:
+    """Extents of one device arena; copies to and from host buffers."""
+
+    def __init__(self, cupy, device_id: int, memory, stream, min_block: int):
+        self.device_id = device_id
+        self._cupy = cupy
+        self._memory = memory
+        self._stream = stream
+        self._arena = cupy.ndarray((memory.size,), dtype=cupy.uint8,
+                                   memptr=cupy.cuda.MemoryPointer(memory, 0))
+        self.allocator = BuddyAllocator(memory.size, min_block)
+        self._lock = threading.Lock()     # guards the allocator
+        self.count = 0
+
+    @classmethod
+    def open(cls, size: int, device: int = 0, *, min_block: int = 4096) -> GPUTier:
+        """Allocate a ``size``-byte arena on CUDA device ``device``; TierError says why not."""
+        usable, reason = gpu_available()
+        if not usable:
+            raise TierError(f"GPU tier unavailable: {reason}")
+        if size <= 0:
+            raise ValueError(f"GPU tier size must be positive, not {size}")
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device < count:
+            raise TierError(f"GPU tier: no CUDA device {device} (this machine has {count})")
+        try:
+            with cupy.cuda.Device(device):
+                memory = cupy.cuda.Memory(size)
+                stream = cupy.cuda.Stream(non_blocking=True)
+        except Exception as exc:  # CUDARuntimeError: out of memory, device busy, ...
+            raise TierError(f"GPU tier: cannot allocate {size} bytes on device {device}: {exc}") from exc
+        return cls(cupy, device, memory, stream, min_block)
+
+    # -- extents -------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used
+
+    def fits(self, size: int) -> bool:
+        return self.allocator.fits(size)
+
+    def alloc(self, size: int) -> int | None:
+        """Offset of a free extent of ``size`` bytes, or None when full."""
+        with self._lock:
+            offset = self.allocator.alloc(size)
+            if offset is not None:
+                self.count += 1
+            return offset
+
+    def free(self, offset: int, size: int) -> None:
+        with self._lock:
+            self.allocator.free(offset, size)
+            self.count -= 1
+
+    # -- copies --------------------------------------------------------------
+
+    def write(self, offset: int, host_buffer) -> int:
+        """Copy ``host_buffer`` into the arena at ``offset``; bytes copied."""
+        source = np.frombuffer(memoryview(host_buffer).cast("B"), dtype=np.uint8)
+        with self._on_device():
+            self.device_view(offset, len(source)).set(source, stream=self._stream)
+            self._stream.synchronize()
+        return len(source)
+
+    def read_into(self, offset: int, size: int, host_buffer) -> int:
+        """Copy ``size`` bytes at ``offset`` into ``host_buffer``; bytes copied."""
+        target = np.frombuffer(memoryview(host_buffer).cast("B"), dtype=np.uint8)
+        if len(target) < size:
+            raise ValueError(f"buffer of {len(target)} bytes cannot hold {size} bytes")
+        with self._on_device():
+            self.device_view(offset, size).get(stream=self._stream, out=target[:size])
+        return size
+
+    def _on_device(self):
+        """A fresh device context per call: a cupy Device keeps a per-object
+        stack of previous devices, so one shared across threads would race."""
+        return self._cupy.cuda.Device(self.device_id)
+
+    def device_view(self, offset: int, size: int):
+        """A cupy uint8 array over the extent, for device-to-device copies."""
+        if self._arena is None:
+            raise TierError("GPU tier is closed")
+        if offset < 0 or size < 0 or offset + size > self._memory.size:
+            raise ValueError(f"extent [{offset}, {offset + size}) is outside the "
+                             f"{self._memory.size}-byte arena")
+        return self._arena[offset:offset + size]
+
+    def ipc_handle(self) -> bytes:
+        """CUDA IPC handle of the arena; offsets in it equal the tier's offsets."""
+        if self._arena is None:
+            raise TierError("GPU tier is closed")
+        return bytes(self._cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr))
+
+    def close(self) -> None:
+        """Wait for pending copies and release the arena (views keep it alive)."""
+        if self._arena is None:
+            return
+        with self._on_device():
+            self._stream.synchronize()
+        self._arena = self._memory = self._stream = None
