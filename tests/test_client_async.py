@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import uvloop
 from conftest import Daemon, start_kvstore
-from test_client_sync import dropping_server, payload, restart, silent_listener
+from test_client_sync import payload, restart, scripted_server, silent_listener
 
 from client import (AsyncKVClient, AuthenticationError, BlockHasher, BufferTooSmall, ConnectionError,
                     KVClient, KVError, Location, Namespace, ResponseError, TimeoutError)
@@ -222,9 +222,9 @@ def test_reads_retry_and_put_once_does_not():
             else:
                 with pytest.raises(ConnectionError):
                     await kv.put("k", b"v")
-    with dropping_server(b"$5\r\nhello\r\n") as port:
+    with scripted_server(b"$5\r\nhello\r\n", drop_first=True) as port:
         run(scenario(port, "get"))
-    with dropping_server(b":1\r\n") as port:
+    with scripted_server(b":1\r\n", drop_first=True) as port:
         run(scenario(port, "put"))
 
 
@@ -246,3 +246,16 @@ def test_closed_client_refuses_work(server):
         with pytest.raises(KVError):
             await kv.ping()
     run(scenario())
+
+
+def test_replies_split_at_every_boundary_are_parsed():
+    big = payload(100_001, seed=10)
+    replies = b"$3\r\nabc\r\n$%d\r\n" % len(big) + big + b"\r\n"
+
+    async def scenario(port: int):
+        async with AsyncKVClient(port=port, pool_size=1) as kv:
+            into = bytearray(len(big))
+            assert await kv.batch_get_into(["a", "b"], [bytearray(3), into]) == [3, len(big)]
+            assert into == big
+    with scripted_server(replies, trickle=True) as port:
+        run(scenario(port))

@@ -10,9 +10,11 @@ middle of a request.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import socket
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator
@@ -22,7 +24,7 @@ import pytest
 from conftest import Daemon, free_port, start_kvstore, wait_ready
 
 from client import (AuthenticationError, BlockHasher, BufferTooSmall, ConnectionError, KVClient,
-                    KVError, Location, Namespace, ResponseError, TimeoutError)
+                    KVError, Location, Namespace, ProtocolError, ResponseError, TimeoutError)
 
 MiB = 1 << 20
 
@@ -80,31 +82,48 @@ def silent_listener() -> Iterator[int]:
 
 
 @contextmanager
-def dropping_server(reply: bytes) -> Iterator[int]:
-    """A TCP port whose first connection is closed after its first request arrives;
-    every later connection answers each request it receives with `reply`."""
+def scripted_server(reply: bytes, *, drop_first: bool = False, trickle: bool = False) -> Iterator[int]:
+    """A TCP port that answers every request it receives with the canned `reply`.
+
+    drop_first: the first connection is closed as soon as its first request arrives.
+    trickle: the reply goes out in pieces of varying size (1 byte to 64 KiB), so the
+    client sees it split at every kind of boundary (inside CRLFs, headers, bodies).
+    """
     listener = socket.create_server(("127.0.0.1", 0))
 
+    def answer(conn: socket.socket) -> None:
+        if not trickle:
+            conn.sendall(reply)
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        offset = 0
+        for size in itertools.cycle(TRICKLE_PIECES):
+            if offset >= len(reply):
+                return
+            conn.sendall(reply[offset:offset + size])
+            offset += size
+            time.sleep(0.0005)
+
     def serve() -> None:
-        first = True
+        drop = drop_first
         while True:
             try:
                 conn, _ = listener.accept()
             except OSError:
                 return
             with conn:
-                while conn.recv(65536):
-                    if first:
-                        break
-                    conn.sendall(reply)
-            first = False
+                while conn.recv(1 << 20) and not drop:
+                    answer(conn)
+            drop = False
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    threading.Thread(target=serve, daemon=True).start()
     try:
         yield listener.getsockname()[1]
     finally:
         listener.close()
+
+
+TRICKLE_PIECES = (1, 2, 3, 5, 8, 13, 4096, 1, 65536, 7)
 
 
 # --- every method ----------------------------------------------------------------
@@ -326,13 +345,13 @@ def test_server_restarted_mid_session(tmp_path):
 
 
 def test_idempotent_reads_retry_after_a_dropped_connection():
-    with dropping_server(b"$5\r\nhello\r\n") as port:
+    with scripted_server(b"$5\r\nhello\r\n", drop_first=True) as port:
         with KVClient(port=port, retries=2, timeout=5) as kv:
             assert kv.get("k") == b"hello"
 
 
 def test_put_once_is_not_retried_after_it_was_sent():
-    with dropping_server(b":1\r\n") as port:
+    with scripted_server(b":1\r\n", drop_first=True) as port:
         with KVClient(port=port, retries=2, timeout=5) as kv:
             with pytest.raises(ConnectionError):
                 kv.put("k", b"v")
@@ -374,3 +393,36 @@ def test_threads_share_one_client(server):
         with ThreadPoolExecutor(8) as pool:
             assert all(pool.map(worker, range(64)))
         assert kv.exists(*[f"thread-{n}" for n in range(64)]) == 64
+
+
+BIG = payload(200_003, seed=9)
+
+
+def test_replies_split_at_every_boundary_are_parsed():
+    replies = (b"$5\r\nhello\r\n$-1\r\n$%d\r\n" % len(BIG) + BIG + b"\r\n$0\r\n\r\n")
+    with scripted_server(replies, trickle=True) as port:
+        with KVClient(port=port, pool_size=1) as kv:
+            assert kv.batch_get(["a", "b", "c", "d"]) == [b"hello", None, BIG, b""]
+            buffers = [bytearray(5), bytearray(1), np.zeros(len(BIG), np.uint8), bytearray(0)]
+            assert kv.batch_get_into(["a", "b", "c", "d"], buffers) == [5, None, len(BIG), 0]
+            assert buffers[0] == b"hello" and buffers[2].tobytes() == BIG
+
+
+def test_nested_integer_and_error_replies_are_parsed():
+    locate = b"*3\r\n*2\r\n$4\r\ndram\r\n:123\r\n$-1\r\n*2\r\n$3\r\nssd\r\n:0\r\n"
+    with scripted_server(locate, trickle=True) as port:
+        with KVClient(port=port) as kv:
+            assert kv.locate(["a", "b", "c"]) == [Location("dram", 123), None, Location("ssd", 0)]
+    with scripted_server(b"-OOM command not allowed\r\n", trickle=True) as port:
+        with KVClient(port=port) as kv:
+            with pytest.raises(ResponseError) as raised:
+                kv.put("a", b"v")
+    assert raised.value.code == "OOM"
+
+
+@pytest.mark.parametrize("garbage", [b"?what\r\n", b"$abc\r\n", b"$3\r\nabcXY", b":12x\r\n"])
+def test_bytes_that_are_not_resp_raise_protocol_error(garbage):
+    with scripted_server(garbage) as port:
+        with KVClient(port=port, retries=0) as kv:
+            with pytest.raises(ProtocolError):
+                kv.get("k")
