@@ -18,8 +18,19 @@ same class serves the DRAM arena and the GPU tier's device arena.
 from __future__ import annotations
 
 
+QUICK_MAX_ORDER = 16      # blocks up to 64 KiB are recycled through quick lists
+QUICK_LIMIT = 4096        # most blocks one quick list holds
+
+
 class BuddyAllocator:
-    """Offsets into an arena of ``capacity`` bytes, in blocks of 2**k bytes."""
+    """Offsets into an arena of ``capacity`` bytes, in blocks of 2**k bytes.
+
+    Freed small blocks first go to a per-order quick list (a plain Python
+    list: pop and append cost tens of nanoseconds), as a slab allocator's
+    free list would; they are merged back into the buddy tree only when an
+    allocation could not be served otherwise. The caller passes the size on
+    ``free`` (it keeps it anyway), so no per-allocation record is kept here.
+    """
 
     def __init__(self, capacity: int, min_block: int = 64):
         if min_block & (min_block - 1):
@@ -28,7 +39,7 @@ class BuddyAllocator:
         self.capacity = capacity - capacity % min_block
         self.max_order = max(self.capacity.bit_length() - 1, self.min_order)
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
-        self._order_of: dict[int, int] = {}   # allocated offset -> order
+        self._quick: list[list[int]] = [[] for _ in range(min(QUICK_MAX_ORDER, self.max_order) + 1)]
         self.used = 0                          # bytes handed out, rounded up
         self.requested = 0                     # bytes asked for
         self._carve_top_blocks()
@@ -43,18 +54,34 @@ class BuddyAllocator:
             offset += 1 << order
 
     def order_for(self, size: int) -> int:
-        return max(self.min_order, (max(size, 1) - 1).bit_length())
+        order = (size - 1).bit_length() if size > 1 else 0
+        return order if order > self.min_order else self.min_order
 
-    def block_size(self, offset: int) -> int:
-        return 1 << self._order_of[offset]
+    def block_size(self, size: int) -> int:
+        """Bytes a value of ``size`` bytes occupies."""
+        return 1 << self.order_for(size)
 
     def fits(self, size: int) -> bool:
         """Whether a value of ``size`` bytes could ever be placed here."""
-        return self.order_for(size) <= self.max_order and (1 << self.order_for(size)) <= self.capacity
+        order = self.order_for(size)
+        return order <= self.max_order and (1 << order) <= self.capacity
 
     def alloc(self, size: int) -> int | None:
         """Offset of a free extent of at least ``size`` bytes, or None."""
         want = self.order_for(size)
+        if want < len(self._quick) and self._quick[want]:
+            offset = self._quick[want].pop()
+        else:
+            offset = self._split_from_tree(want)
+            if offset is None and self._drain_quick():
+                offset = self._split_from_tree(want)
+            if offset is None:
+                return None
+        self.used += 1 << want
+        self.requested += size
+        return offset
+
+    def _split_from_tree(self, want: int) -> int | None:
         order = want
         while order <= self.max_order and not self._free[order]:
             order += 1
@@ -64,16 +91,19 @@ class BuddyAllocator:
         while order > want:                    # split, keeping the low half
             order -= 1
             self._free[order].add(offset + (1 << order))
-        self._order_of[offset] = want
-        self.used += 1 << want
-        self.requested += size
         return offset
 
     def free(self, offset: int, size: int) -> None:
         """Return the extent at ``offset`` (``size`` as passed to alloc)."""
-        order = self._order_of.pop(offset)
+        order = self.order_for(size)
         self.used -= 1 << order
         self.requested -= size
+        if order < len(self._quick) and len(self._quick[order]) < QUICK_LIMIT:
+            self._quick[order].append(offset)
+        else:
+            self._merge_into_tree(offset, order)
+
+    def _merge_into_tree(self, offset: int, order: int) -> None:
         while order < self.max_order:
             buddy = offset ^ (1 << order)
             peers = self._free[order]
@@ -84,13 +114,24 @@ class BuddyAllocator:
             order += 1
         self._free[order].add(offset)
 
+    def _drain_quick(self) -> bool:
+        """Merge every quick-listed block back into the tree; True if there were any."""
+        drained = False
+        for order, blocks in enumerate(self._quick):
+            for offset in blocks:
+                self._merge_into_tree(offset, order)
+            drained = drained or bool(blocks)
+            blocks.clear()
+        return drained
+
     @property
     def free_bytes(self) -> int:
         return self.capacity - self.used
 
     def largest_free(self) -> int:
+        """The largest extent one allocation could get without eviction."""
         for order in range(self.max_order, -1, -1):
-            if self._free[order]:
+            if self._free[order] or (order < len(self._quick) and self._quick[order]):
                 return 1 << order
         return 0
 

@@ -146,11 +146,13 @@ class Connection:
         try:
             if cmd is None:
                 raise CommandError(_unknown_command(args))
+            if not cmd.arity_ok(len(args)):
+                raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
+            if cmd.subcommands and len(args) > 1:
+                cmd.check_subcommand(args)
             if not self.authenticated and "no-auth" not in cmd.flags:
                 self.wbuf += NOAUTH_ERROR
                 return
-            if not cmd.arity_ok(len(args)):
-                raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
             if failure is not None:
                 raise failure
             self.last_command = cmd.name

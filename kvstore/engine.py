@@ -21,9 +21,8 @@ from __future__ import annotations
 import random
 import sys
 import time
+from array import array
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvstore.allocator import BuddyAllocator
 from kvstore.arena import Arena
@@ -71,8 +70,8 @@ class Engine:
         self.expires: dict[bytes, int] = {}
         self.stats = EngineStats()
         self._keys: list[bytes | None] = []
-        self._offset = np.zeros(1024, dtype=np.int64)
-        self._size = np.zeros(1024, dtype=np.int64)
+        self._offset = array("q")
+        self._size = array("q")
         self._free_slots: list[int] = []
         self._leases: dict[int, int] = {}       # offset -> readers in flight
         self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
@@ -82,15 +81,15 @@ class Engine:
 
     def reserve(self, size: int) -> Extent:
         """An extent for a value of ``size`` bytes, evicting if the policy allows."""
-        if not self.allocator.fits(size):
-            self.stats.oom_rejections += 1
-            raise OutOfMemory(f"value of {size} bytes is larger than the DRAM tier")
-        block = 1 << self.allocator.order_for(size)
+        alloc = self.allocator
         while True:
-            if self.allocator.used + block <= self.limit:
-                offset = self.allocator.alloc(size)
+            if alloc.used + size <= self.limit:
+                offset = alloc.alloc(size)
                 if offset is not None:
                     return Extent(offset, size, self.arena.view[offset:offset + size])
+            if not alloc.fits(size) or size > self.limit:
+                self.stats.oom_rejections += 1
+                raise OutOfMemory(f"value of {size} bytes is larger than the DRAM tier")
             if self.policy == "noeviction" or not self._evict_one():
                 self.stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
@@ -119,9 +118,33 @@ class Engine:
     def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
         """Copy ``data`` (any buffer) into the arena under ``key``."""
         src = memoryview(data).cast("B")
-        extent = self.reserve(src.nbytes)
+        size = src.nbytes
+        slot = self.index.get(key)
+        if slot is not None and self._overwrite_in_place(slot, src, size, keep_ttl):
+            return
+        extent = self.reserve(size)
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
+
+    def _overwrite_in_place(self, slot: int, src: memoryview, size: int, keep_ttl: bool) -> bool:
+        """Reuse the old block when the new value needs a block of the same size.
+
+        The copy happens in one step on the loop thread, so no reader sees a
+        mix; a leased block (being sent) is never rewritten.
+        """
+        offset = self._offset[slot]
+        old = self._size[slot]
+        alloc = self.allocator
+        if offset in self._leases or alloc.order_for(size) != alloc.order_for(old):
+            return False
+        self.arena.view[offset:offset + size] = src
+        self._size[slot] = size
+        alloc.requested += size - old
+        self.value_bytes += size - old
+        if not keep_ttl and self.expires:
+            self.expires.pop(self._keys[slot], None)
+        self.eviction.touch(slot)
+        return True
 
     def delete(self, key: bytes) -> bool:
         slot = self.lookup(key)
@@ -160,15 +183,15 @@ class Engine:
         return self._keys[slot]
 
     def size_of(self, slot: int) -> int:
-        return int(self._size[slot])
+        return self._size[slot]
 
     def view(self, slot: int) -> memoryview:
-        offset = int(self._offset[slot])
-        return self.arena.view[offset:offset + int(self._size[slot])]
+        offset = self._offset[slot]
+        return self.arena.view[offset:offset + self._size[slot]]
 
     def value(self, slot: int) -> bytes:
-        offset = int(self._offset[slot])
-        return self.arena.array[offset:offset + int(self._size[slot])].tobytes()
+        offset = self._offset[slot]
+        return self.arena.view[offset:offset + self._size[slot]].tobytes()
 
     def match_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys are present: the longest cached prefix."""
@@ -185,7 +208,7 @@ class Engine:
 
     def lease(self, slot: int) -> int:
         """Keep the value of ``slot`` in place while it is sent; returns a token."""
-        offset = int(self._offset[slot])
+        offset = self._offset[slot]
         self._leases[offset] = self._leases.get(offset, 0) + 1
         self.eviction.pin(slot)
         return offset
@@ -198,7 +221,7 @@ class Engine:
             del self._leases[offset]
             if offset in self._doomed:
                 self.allocator.free(offset, self._doomed.pop(offset))
-        if self.index.get(key) == slot and int(self._offset[slot]) == offset:
+        if self.index.get(key) == slot and self._offset[slot] == offset:
             self.eviction.unpin(slot)
 
     # ----------------------------------------------------------- expiry
@@ -242,8 +265,7 @@ class Engine:
 
     def memory_usage(self, key: bytes, slot: int) -> int:
         """Bytes a key costs: its arena block plus its share of the index."""
-        offset = int(self._offset[slot])
-        return self.allocator.block_size(offset) + sys.getsizeof(key) + int(self.metadata_bytes_per_key())
+        return self.allocator.block_size(self._size[slot]) + sys.getsizeof(key) + int(self.metadata_bytes_per_key())
 
     def kv_stats(self) -> dict[str, int]:
         s = self.stats
@@ -272,9 +294,8 @@ class Engine:
             return slot
         slot = len(self._keys)
         self._keys.append(key)
-        if slot >= len(self._offset):
-            self._offset = np.concatenate([self._offset, np.zeros_like(self._offset)])
-            self._size = np.concatenate([self._size, np.zeros_like(self._size)])
+        self._offset.append(0)
+        self._size.append(0)
         return slot
 
     def _drop(self, slot: int, keep_ttl: bool = False) -> None:
@@ -282,7 +303,7 @@ class Engine:
         del self.index[key]
         if not keep_ttl:
             self.expires.pop(key, None)
-        offset, size = int(self._offset[slot]), int(self._size[slot])
+        offset, size = self._offset[slot], self._size[slot]
         if offset in self._leases:
             self._doomed[offset] = size
         else:

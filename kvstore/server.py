@@ -8,6 +8,7 @@ client and removes the Unix socket file.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -151,8 +152,10 @@ class Server:
             limit = parse_size(value)
             self.engine.limit = min(limit, self.config.dram_size) if limit else self.config.dram_size
             return
-        self.config.set(name, value or None if name == "requirepass" else value)
-        self.config.validate()
+        updated = dataclasses.replace(self.config)
+        updated.set(name, value or None if name == "requirepass" else value)
+        updated.validate()
+        self.config = updated
         self.engine.policy = self.config.maxmemory_policy
         for conn in self.clients.values():
             conn.reader.max_bulk_len = self.config.proto_max_bulk_len

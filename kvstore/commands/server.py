@@ -16,6 +16,8 @@ from kvstore.protocol import writer
 
 COMPAT_VERSION = "7.0.0"
 READ_ONLY_SETTINGS = ("bind", "port", "unixsocket", "dram-size")
+REDIS_POLICIES_TEXT = ("argument(s) must be one of the following: volatile-lru, volatile-lfu, volatile-random, "
+                       "volatile-ttl, allkeys-lru, allkeys-lfu, allkeys-random, noeviction")
 
 
 @command("PING", -1, "fast", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
@@ -81,7 +83,7 @@ def hello(conn, args):
             raise CommandError(f"Syntax error in HELLO option '{args[i].decode(errors='replace')}'")
     if not conn.authenticated:
         raise CommandError("HELLO must be called with the client already authenticated, otherwise the "
-                           "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client "
+                           "HELLO AUTH <user> <pass> option can be used to authenticate the client "
                            "and select the RESP protocol version at the same time", "NOAUTH")
     if name is not None:
         conn.set_name(name)
@@ -94,45 +96,44 @@ def hello(conn, args):
 
 
 @command("CLIENT", -2, "noscript loading stale", "connection", "A container for client connection commands.",
-         keys=(0, 0, 0), subcommands={"setname": "Sets the connection name.", "getname": "Returns the name of the connection.",
-                                      "id": "Returns the unique client ID of the connection.",
-                                      "list": "Lists open connections.", "info": "Returns information about the connection.",
-                                      "setinfo": "Sets information specific to the client or connection."})
+         keys=(0, 0, 0), subcommands={"setname": (3, "Sets the connection name."),
+                                      "getname": (2, "Returns the name of the connection."),
+                                      "id": (2, "Returns the unique client ID of the connection."),
+                                      "list": (-2, "Lists open connections."),
+                                      "info": (2, "Returns information about the connection."),
+                                      "setinfo": (4, "Sets information specific to the client or connection.")})
 def client(conn, args):
     sub = args[1].lower()
-    n = len(args)
-    if sub == b"setname" and n == 3:
+    if sub == b"setname":
         conn.set_name(args[2])
         return writer.OK
-    if sub == b"getname" and n == 2:
+    if sub == b"getname":
         return conn.enc.null if not conn.name else writer.bulk(conn.name)
-    if sub == b"id" and n == 2:
+    if sub == b"id":
         return writer.integer(conn.id)
-    if sub == b"list" and n == 2:
+    if sub == b"list":
+        if len(args) > 2:
+            raise CommandError(SYNTAX)
         return conn.enc.verbatim("".join(c.describe() + "\n" for c in conn.server.clients.values()))
-    if sub == b"info" and n == 2:
+    if sub == b"info":
         return conn.enc.verbatim(conn.describe() + "\n")
-    if sub == b"setinfo" and n == 4:
-        return conn.set_lib_info(args[2], args[3])
-    raise CommandError(f"unknown subcommand or wrong number of arguments for '{args[1].decode(errors='replace')}'. "
-                       "Try CLIENT HELP.")
+    return conn.set_lib_info(args[2], args[3])
 
 
 @command("CONFIG", -2, "admin noscript loading stale", "server", "A container for server configuration commands.",
-         keys=(0, 0, 0), subcommands={"get": "Returns the effective values of configuration parameters.",
-                                      "set": "Sets configuration parameters in-flight.",
-                                      "resetstat": "Resets the server's statistics."})
+         keys=(0, 0, 0), subcommands={"get": (-3, "Returns the effective values of configuration parameters."),
+                                      "set": (-4, "Sets configuration parameters in-flight."),
+                                      "resetstat": (2, "Resets the server's statistics.")})
 def config(conn, args):
     sub = args[1].lower()
-    if sub == b"get" and len(args) >= 3:
+    if sub == b"get":
         return _config_get(conn, args[2:])
-    if sub == b"set" and len(args) >= 4 and len(args) % 2 == 0:
+    if sub == b"set":
+        if len(args) % 2:
+            raise CommandError("wrong number of arguments for 'config|set' command")
         return _config_set(conn, args[2:])
-    if sub == b"resetstat" and len(args) == 2:
-        conn.server.reset_stats()
-        return writer.OK
-    raise CommandError(f"unknown subcommand or wrong number of arguments for '{args[1].decode(errors='replace')}'. "
-                       "Try CONFIG HELP.")
+    conn.server.reset_stats()
+    return writer.OK
 
 
 def _config_get(conn, patterns: list[bytes]) -> bytes:
@@ -153,6 +154,10 @@ def _config_set(conn, pairs: list[bytes]) -> bytes:
         except ConfigError as e:
             if str(e).startswith("unknown setting"):
                 raise CommandError(f"Unknown option or number of arguments for CONFIG SET - '{name}'") from None
+            if name == "maxmemory-policy":
+                e = REDIS_POLICIES_TEXT
+            elif str(e).startswith("invalid size"):
+                e = "argument must be a memory value"
             raise CommandError(f"CONFIG SET failed (possibly related to argument '{name}') - {e}") from None
     return writer.OK
 
@@ -178,48 +183,42 @@ def _command_docs(conn, cmd) -> bytes:
     if cmd.subcommands:
         subs = [(b(f"{cmd.name}|{name}"), conn.enc.map([(b("summary"), b(text)), (b("since"), b("1.0.0")),
                                                           (b("group"), b(cmd.group))]))
-                for name, text in cmd.subcommands.items()]
+                for name, (_, text) in cmd.subcommands.items()]
         fields.append((b("subcommands"), conn.enc.map(subs)))
     return conn.enc.map(fields)
 
 
 @command("COMMAND", -1, "loading stale", "server", "Returns detailed information about all commands.",
-         keys=(0, 0, 0), subcommands={"count": "Returns a count of commands.",
-                                      "docs": "Returns documentary information about one, multiple or all commands.",
-                                      "info": "Returns information about one, multiple or all commands.",
-                                      "list": "Returns a list of command names."})
+         keys=(0, 0, 0), subcommands={"count": (2, "Returns a count of commands."),
+                                      "docs": (-2, "Returns documentary information about one, multiple or all commands."),
+                                      "info": (-2, "Returns information about one, multiple or all commands."),
+                                      "list": (-2, "Returns a list of command names.")})
 def command_(conn, args):
     commands = sorted(all_commands(), key=lambda c: c.name)
     if len(args) == 1:
         return writer.array([_command_info(c) for c in commands])
     sub = args[1].lower()
-    if sub == b"count" and len(args) == 2:
+    if sub == b"count":
         return writer.integer(len(commands))
-    if sub == b"list" and len(args) == 2:
+    if sub == b"list":
         return writer.bulk_array([c.name for c in commands])
+    wanted = [lookup(a) for a in args[2:]] if len(args) > 2 else commands
     if sub == b"info":
-        wanted = [lookup(a) for a in args[2:]] if len(args) > 2 else commands
-        return writer.array([conn.enc.null_array if c is None else _command_info(c) for c in wanted])
-    if sub == b"docs":
-        wanted = [lookup(a) for a in args[2:]] if len(args) > 2 else commands
-        return conn.enc.map([(writer.bulk(c.name), _command_docs(conn, c)) for c in wanted if c is not None])
-    raise CommandError(f"unknown subcommand '{args[1].decode(errors='replace')}'. Try COMMAND HELP.")
+        return writer.array([conn.enc.null if c is None else _command_info(c) for c in wanted])
+    return conn.enc.map([(writer.bulk(c.name), _command_docs(conn, c)) for c in wanted if c is not None])
 
 
 @command("MEMORY", -2, "readonly", "server", "A container for memory diagnostics commands.",
-         keys=(0, 0, 0), subcommands={"usage": "Estimates the memory usage of a key."})
+         keys=(0, 0, 0), subcommands={"usage": (-3, "Estimates the memory usage of a key.")})
 def memory(conn, args):
-    if args[1].lower() == b"usage" and len(args) in (3, 5):
-        if len(args) == 5:
-            if args[3].upper() != b"SAMPLES":
-                raise CommandError(SYNTAX)
-            parse_int(args[4])
-        slot = conn.engine.lookup(args[2])
-        if slot is None:
-            return conn.enc.null
-        return writer.integer(conn.engine.memory_usage(args[2], slot))
-    raise CommandError(f"unknown subcommand or wrong number of arguments for '{args[1].decode(errors='replace')}'. "
-                       "Try MEMORY HELP.")
+    if len(args) not in (3, 5) or (len(args) == 5 and args[3].upper() != b"SAMPLES"):
+        raise CommandError(SYNTAX)
+    if len(args) == 5:
+        parse_int(args[4])
+    slot = conn.engine.lookup(args[2])
+    if slot is None:
+        return conn.enc.null
+    return writer.integer(conn.engine.memory_usage(args[2], slot))
 
 
 @command("QUIT", -1, "noscript loading stale fast no-auth", "connection", "Closes the connection.", keys=(0, 0, 0))

@@ -23,22 +23,24 @@ def store(conn, key: bytes, value, parent: bytes | None = None, keep_ttl: bool =
 
 def _set_options(args: list) -> tuple[str | None, bool, int | None, bool]:
     """Parse SET's options: (condition, get, deadline_ms, keep_ttl)."""
-    cond, get, deadline, keep_ttl, i = None, False, None, False, 3
+    # As Redis: an option may repeat, but not meet its opposite (NX/XX, EX/PX...).
+    cond, get, unit, amount, keep_ttl, i = None, False, None, None, False, 3
     while i < len(args):
         opt = args[i].upper()
-        if opt in (b"NX", b"XX") and cond is None:
+        if opt in (b"NX", b"XX") and cond in (None, opt.decode()):
             cond = opt.decode()
-        elif opt == b"GET" and not get:
+        elif opt == b"GET":
             get = True
-        elif opt == b"KEEPTTL" and deadline is None and not keep_ttl:
+        elif opt == b"KEEPTTL" and unit is None:
             keep_ttl = True
-        elif opt in (b"EX", b"PX", b"EXAT", b"PXAT") and deadline is None and not keep_ttl \
+        elif opt in (b"EX", b"PX", b"EXAT", b"PXAT") and unit in (None, opt) and not keep_ttl \
                 and i + 1 < len(args):
+            unit, amount = opt, args[i + 1]
             i += 1
-            deadline = _deadline(opt, parse_int(args[i]), "set")
         else:
             raise CommandError(SYNTAX)
         i += 1
+    deadline = None if unit is None else _deadline(unit, parse_int(amount), "set")
     return cond, get, deadline, keep_ttl
 
 
@@ -46,7 +48,12 @@ def _deadline(unit: bytes, amount: int, cmd: str) -> int:
     if amount <= 0 or (unit in (b"EX", b"EXAT") and amount > MAX_EXPIRE_MS):
         raise CommandError(f"invalid expire time in '{cmd}' command")
     ms = amount * 1000 if unit in (b"EX", b"EXAT") else amount
-    return ms if unit in (b"EXAT", b"PXAT") else now_ms() + ms
+    if unit in (b"EXAT", b"PXAT"):
+        return ms
+    now = now_ms()
+    if ms > 2**63 - 1 - now:
+        raise CommandError(f"invalid expire time in '{cmd}' command")
+    return now + ms
 
 
 @command("SET", -3, "write denyoom", "string", "Sets the string value of a key, ignoring its type.",

@@ -39,10 +39,20 @@ class Command:
     last_key: int = 1
     step: int = 1
     value_args: Callable[[int], bool] | None = None   # argument index -> carries a value?
-    subcommands: dict[str, str] = field(default_factory=dict)
+    subcommands: dict[str, tuple[int, str]] = field(default_factory=dict)   # name -> (arity, summary)
 
     def arity_ok(self, argc: int) -> bool:
         return argc == self.arity if self.arity > 0 else argc >= -self.arity
+
+    def check_subcommand(self, args: list) -> None:
+        """Redis 7's checks for container commands (CLIENT, CONFIG, ...)."""
+        sub = args[1].lower().decode(errors="replace")
+        if sub not in self.subcommands:
+            raise CommandError(f"unknown subcommand '{args[1][:128].decode(errors='replace')}'. "
+                               f"Try {self.name.upper()} HELP.")
+        arity = self.subcommands[sub][0]
+        if not (len(args) == arity if arity > 0 else len(args) >= -arity):
+            raise CommandError(f"wrong number of arguments for '{self.name}|{sub}' command")
 
 
 TABLE: dict[bytes, Command] = {}
@@ -76,7 +86,8 @@ def all_commands() -> list[Command]:
 
 def parse_int(arg: bytes, message: str = WRONG_TYPE_INT) -> int:
     """An integer argument, strictly as Redis's string2ll reads it."""
-    if arg.isdigit() or (arg[:1] == b"-" and arg[1:].isdigit()):
+    digits = arg[1:] if arg[:1] == b"-" else arg
+    if digits.isdigit() and (digits[0] != 48 or len(digits) == 1) and arg != b"-0":
         value = int(arg)
         if -2**63 <= value < 2**63:
             return value

@@ -41,11 +41,19 @@ def _plain_alloc(args: list, size: int) -> tuple[memoryview, Any]:
 
 
 def _int(buf: bytearray, start: int, stop: int) -> int | None:
-    """Redis's string2ll: optional '-', digits only, no spaces or '+'."""
-    text = buf[start:stop]
-    if text.isdigit() or (text[:1] == b"-" and text[1:].isdigit()):
+    """Redis's string2ll: optional '-', digits only, no spaces, '+' or leading zeros."""
+    text = bytes(buf[start:stop])
+    digits = text[1:] if text[:1] == b"-" else text
+    if digits.isdigit() and (digits[0] != 48 or len(digits) == 1) and text != b"-0":
         return int(text)
     return None
+
+
+_ESCAPES = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"a": b"\a"}
+
+
+def _is_hex(text: bytes) -> bool:
+    return len(text) == 2 and all(c in b"0123456789abcdefABCDEF" for c in text)
 
 
 def split_inline(line: bytes) -> list[bytes]:
@@ -67,9 +75,13 @@ def split_inline(line: bytes) -> list[bytes]:
                 break
             c = line[i:i + 1]
             if quote:
-                if c == b"\\" and quote == b'"' and i + 1 < n:
+                if c == b"\\" and quote == b'"' and line[i + 1:i + 2] == b"x" \
+                        and _is_hex(line[i + 2:i + 4]):
+                    cur.append(int(line[i + 2:i + 4], 16))
+                    i += 3
+                elif c == b"\\" and quote == b'"' and i + 1 < n:
                     i += 1
-                    cur += {b"n": b"\n", b"r": b"\r", b"t": b"\t"}.get(line[i:i + 1], line[i:i + 1])
+                    cur += _ESCAPES.get(line[i:i + 1], line[i:i + 1])
                 elif c == quote:
                     if i + 1 < n and not line[i + 1:i + 2].isspace():
                         raise ProtocolError("unbalanced quotes in request")
@@ -214,43 +226,55 @@ class RequestReader:
         return True
 
     def _read_bulks(self, buf: bytearray) -> bool:
-        """Read arguments into ``self.args``; True once all have arrived."""
-        args = self.args
-        while self.want:
-            if self.skip:
-                take = min(self.skip, self.end - self.start)
-                self.start += take
-                self.skip -= take
+        """Read arguments into ``self.args``; True once all have arrived.
+
+        This loop runs once per argument of every command: locals only, and
+        the position is written back to ``self.start`` only when leaving.
+        """
+        args, mv, find, end = self.args, self.mv, buf.find, self.end
+        pos, want = self.start, self.want
+        try:
+            while want:
                 if self.skip:
+                    take = min(self.skip, end - pos)
+                    pos += take
+                    self.skip -= take
+                    if self.skip:
+                        return False
+                if pos >= end:
                     return False
-            pos, end = self.start, self.end
-            if pos >= end:
-                return False
-            if buf[pos] != 36:                               # '$'
-                raise ProtocolError(f"expected '$', got '{chr(buf[pos])}'")
-            nl = buf.find(b"\r\n", pos, end)
-            if nl < 0:
-                if end - pos > INLINE_MAX:
-                    raise ProtocolError("too big bulk count string")
-                return False
-            size = _int(buf, pos + 1, nl)
-            if size is None or size < 0 or size > self.max_bulk_len:
-                raise ProtocolError("invalid bulk length")
-            if not self.authenticated and size > UNAUTH_BULK:
-                raise ProtocolError("unauthenticated bulk length")
-            body = nl + 2
-            if size >= BIG_BULK:
-                self.start = body
-                self._begin_big(size)
-                if self.big is not None or self.discarding:
+                if buf[pos] != 36:                           # '$'
+                    raise ProtocolError(f"expected '$', got '{chr(buf[pos])}'")
+                nl = find(b"\r\n", pos, end)
+                if nl < 0:
+                    if end - pos > INLINE_MAX:
+                        raise ProtocolError("too big bulk count string")
                     return False
-                continue
-            if body + size + 2 > end:
-                return False
-            args.append(self.mv[body:body + size].tobytes())
-            self.start = body + size + 2
-            self.want -= 1
-        return True
+                digits = buf[pos + 1:nl]
+                if not digits.isdigit() or (digits[0] == 48 and len(digits) > 1):
+                    raise ProtocolError("invalid bulk length")
+                size = int(digits)
+                if size > self.max_bulk_len:
+                    raise ProtocolError("invalid bulk length")
+                if size > UNAUTH_BULK and not self.authenticated:
+                    raise ProtocolError("unauthenticated bulk length")
+                body = nl + 2
+                if size >= BIG_BULK:
+                    self.start, self.want = body, want
+                    self._begin_big(size)
+                    pos, want = self.start, self.want
+                    if self.big is not None or self.discarding:
+                        return False
+                    continue
+                if body + size + 2 > end:
+                    return False
+                args.append(mv[body:body + size].tobytes())
+                pos = body + size + 2
+                want -= 1
+            return True
+        finally:
+            if self.big is None and not self.discarding:
+                self.start, self.want = pos, want
 
     def _begin_big(self, size: int) -> None:
         """Start receiving a big bulk into its own destination."""
