@@ -95,10 +95,10 @@ def match_prefix(keys: Sequence[Key]) -> Call:
 
 
 def match_tokens(hasher: BlockHasher, token_ids: Any) -> Call:
-    call = match_prefix(hasher.keys(token_ids))
-    count_blocks = call.finish
-    call.finish = lambda replies: count_blocks(replies) * hasher.block_tokens
-    return call
+    keys = hasher.keys(token_ids)
+    if not keys:
+        return Call([], lambda replies: 0)
+    return Call([(wire.KV_MATCH, *keys)], lambda replies: _only(replies) * hasher.block_tokens)
 
 
 def locate(keys: Sequence[Key]) -> Call:

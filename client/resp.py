@@ -37,6 +37,8 @@ CRLF = b"\r\n"
 INLINE_LIMIT = 16 * 1024        # arguments this long or longer are sent as their own buffer
 RECEIVE_BUFFER = 64 * 1024      # initial size of a connection's receive buffer
 DIRECT_MIN = 16 * 1024          # bulk bodies with this much left are received straight into place
+MIN_READ = 4096                 # make room before receiving into a smaller free tail
+MAX_LINE = 1 << 20              # longest header, status or error line accepted
 IOV_MAX = 1024                  # buffers per sendmsg call (Linux's UIO_MAXIOV)
 
 SIMPLE, ERROR, INTEGER, BULK, ARRAY = b"+-:$*"
@@ -183,6 +185,8 @@ class ReplyReader:
                 line = self._buf[self._start:end]
                 self._start = end + 2
                 return line
+            if self._end - self._start > MAX_LINE:
+                raise ProtocolError(f"no line end in {MAX_LINE} bytes")
             yield from self._fill()
 
     def _bulk(self, size: int, sink: Sink) -> Receive:
@@ -228,8 +232,8 @@ class ReplyReader:
         pending = self._end - self._start
         if pending == 0:
             self._start = self._end = 0
-        elif self._end == len(self._buf):
-            if self._start == 0:
+        elif len(self._buf) - self._end < MIN_READ:
+            if self._start < MIN_READ:
                 self._grow()
             else:
                 self._view[:pending] = self._view[self._start:self._end]

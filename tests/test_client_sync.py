@@ -9,6 +9,7 @@ middle of a request.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import socket
@@ -16,7 +17,6 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Iterator
 
 import numpy as np
@@ -72,7 +72,7 @@ def restart(daemon: Daemon) -> Daemon:
     return fresh
 
 
-@contextmanager
+@contextlib.contextmanager
 def silent_listener() -> Iterator[int]:
     """A TCP port whose listener accepts connections (in the kernel backlog) and never answers."""
     with socket.socket() as listener:
@@ -81,7 +81,7 @@ def silent_listener() -> Iterator[int]:
         yield listener.getsockname()[1]
 
 
-@contextmanager
+@contextlib.contextmanager
 def scripted_server(reply: bytes, *, drop_first: bool = False, trickle: bool = False) -> Iterator[int]:
     """A TCP port that answers every request it receives with the canned `reply`.
 
@@ -111,7 +111,7 @@ def scripted_server(reply: bytes, *, drop_first: bool = False, trickle: bool = F
                 conn, _ = listener.accept()
             except OSError:
                 return
-            with conn:
+            with conn, contextlib.suppress(OSError):     # the client may hang up mid-reply
                 while conn.recv(1 << 20) and not drop:
                     answer(conn)
             drop = False
@@ -418,9 +418,16 @@ def test_nested_integer_and_error_replies_are_parsed():
             with pytest.raises(ResponseError) as raised:
                 kv.put("a", b"v")
     assert raised.value.code == "OOM"
+    long_error = b"-ERR " + b"x" * 200_000 + b"\r\n"       # longer than the receive buffer
+    with scripted_server(long_error, trickle=True) as port:
+        with KVClient(port=port) as kv:
+            with pytest.raises(ResponseError) as raised:
+                kv.get("a")
+    assert raised.value.message == "ERR " + "x" * 200_000
 
 
-@pytest.mark.parametrize("garbage", [b"?what\r\n", b"$abc\r\n", b"$3\r\nabcXY", b":12x\r\n"])
+@pytest.mark.parametrize("garbage", [b"?what\r\n", b"$abc\r\n", b"$3\r\nabcXY", b":12x\r\n",
+                                     b"+" + b"x" * (2 << 20)])
 def test_bytes_that_are_not_resp_raise_protocol_error(garbage):
     with scripted_server(garbage) as port:
         with KVClient(port=port, retries=0) as kv:
