@@ -1,0 +1,185 @@
+"""The conductor's state in live mode: registered instances, their reported load, the store.
+
+The same `Policy` and `Admission` objects as the simulator decide; this
+module only supplies what they look at. Prefill queue time and decode batch
+come from the instances' own `ReportLoad` pushes; between two pushes the
+conductor adds the work it has just placed, so a burst of requests does not
+all land on the instance that reported last. Which prefix blocks each prefill
+node holds is the conductor's record of what it sent there (kept with the
+same `NodeCache` as the simulator); the longest prefix held by the shared
+store comes from `KV.MATCH`, and where those blocks sit from `KV.LOCATE`.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from client import BlockHasher, KVClient
+from conductor.admission import REJECT_TTFT, Admission
+from conductor.cache import BlockDirectory, NodeCache
+from conductor.costmodel import CostModel
+from conductor.decode import DecodeView
+from conductor.policy import FROM_POOL, Candidates, DecodeLoad, Placement, Policy
+
+PREFILL, DECODE = "prefill", "decode"
+OUTPUT_PRIOR_TOKENS = 512
+
+
+class Rejected(Exception):
+    """The request cannot meet its SLO; ``reason`` is REJECT_TTFT or REJECT_DECODE."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+class ReportedDecode(DecodeView):
+    """A live decode instance, known by its last report plus what was sent since."""
+
+    def __init__(self, cost: CostModel):
+        super().__init__(cost)
+        self.reported = DecodeLoad(0, 0.0)
+        self.pending_tokens = 0
+        self.pending = 0
+
+    def load(self) -> DecodeLoad:
+        return self.reported
+
+    def committed_load(self) -> DecodeLoad:
+        return DecodeLoad(self.reported.batch + self.pending,
+                          self.reported.kv_tokens + self.pending_tokens)
+
+    def predicted_load(self, at_s: float, output_estimate: float) -> DecodeLoad:
+        # A report carries no per-sequence ages, so the best prediction is
+        # what is there now plus what is already on its way.
+        return self.committed_load()
+
+
+@dataclass
+class Decision:
+    request_id: str
+    prefill: str
+    decode: str
+    placement: Placement
+    local_blocks: int
+    store_blocks: int
+    fetch_from: str
+    fetch_bytes: int
+    fetch_tiers: list[str]
+    predicted_tbt_s: float
+
+
+@dataclass
+class Counters:
+    scheduled: int = 0
+    rejected_ttft: int = 0
+    rejected_decode: int = 0
+    reused_tokens: int = 0
+    input_tokens: int = 0
+
+
+@dataclass
+class LiveConductor:
+    policy: Policy
+    admission: Admission
+    cost: CostModel
+    store: KVClient
+    hasher: BlockHasher
+    cache_tokens_per_node: int = 3_000_000
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        self.prefill_ids: list[str] = []
+        self.queued_s: list[float] = []
+        self.decode_ids: list[str] = []
+        self.decodes: list[ReportedDecode] = []
+        self.directory = BlockDirectory()
+        self.caches: list[NodeCache] = []
+        self.addresses: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def register(self, instance_id: str, role: str, address: str) -> None:
+        with self.lock:
+            self.addresses[instance_id] = address
+            if instance_id in self.prefill_ids or instance_id in self.decode_ids:
+                return
+            if role == PREFILL:
+                if len(self.prefill_ids) >= 60:
+                    raise ValueError("at most 60 prefill instances can be registered")
+                self.prefill_ids.append(instance_id)
+                self.queued_s.append(0.0)
+                blocks = max(1, self.cache_tokens_per_node // self.hasher.block_tokens)
+                self.caches.append(NodeCache(len(self.caches), blocks, self.directory))
+            else:
+                self.decode_ids.append(instance_id)
+                self.decodes.append(ReportedDecode(self.cost))
+
+    def report(self, instance_id: str, queued_s: float, batch: int, kv_tokens: int) -> None:
+        with self.lock:
+            if instance_id in self.prefill_ids:
+                self.queued_s[self.prefill_ids.index(instance_id)] = queued_s
+            elif instance_id in self.decode_ids:
+                d = self.decodes[self.decode_ids.index(instance_id)]
+                d.reported = DecodeLoad(batch, float(kv_tokens))
+                d.pending = d.pending_tokens = 0
+            else:
+                raise KeyError(instance_id)
+
+    def block_keys(self, token_ids: list[int]) -> list[str]:
+        return self.hasher.keys(token_ids)
+
+    def schedule(self, request_id: str, keys: list[str], input_length: int,
+                 output_length: int) -> Decision:
+        """Place one request, or raise Rejected; raises LookupError with no instances."""
+        if not self.prefill_ids or not self.decode_ids:
+            raise LookupError("no prefill or no decode instance is registered")
+        store_blocks = self.store.match_prefix(keys) if keys else 0
+        with self.lock:
+            return self._place(request_id, keys, input_length, output_length, store_blocks)
+
+    def _place(self, request_id: str, keys: list[str], input_length: int,
+               output_length: int, store_blocks: int) -> Decision:
+        matches = self.directory.prefix_matches(keys, len(self.prefill_ids))
+        cand = Candidates(input_length, list(self.queued_s), matches,
+                          self.hasher.block_tokens, store_blocks)
+        p = self.policy.choose_prefill(cand)
+        j = self.policy.choose_decode([d.committed_load() for d in self.decodes], input_length)
+        estimate = output_length or OUTPUT_PRIOR_TOKENS
+        reason = self.admission.at_arrival(0.0, p, self.decodes[j], input_length, estimate)
+        if reason is not None:
+            self._count_rejection(reason)
+            raise Rejected(reason, self._rejection_text(reason, p))
+        fetch_from, fetch_bytes, tiers = self._fetch(p, keys, matches[p.prefill])
+        self.caches[p.prefill].insert_chain(keys)
+        self.queued_s[p.prefill] += p.service_s
+        d = self.decodes[j]
+        d.pending += 1
+        d.pending_tokens += input_length
+        c = self.counters
+        c.scheduled += 1
+        c.input_tokens += input_length
+        c.reused_tokens += min(p.reused_blocks * self.hasher.block_tokens, input_length)
+        tbt = self.cost.decode_step_s(d.committed_load().batch, d.committed_load().kv_tokens)
+        return Decision(request_id, self.prefill_ids[p.prefill], self.decode_ids[j], p,
+                        matches[p.prefill], store_blocks, fetch_from, fetch_bytes, tiers, tbt)
+
+    def _fetch(self, p: Placement, keys: list[str], local: int) -> tuple[str, int, list[str]]:
+        """Where the missing prefix comes from, and its size and tiers per KV.LOCATE."""
+        if p.source is None:
+            return "", 0, []
+        source = "store" if p.source == FROM_POOL else self.prefill_ids[p.source]
+        located = self.store.locate(keys[local:p.reused_blocks])
+        found = [loc for loc in located if loc is not None]
+        return source, sum(loc.size for loc in found), sorted({loc.tier for loc in found})
+
+    def _count_rejection(self, reason: str) -> None:
+        if reason == REJECT_TTFT:
+            self.counters.rejected_ttft += 1
+        else:
+            self.counters.rejected_decode += 1
+
+    def _rejection_text(self, reason: str, p: Placement) -> str:
+        if reason == REJECT_TTFT:
+            return (f"predicted TTFT {p.ttft_s:.2f}s exceeds the SLO of "
+                    f"{self.admission.slo.ttft_s:g}s")
+        return f"no decode instance can meet the TBT SLO of {self.admission.slo.tbt_s:g}s"

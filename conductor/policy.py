@@ -1,0 +1,164 @@
+"""Scheduling policies: which prefill instance and which decode instance serve a request.
+
+Every policy sees the same `Candidates` (per prefill instance: seconds of
+queued work and the number of leading prompt blocks cached on its node) and
+returns a `Placement`; the four differ only in what they minimise:
+
+- `random`: a uniformly random prefill and decode instance;
+- `load-balance`: the prefill instance with the least queued work;
+- `cache-aware` (local): queue time + prefill time of the part not cached on
+  that instance's own node;
+- `kvcache-centric` (global, Algorithm 1 of the Mooncake paper): for each
+  instance, if the best match anywhere beats the local one by more than
+  `balancing_threshold` times, the instance fetches the missing prefix from
+  the best node (transfer time) and computes only what nobody holds;
+  otherwise it computes what its own node lacks. It picks the least
+  estimated TTFT; the fetch copies the blocks to the chosen node, so hot
+  prefixes gain replicas as a side effect. In live mode the shared store is
+  one more place to fetch from (`pool_blocks`, from KV.MATCH).
+
+Whatever the policy, a prefill instance reuses what its own node caches (the
+engine does that regardless of why the request landed there). All but
+`random` pick the decode instance with the least predicted time between
+tokens once the request joins its batch.
+"""
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from conductor.costmodel import CostModel
+
+
+FROM_POOL = -1
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What a policy may look at for one request."""
+
+    input_length: int
+    queue_s: list[float]
+    local_blocks: list[int]
+    block_tokens: int = 512
+    pool_blocks: int = 0    # prefix held by the shared store (live mode), any node may fetch it
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A chosen prefill instance and what its prefill will cost."""
+
+    prefill: int
+    reused_blocks: int      # prefix blocks not recomputed (local + fetched)
+    fetched_blocks: int     # of those, blocks pulled from another node
+    source: int | None      # the node they come from (FROM_POOL: the shared store)
+    service_s: float        # transfer + prefill time on the instance
+    ttft_s: float           # queue + service: the predicted time to first token
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode instance as the decode choice sees it."""
+
+    batch: int
+    kv_tokens: float
+
+
+def _reused_tokens(blocks: int, c: Candidates) -> int:
+    return min(blocks * c.block_tokens, c.input_length - 1)
+
+
+def local_placement(i: int, c: Candidates, cost: CostModel) -> Placement:
+    """Instance ``i`` reusing only what its own node holds."""
+    reused = _reused_tokens(c.local_blocks[i], c)
+    service = cost.prefill_s(c.input_length - reused, reused)
+    return Placement(i, c.local_blocks[i], 0, None, service, c.queue_s[i] + service)
+
+
+def least_tbt_decode(loads: list[DecodeLoad], input_length: int, cost: CostModel) -> int:
+    """The decode instance whose step time would be smallest with this request added."""
+    return min(range(len(loads)), key=lambda j: (
+        cost.decode_step_s(loads[j].batch + 1, loads[j].kv_tokens + input_length), j))
+
+
+class Policy(ABC):
+    """Chooses a prefill placement and a decode instance for a request."""
+
+    name = ""
+
+    def __init__(self, cost: CostModel, seed: int = 0):
+        self.cost = cost
+        self.rng = random.Random(seed)
+
+    @abstractmethod
+    def choose_prefill(self, c: Candidates) -> Placement:
+        """The prefill instance for the request described by ``c``."""
+
+    def choose_decode(self, loads: list[DecodeLoad], input_length: int) -> int:
+        return least_tbt_decode(loads, input_length, self.cost)
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def choose_prefill(self, c: Candidates) -> Placement:
+        return local_placement(self.rng.randrange(len(c.queue_s)), c, self.cost)
+
+    def choose_decode(self, loads: list[DecodeLoad], input_length: int) -> int:
+        return self.rng.randrange(len(loads))
+
+
+class LoadBalancePolicy(Policy):
+    name = "load-balance"
+
+    def choose_prefill(self, c: Candidates) -> Placement:
+        i = min(range(len(c.queue_s)), key=lambda k: (c.queue_s[k], k))
+        return local_placement(i, c, self.cost)
+
+
+class CacheAwarePolicy(Policy):
+    name = "cache-aware"
+
+    def choose_prefill(self, c: Candidates) -> Placement:
+        return min((local_placement(i, c, self.cost) for i in range(len(c.queue_s))),
+                   key=lambda p: (p.ttft_s, p.prefill))
+
+
+class KVCacheCentricPolicy(Policy):
+    name = "kvcache-centric"
+
+    def __init__(self, cost: CostModel, seed: int = 0, balancing_threshold: float = 1.0):
+        super().__init__(cost, seed)
+        self.balancing_threshold = balancing_threshold
+
+    def choose_prefill(self, c: Candidates) -> Placement:
+        best_node = max(range(len(c.local_blocks)), key=lambda k: (c.local_blocks[k], -k))
+        best = c.local_blocks[best_node]
+        if c.pool_blocks > best:
+            best_node, best = FROM_POOL, c.pool_blocks
+        options = [self._placement(i, best_node, best, c) for i in range(len(c.queue_s))]
+        return min(options, key=lambda p: (p.ttft_s, p.prefill))
+
+    def _placement(self, i: int, best_node: int, best: int, c: Candidates) -> Placement:
+        local = c.local_blocks[i]
+        if best <= local * self.balancing_threshold or best == local:
+            return local_placement(i, c, self.cost)
+        reused = _reused_tokens(best, c)
+        fetched = reused - _reused_tokens(local, c)
+        service = self.cost.transfer_s(fetched) + self.cost.prefill_s(
+            c.input_length - reused, reused)
+        return Placement(i, best, best - local, best_node, service, c.queue_s[i] + service)
+
+
+POLICIES = {p.name: p for p in (RandomPolicy, LoadBalancePolicy, CacheAwarePolicy,
+                                KVCacheCentricPolicy)}
+
+
+def make_policy(name: str, cost: CostModel, seed: int = 0,
+                balancing_threshold: float = 1.0) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy '{name}' (choose from {', '.join(POLICIES)})")
+    if name == KVCacheCentricPolicy.name:
+        return KVCacheCentricPolicy(cost, seed, balancing_threshold)
+    return POLICIES[name](cost, seed)

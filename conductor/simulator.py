@@ -1,0 +1,216 @@
+"""Trace replay: a discrete-event simulation of a prefill/decode cluster.
+
+Each prefill instance runs one request at a time in arrival order, so its
+queue is fully described by the time it becomes free (`busy_until`): the
+queue time a policy sees is `busy_until - now`, and a placement's finish
+time is known the moment it is made. Only three things happen later and go
+through the event heap: a prefill finishing (its blocks enter the node's
+cache, its KV starts moving to decode), the KV reaching the decode instance
+(the decode-stage admission check, then joining the batch), and a decode
+instance's next departure. Decode batches are simulated per event, never
+per token (see `decode`). Caches hold 512-token blocks under the store's
+eviction policy (see `cache`). Arrivals are processed in timestamp order;
+all events due by an arrival's time are applied first.
+"""
+from __future__ import annotations
+
+import heapq
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from conductor.admission import REJECT_TTFT, Admission, Slo
+from conductor.cache import BlockDirectory, NodeCache
+from conductor.costmodel import CostModel
+from conductor.decode import DecodeInstance
+from conductor.metrics import (REJECTED_AT_ARRIVAL, REJECTED_AT_DECODE, Outcomes,
+                               RunSummary, summarize)
+from conductor.policy import Candidates, Placement, make_policy
+from conductor.trace import BLOCK_TOKENS, TraceRequest
+
+_PREFILL_DONE, _DECODE_JOIN, _DECODE_STEP = 0, 1, 2
+OUTPUT_PRIOR_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill: int = 8
+    decode: int = 8
+    policy: str = "kvcache-centric"
+    admission: str = "none"
+    speed: float = 1.0
+    slo: Slo = field(default_factory=Slo)
+    cache_tokens_per_node: int = 3_000_000
+    balancing_threshold: float = 1.0
+    block_tokens: int = BLOCK_TOKENS
+    seed: int = 0
+
+
+@dataclass
+class _Inflight:
+    placement: Placement
+    decode: int
+    pinned: tuple[int, ...]
+
+
+class Simulator:
+    def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel):
+        if config.prefill < 1 or config.decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode instance")
+        if config.prefill > 60:
+            raise ValueError("at most 60 prefill instances are simulated")
+        self.trace = trace
+        self.cfg = config
+        self.cost = cost
+        self.policy = make_policy(config.policy, cost, config.seed, config.balancing_threshold)
+        self.admission = Admission(config.admission, config.slo)
+        self.directory = BlockDirectory()
+        capacity = max(1, config.cache_tokens_per_node // config.block_tokens)
+        self.caches = [NodeCache(i, capacity, self.directory, config.seed)
+                       for i in range(config.prefill)]
+        self.busy_until = [0.0] * config.prefill
+        self.decodes = [DecodeInstance(j, cost) for j in range(config.decode)]
+        self.out = Outcomes(len(trace))
+        self._events: list[tuple] = []
+        self._seq = 0
+        self._inflight: dict[int, _Inflight] = {}
+        self._out_sum, self._out_n = float(OUTPUT_PRIOR_TOKENS), 1
+
+    @property
+    def output_estimate(self) -> float:
+        """Mean output length of finished requests (what a live conductor can observe)."""
+        return self._out_sum / self._out_n
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> RunSummary:
+        started = time.perf_counter()
+        n = len(self.trace)
+        for rid, req in enumerate(self.trace):
+            now = req.arrival_s / self.cfg.speed
+            self._drain(now)
+            self._arrive(rid, req, now)
+            if progress and rid % 256 == 0:
+                progress(rid, n)
+        self._drain(float("inf"))
+        if progress:
+            progress(n, n)
+        summary = summarize(self.out, policy=self.cfg.policy, admission=self.cfg.admission,
+                            prefill=self.cfg.prefill, decode=self.cfg.decode,
+                            speed=self.cfg.speed, ttft_slo_s=self.cfg.slo.ttft_s,
+                            tbt_slo_s=self.cfg.slo.tbt_s)
+        summary.wall_s = time.perf_counter() - started
+        return summary
+
+    def _push(self, at_s: float, kind: int, a: int, b: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at_s, self._seq, kind, a, b))
+
+    def _drain(self, until_s: float) -> None:
+        events = self._events
+        while events and events[0][0] <= until_s:
+            at_s, _, kind, a, b = heapq.heappop(events)
+            if kind == _PREFILL_DONE:
+                self._prefill_done(a, at_s)
+            elif kind == _DECODE_JOIN:
+                self._decode_join(a, at_s)
+            elif b == self.decodes[a].version:
+                self._decode_step(a, at_s)
+
+    def _arrive(self, rid: int, req: TraceRequest, now: float) -> None:
+        matches = self.directory.prefix_matches(req.hash_ids, self.cfg.prefill)
+        queue = [max(0.0, b - now) for b in self.busy_until]
+        cand = Candidates(req.input_length, queue, matches, self.cfg.block_tokens)
+        placement = self.policy.choose_prefill(cand)
+        for d in self.decodes:
+            d.advance(now)
+        j = self.policy.choose_decode([d.committed_load() for d in self.decodes],
+                                      req.input_length)
+        self._sample_load(now, queue)
+        self.out.input_tokens[rid] = req.input_length
+        reason = self.admission.at_arrival(now, placement, self.decodes[j], req.input_length,
+                                           self.output_estimate)
+        if reason is not None:
+            self.out.status[rid] = REJECTED_AT_ARRIVAL
+            return
+        self._start_prefill(rid, req, now, placement, j)
+
+    def _start_prefill(self, rid: int, req: TraceRequest, now: float, p: Placement,
+                       j: int) -> None:
+        cache = self.caches[p.prefill]
+        reused = req.hash_ids[:p.reused_blocks]
+        if p.source is not None:
+            self.caches[p.source].touch(reused)
+            cache.insert_chain(reused)   # the fetch replicates the prefix here
+        held = tuple(b for b in reused if b in cache)
+        cache.touch(held)
+        cache.pin(held)
+        finish = max(now, self.busy_until[p.prefill]) + p.service_s
+        self.busy_until[p.prefill] = finish
+        self.out.prefill_busy_s += p.service_s
+        self.out.reused_tokens[rid] = min(p.reused_blocks * self.cfg.block_tokens,
+                                          req.input_length - 1)
+        self._inflight[rid] = _Inflight(p, j, held)
+        self.decodes[j].inflight[rid] = (req.input_length,
+                                         finish + self.cost.transfer_s(req.input_length))
+        self._push(finish, _PREFILL_DONE, rid)
+
+    def _prefill_done(self, rid: int, now: float) -> None:
+        req, fl = self.trace[rid], self._inflight[rid]
+        cache = self.caches[fl.placement.prefill]
+        cache.unpin(fl.pinned)
+        cache.insert_chain(req.hash_ids)
+        self.out.ttft_s[rid] = now - req.arrival_s / self.cfg.speed
+        self._push(now + self.cost.transfer_s(req.input_length), _DECODE_JOIN, rid)
+
+    def _decode_join(self, rid: int, now: float) -> None:
+        req, fl = self.trace[rid], self._inflight.pop(rid)
+        decode = self.decodes[fl.decode]
+        del decode.inflight[rid]
+        decode.advance(now)
+        if not self.admission.at_decode(decode, req.input_length, self.output_estimate):
+            self.out.status[rid] = REJECTED_AT_DECODE
+            self.out.wasted_prefill_s += fl.placement.service_s
+            return
+        decode.join(rid, req.input_length, req.output_length, now)
+        self._schedule_departure(decode)
+
+    def _decode_step(self, j: int, now: float) -> None:
+        decode = self.decodes[j]
+        for r in decode.pop_finished(now):
+            self.out.tbt_s[r.request] = (now - r.join_s) / r.output_length
+            self._out_sum += r.output_length
+            self._out_n += 1
+        self._schedule_departure(decode)
+
+    def _schedule_departure(self, decode: DecodeInstance) -> None:
+        at_s = decode.next_departure_s()
+        if at_s is not None:
+            self._push(at_s, _DECODE_STEP, decode.index, decode.version)
+
+    def _sample_load(self, now: float, queue: list[float]) -> None:
+        out = self.out
+        out.load_time_s.append(now)
+        out.prefill_load.append(sum(queue) / len(queue))
+        out.decode_load.append(sum(d.kv_tokens() for d in self.decodes)
+                               / sum(d.capacity_tokens for d in self.decodes))
+
+
+def stderr_progress(label: str) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+    if not sys.stderr.isatty():
+        return lambda done, total: None
+
+    def show(done: int, total: int) -> None:
+        filled = 30 * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{label:>16} [{'#' * filled}{'.' * (30 - filled)}] "
+                         f"{done}/{total}{end}")
+        sys.stderr.flush()
+    return show
+
+
+def replay(trace: list[TraceRequest], config: SimConfig, cost: CostModel,
+           progress: Callable[[int, int], None] | None = None) -> tuple[RunSummary, Outcomes]:
+    """Run one policy/admission pair over ``trace``; returns the summary and raw outcomes."""
+    sim = Simulator(trace, config, cost)
+    return sim.run(progress), sim.out
