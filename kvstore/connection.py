@@ -21,6 +21,7 @@ from collections import deque
 from itertools import islice
 
 from kvstore.commands import CommandError, lookup
+from kvstore.commands.transactions import QUEUE_ANYWAY
 from kvstore.engine import Extent, OutOfMemory
 from kvstore.protocol import writer
 from kvstore.protocol.reader import ProtocolError, RequestReader
@@ -59,6 +60,8 @@ class Connection:
         self.closed = False
         self.reading = True
         self.writing = False
+        self.multi: list | None = None      # commands queued since MULTI
+        self.multi_dirty = False
 
     # ------------------------------------------------------------- identity
 
@@ -143,6 +146,7 @@ class Connection:
 
     def execute(self, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
         cmd = lookup(args[0])
+        queued = False
         try:
             if cmd is None:
                 raise CommandError(_unknown_command(args))
@@ -155,23 +159,42 @@ class Connection:
                 return
             if failure is not None:
                 raise failure
+            if self.multi is not None and cmd.name.encode() not in QUEUE_ANYWAY:
+                self.multi.append((args, has_holders))
+                queued = True
+                self.wbuf += writer.QUEUED
+                return
             self.last_command = cmd.name
             reply = cmd.handler(self, args)
             if reply is not None:
                 self.wbuf += reply
         except CommandError as exc:
-            self.wbuf += writer.error(str(exc), exc.code)
+            self._fail(writer.error(str(exc), exc.code))
         except OutOfMemory:
-            self.wbuf += OOM_ERROR
+            self._fail(OOM_ERROR)
         except Exception:
             log.exception("command %r failed", args[0][:64])
-            self.wbuf += writer.error("internal error while running the command")
+            self._fail(writer.error("internal error while running the command"))
         finally:
-            if has_holders:
-                for arg in args:
-                    if isinstance(arg, Extent) and not arg.committed:
-                        self.engine.release(arg)
+            if has_holders and not queued:
+                self._release_holders(args)
             self.server.stats.commands += 1
+
+    def _fail(self, reply: bytes) -> None:
+        if self.multi is not None:
+            self.multi_dirty = True       # EXEC will answer EXECABORT
+        self.wbuf += reply
+
+    def _release_holders(self, args: list) -> None:
+        for arg in args:
+            if isinstance(arg, Extent) and not arg.committed:
+                self.engine.release(arg)
+
+    def release_queued(self, queued: list) -> None:
+        """Give back the extents of queued commands that will never run."""
+        for args, has_holders in queued:
+            if has_holders:
+                self._release_holders(args)
 
     # ------------------------------------------------------------- writing
 
@@ -268,6 +291,8 @@ class Connection:
         for holder in self.reader.pending_holders():
             if isinstance(holder, Extent):
                 self.engine.release(holder)
+        if self.multi:
+            self.release_queued(self.multi)
         for _, lease in self.out:
             if lease is not None:
                 self.engine.unlease(*lease)

@@ -154,8 +154,7 @@ def decode_into(header: RecordHeader, payload: bytes, out) -> int:
         raise ValueError(f"buffer of {len(target)} bytes cannot hold a value of {size} bytes")
     data = _decompress(header, payload) if header.flags & Flags.LZ4 else payload
     if header.flags & Flags.SHUFFLE:
-        planes = np.frombuffer(data, dtype=np.uint8).reshape(2, -1)
-        np.copyto(np.frombuffer(target, dtype=np.uint8)[:size].reshape(-1, 2), planes.T)
+        unshuffle_into(data, target)
     else:
         target[:size] = data
     return size
@@ -178,4 +177,14 @@ def shuffle_bytes(data) -> bytes:
 
 def unshuffle_bytes(data) -> bytes:
     """Inverse of :func:`shuffle_bytes`."""
-    return np.frombuffer(data, dtype=np.uint8).reshape(2, -1).T.tobytes()
+    out = bytearray(len(data))
+    unshuffle_into(data, out)
+    return bytes(out)
+
+
+def unshuffle_into(data, out) -> None:
+    """Inverse of :func:`shuffle_bytes`, written into the first ``len(data)`` bytes of ``out``."""
+    planes = np.frombuffer(data, dtype=np.uint8).reshape(2, -1)
+    pairs = np.frombuffer(out, dtype=np.uint8)[:planes.size].reshape(-1, 2)
+    pairs[:, 0] = planes[0]     # plane by plane, so numpy's inner loop runs along the long axis
+    pairs[:, 1] = planes[1]
