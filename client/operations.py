@@ -4,12 +4,9 @@ Every public method of `KVClient` and `AsyncKVClient` is a one-line call into
 this module, which returns a `Call`: the commands of one round trip (a batch
 is one pipelined round trip), the sink for each reply (where a bulk value is
 received), whether the call may be retried on a new connection, and the
-function that turns the replies into the result. The clients only execute
-Calls, the sync one with a blocking pool and the async one with an asyncio
-pool, so the command logic exists once.
-
-This is also the seam for other transports: a shared-memory path can take a
-`get_into` or `put` before it becomes a wire Call, and fall back to it.
+function that turns the replies into the result. The clients hand Calls to a
+transport (see `transport`), blocking or asyncio, so the command logic exists
+once for both.
 
 Retrying is safe for reads and for overwriting puts. A put-once (`NX`) put
 and DEL are not retried once sent: had the first attempt landed, the retry

@@ -1,11 +1,12 @@
 """KVClient: the blocking SDK for putting and getting KV-cache blocks.
 
-Each method builds a `Call` (see `operations`) and runs it as one round trip
-on a connection borrowed from a thread-safe pool, so one client can be shared
-by many threads. Batches are pipelined: all requests are written with one
-`sendmsg`, then all replies are read. Connection errors are retried on a new
-connection where `RetryPolicy` allows; server error replies are raised as
-`ResponseError` after the whole round trip has been read.
+Each method builds a `Call` (see `operations`) and hands it to the transport,
+which runs it as one round trip on a connection borrowed from a thread-safe
+pool, so one client can be shared by many threads. Batches are pipelined: all
+requests are written with one `sendmsg`, then all replies are read.
+Connection errors are retried on a new connection where `RetryPolicy`
+allows; server error replies are raised as `ResponseError` after the whole
+round trip has been read.
 
 Values are returned as `bytearray` (received in place at their exact size;
 converting to `bytes` would copy them); `get_into` and `batch_get_into`
@@ -13,18 +14,14 @@ receive into the caller's own buffers with no copy at all in Python.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 from client import operations as ops
 from client.buffers import Key
-from client.connection import Connection
-from client.errors import ConnectionError
 from client.hashing import BlockHasher
 from client.operations import Items, Location, Value
-from client.pool import ConnectionPool
-from client.retry import RetryPolicy
 from client.sockets import Endpoint
+from client.transport import WireTransport
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 
@@ -35,32 +32,31 @@ class KVClient:
                  password: str | None = None, unix_socket: str | None = None,
                  timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8):
         self.endpoint = Endpoint(host, port, unix_socket)
-        self._retry = RetryPolicy(retries)
-        self._pool: ConnectionPool[Connection] = ConnectionPool(
-            lambda: Connection(self.endpoint, timeout, password), pool_size, timeout)
+        self._transport = WireTransport(self.endpoint, password=password, timeout=timeout,
+                                       retries=retries, pool_size=pool_size)
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         """Store value under key (KV.PUT); False when the key existed and overwrite is False."""
-        return self._execute(ops.put(key, value, parent, overwrite))
+        return self._transport.execute(ops.put(key, value, parent, overwrite))
 
     def get(self, key: Key) -> bytearray | None:
         """The value of key, or None when it is not cached."""
-        return self._execute(ops.get(key))
+        return self._transport.execute(ops.get(key))
 
     def get_into(self, key: Key, buffer: Any) -> int | None:
         """Receive key's value into a writable buffer; its length, or None when not cached.
 
         Raises BufferTooSmall (the connection stays usable) when the value does not fit.
         """
-        return self._execute(ops.get_into(key, buffer))
+        return self._transport.execute(ops.get_into(key, buffer))
 
     def exists(self, *keys: Key) -> int:
         """How many of keys are cached (a key named twice counts twice, as in Redis)."""
-        return self._execute(ops.exists(keys))
+        return self._transport.execute(ops.exists(keys))
 
     def delete(self, *keys: Key) -> int:
         """Remove keys; how many existed."""
-        return self._execute(ops.delete(keys))
+        return self._transport.execute(ops.delete(keys))
 
     def batch_put(self, items: Items, *, parents: Sequence[Key | None] | None = None,
                   overwrite: bool = False) -> list[bool]:
@@ -68,43 +64,43 @@ class KVClient:
 
         parents, when given, holds one parent key (or None) per item.
         """
-        return self._execute(ops.batch_put(items, parents, overwrite))
+        return self._transport.execute(ops.batch_put(items, parents, overwrite))
 
     def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """get() for many keys in one round trip."""
-        return self._execute(ops.batch_get(keys))
+        return self._transport.execute(ops.batch_get(keys))
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
         """get_into() for many keys, one buffer each, in one round trip."""
-        return self._execute(ops.batch_get_into(keys, buffers))
+        return self._transport.execute(ops.batch_get_into(keys, buffers))
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are cached (KV.MATCH, one round trip)."""
-        return self._execute(ops.match_prefix(keys))
+        return self._transport.execute(ops.match_prefix(keys))
 
     def match_tokens(self, hasher: BlockHasher, token_ids: Any) -> int:
         """How many leading tokens of a prompt are cached (whole blocks only)."""
-        return self._execute(ops.match_tokens(hasher, token_ids))
+        return self._transport.execute(ops.match_tokens(hasher, token_ids))
 
     def locate(self, keys: Sequence[Key]) -> list[Location | None]:
         """Per key, its tier and size, or None when not cached (KV.LOCATE)."""
-        return self._execute(ops.locate(keys))
+        return self._transport.execute(ops.locate(keys))
 
     def stats(self) -> dict[str, int]:
         """The node's cache counters (KV.STATS): hits, misses, keys, evictions, bytes per tier."""
-        return self._execute(ops.stats())
+        return self._transport.execute(ops.stats())
 
     def ping(self) -> bool:
         """True when the node answers PONG."""
-        return self._execute(ops.ping())
+        return self._transport.execute(ops.ping())
 
     def execute(self, *args: Any) -> Any:
         """Send any command; its parsed reply (never retried, errors raised)."""
-        return self._execute(ops.execute(args))
+        return self._transport.execute(ops.execute(args))
 
     def close(self) -> None:
         """Close the pooled connections; the client cannot be used afterwards."""
-        self._pool.close()
+        self._transport.close()
 
     def __enter__(self) -> KVClient:
         return self
@@ -114,20 +110,3 @@ class KVClient:
 
     def __repr__(self) -> str:
         return f"KVClient({self.endpoint})"
-
-    def _execute(self, call: ops.Call) -> Any:
-        if not call.requests:
-            return call.finish([])
-        attempt = 0
-        while True:
-            sent = False
-            try:
-                with self._pool.connection() as conn:
-                    sent = True
-                    replies = conn.round_trip(call.requests, call.sinks)
-                return call.finish(replies)
-            except ConnectionError:
-                if not self._retry.should_retry(attempt, sent, call.idempotent):
-                    raise
-            time.sleep(self._retry.delay(attempt))
-            attempt += 1
