@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from array import array
 import time
 from collections import deque
 from itertools import islice
@@ -62,6 +63,8 @@ class Connection:
         self.writing = False
         self.multi: list | None = None      # commands queued since MULTI
         self.multi_dirty = False
+        self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
+        self.pending_fds: list[int] = []    # sent with the next reply bytes (SCM_RIGHTS)
 
     # ------------------------------------------------------------- identity
 
@@ -224,7 +227,9 @@ class Connection:
         out = self.out
         while out:
             try:
-                if len(out) == 1:
+                if self.pending_fds:
+                    sent = self._send_with_fds()
+                elif len(out) == 1:
                     sent = self.sock.send(out[0][0])
                 else:
                     sent = self.sock.sendmsg([b for b, _ in islice(out, 0, IOV_MAX)])
@@ -236,6 +241,19 @@ class Connection:
             if not self._consume(sent):
                 break
         self._update_interest()
+
+    def attach_fds(self, fds: list[int]) -> None:
+        """Pass ``fds`` to the client with the next reply (Unix sockets only)."""
+        if self.sock.family != socket.AF_UNIX:
+            raise CommandError("file descriptors can only be passed over a Unix socket")
+        self.pending_fds.extend(fds)
+
+    def _send_with_fds(self) -> int:
+        bufs = [b for b, _ in islice(self.out, 0, IOV_MAX)]
+        fds = array("i", self.pending_fds)
+        sent = self.sock.sendmsg(bufs, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+        self.pending_fds = []
+        return sent
 
     def _consume(self, sent: int) -> bool:
         """Drop what the kernel took; True when every queued buffer went out."""
@@ -297,6 +315,12 @@ class Connection:
             if lease is not None:
                 self.engine.unlease(*lease)
         self.out.clear()
+        for callback in self.close_callbacks:
+            try:
+                callback(self)
+            except Exception:
+                log.exception("close callback failed")
+        self.close_callbacks.clear()
         self.sock.close()
         self.server.forget(self)
 

@@ -46,6 +46,7 @@ class Server:
         self.started_at = 0.0
         self._next_id = 1
         self._stopped: asyncio.Future | None = None
+        self._cron_jobs: list = []          # (callable) run every CRON_SECONDS
 
     # ------------------------------------------------------------ lifecycle
 
@@ -114,10 +115,19 @@ class Server:
     def forget(self, conn: Connection) -> None:
         self.clients.pop(conn.id, None)
 
+    def add_cron(self, job) -> None:
+        """Run ``job()`` on the loop every CRON_SECONDS (lease expiry, watermarks...)."""
+        self._cron_jobs.append(job)
+
     def _cron(self) -> None:
         try:
             while self.engine.expire_cycle() >= 5:    # many expired: keep going, as Redis does
                 pass
+            for job in self._cron_jobs:
+                try:
+                    job()
+                except Exception:
+                    log.exception("cron job %r failed", job)
         finally:
             if not self._stopped.done():
                 self.loop.call_later(CRON_SECONDS, self._cron)
