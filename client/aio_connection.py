@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import Endpoint, check_handshake, handshake, is_stale, socket_errors, tune
+from client.sockets import (Endpoint, check_handshake, handshake, idle_poller, is_stale,
+                            socket_errors, tune)
 
 
 class AsyncConnection:
@@ -25,6 +26,7 @@ class AsyncConnection:
     def __init__(self, endpoint: Endpoint, sock: socket.socket, timeout: float | None):
         self.endpoint = endpoint
         self._sock = sock
+        self._poller = idle_poller(sock)
         self._timeout = timeout
         self._loop = asyncio.get_running_loop()
         self._reader = resp.ReplyReader()
@@ -55,7 +57,7 @@ class AsyncConnection:
                 return [await self._drive(self._reader.read(sink), deadline) for sink in sinks]
 
     def is_stale(self) -> bool:
-        return self._reader.buffered > 0 or is_stale(self._sock)
+        return self._reader.buffered > 0 or is_stale(self._poller)
 
     def close(self) -> None:
         self._sock.close()

@@ -13,7 +13,8 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import Endpoint, check_handshake, handshake, is_stale, socket_errors, tune
+from client.sockets import (Endpoint, check_handshake, handshake, idle_poller, is_stale,
+                            socket_errors, tune)
 
 
 class Connection:
@@ -23,6 +24,7 @@ class Connection:
         self.endpoint = endpoint
         with socket_errors(f"connecting to {endpoint}"):
             self._sock = _connect(endpoint, timeout)
+        self._poller = idle_poller(self._sock)
         self._reader = resp.ReplyReader()
         try:
             check_handshake(self.round_trip(handshake(password)))
@@ -41,7 +43,7 @@ class Connection:
             return [self._drive(self._reader.read(sink)) for sink in sinks]
 
     def is_stale(self) -> bool:
-        return self._reader.buffered > 0 or is_stale(self._sock)
+        return self._reader.buffered > 0 or is_stale(self._poller)
 
     def close(self) -> None:
         self._sock.close()

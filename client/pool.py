@@ -63,35 +63,50 @@ class ConnectionPool(Generic[C]):
 
     def __init__(self, connect: Callable[[], C], size: int, timeout: float | None):
         self._connect = connect
-        self._slots = threading.BoundedSemaphore(size)
+        self._size = size
         self._timeout = timeout
-        self._lock = threading.Lock()
+        self._borrowed = 0
+        self._changed = threading.Condition(threading.Lock())
         self._idle: IdleConnections[C] = IdleConnections()
 
     @contextmanager
     def connection(self) -> Iterator[C]:
         """Borrow a connection for one round trip."""
-        if self._idle.closed:
-            raise KVError("the client is closed")
-        if not self._slots.acquire(timeout=self._timeout):
-            raise TimeoutError("no pooled connection became free in time")
+        conn = self._borrow()
         try:
-            with self._lock:
-                conn = self._idle.take()
-            conn = conn or self._connect()
-            try:
-                yield conn
-            except BaseException:
-                conn.close()
-                raise
-            with self._lock:
-                self._idle.give(conn)
-        finally:
-            self._slots.release()
+            yield conn
+        except BaseException:
+            conn.close()
+            self._give_back(None)
+            raise
+        self._give_back(conn)
 
     def close(self) -> None:
-        with self._lock:
+        with self._changed:
             self._idle.close_all()
+
+    def _borrow(self) -> C:
+        with self._changed:
+            if self._idle.closed:
+                raise KVError("the client is closed")
+            if not self._changed.wait_for(lambda: self._borrowed < self._size, self._timeout):
+                raise TimeoutError("no pooled connection became free in time")
+            self._borrowed += 1
+            conn = self._idle.take()
+        if conn is not None:
+            return conn
+        try:
+            return self._connect()
+        except BaseException:
+            self._give_back(None)
+            raise
+
+    def _give_back(self, conn: C | None) -> None:
+        with self._changed:
+            self._borrowed -= 1
+            if conn is not None:
+                self._idle.give(conn)
+            self._changed.notify()
 
 
 class AsyncConnectionPool(Generic[C]):

@@ -40,10 +40,15 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def is_stale(sock: socket.socket) -> bool:
-    """True when an idle connection is readable: closed by the peer, or out of step."""
+def idle_poller(sock: socket.socket) -> select.poll:
+    """A poll registration for `is_stale`, made once per connection."""
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLPRI)
+    return poller
+
+
+def is_stale(poller: select.poll) -> bool:
+    """True when an idle connection is readable: closed by the peer, or out of step."""
     return bool(poller.poll(0))
 
 
