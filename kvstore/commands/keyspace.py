@@ -157,7 +157,7 @@ def _char_class(pattern: bytes, i: int) -> tuple[int, bytes]:
         if c == b"\\" and i + 1 < n:
             i += 1
             parts.append(re.escape(pattern[i:i + 1]))
-        elif pattern[i + 1:i + 2] == b"-" and i + 2 < n and pattern[i + 2:i + 3] != b"]":
+        elif pattern[i + 1:i + 2] == b"-" and i + 2 < n:     # as Redis: "a-]" is a range
             lo, hi = sorted((pattern[i:i + 1], pattern[i + 2:i + 3]))
             parts.append(re.escape(lo) + b"-" + re.escape(hi))
             i += 2
