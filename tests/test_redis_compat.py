@@ -257,9 +257,35 @@ def align_unstable(reference: list, candidate: list) -> list:
     return aligned + candidate[len(reference):]
 
 
-def normalize_keys(transcript: list) -> list:
-    return [(req, sort_array_reply(rep) if command_name(req) == b"KEYS" else rep)
-            for req, rep in transcript]
+def assert_same_replies(expected: list, got: list) -> None:
+    """Fail with every step where kvstore's reply differs from Redis's."""
+    got = align_unstable(expected, got)
+    differences = [f"{short(request)}\n    redis:   {short(want)}\n    kvstore: {short(have)}"
+                   for (request, want), (_, have) in zip(expected, got) if want != have]
+    if len(got) != len(expected):
+        differences.append(f"{len(got)} replies from kvstore, {len(expected)} from Redis")
+    if differences:
+        pytest.fail("\n".join(differences))
+
+
+def short(data: bytes, limit: int = 300) -> str:
+    return repr(data) if len(data) <= limit else f"{data[:limit]!r}... ({len(data)} bytes)"
+
+
+def hello_shape(raw: bytes) -> bytes:
+    """A HELLO reply reduced to its type, field names and protocol (server, version
+    and id differ between servers)."""
+    reply = decode(raw)
+    if isinstance(reply, ErrorReply):
+        return raw
+    fields = dict(reply) if raw.startswith(b"%") else dict(zip(reply[0::2], reply[1::2]))
+    return raw[:1] + b" ".join(fields) + b" proto=%d" % fields[b"proto"]
+
+
+def normalize(transcript: list) -> list:
+    """KEYS replies sorted, HELLO replies reduced to their shape."""
+    rewrite = {b"KEYS": sort_array_reply, b"HELLO": hello_shape}
+    return [(req, rewrite.get(command_name(req), bytes)(rep)) for req, rep in transcript]
 
 
 LONG_ARG = "x" * 200
@@ -359,6 +385,36 @@ SCENARIOS: dict[str, list[Step]] = {
         ("KEYS", "h[^e]llo"), ("KEYS", "h[a-e]llo"), ("KEYS", "a\\*b"), ("KEYS", "a\\?b"),
         ("KEYS", "a\\[b"), ("KEYS", "a*"), ("KEYS", "nomatch*"), ("KEYS", ""), ("KEYS", "h\\\\ello"),
         ("KEYS", "h[ae"), ("KEYS", "*llo"), ("KEYS", "???"), ("KEYS",), ("KEYS", "a", "b"),
+        ("KEYS", "["), ("KEYS", "a\\"), ("KEYS", "h[a-]llo"), ("KEYS", "h[]llo"), ("KEYS", "*?*"),
+        ("KEYS", "h[!e]llo"), ("KEYS", "h[\\]]llo"), ("KEYS", "a[*]b"), ("KEYS", "H*"),
+        ("KEYS", "h[z-a]llo"), ("KEYS", "**llo"),
+    ],
+    "scan-errors": [
+        ("SET", "k", "v"), ("SCAN", "abc"), ("SCAN", "18446744073709551616"), ("SCAN", "0", "MATCH"),
+        ("SCAN", "0", "COUNT", "0"), ("SCAN", "0", "COUNT", "-1"), ("SCAN", "0", "COUNT", "abc"),
+        ("SCAN", "0", "FOO", "bar"), ("SCAN", "0", "MATCH", "k", "COUNT", "10"),
+    ],
+    "strict-integers": [
+        ("SET", "k", "hello"), ("EXPIRE", "k", "+10"), ("EXPIRE", "k", " 10"), ("EXPIRE", "k", "10 "),
+        ("EXPIRE", "k", "0x10"), ("EXPIRE", "k", "010"), ("EXPIRE", "k", "1_0"), ("EXPIRE", "k", "-0"),
+        ("EXPIRE", "k", ""), ("EXPIRE", "k", "１０"), ("GETRANGE", "k", "00", "1"),
+        ("GETRANGE", "k", "0", "-9223372036854775809"), ("SELECT", "00"), ("SELECT", "-0"),
+        ("SELECT", "+0"), ("SET", "k", "v", "EX", ""), ("SET", "k", "v", "EX", "010"),
+        ("SET", "k", "v", "PX", "1.0"), ("PEXPIRE", "k", "9223372036854775807"), ("TTL", "k"),
+    ],
+    "expire-options": [
+        ("SET", "k", "v"), ("EXPIRE", "k", "100", "XX"), ("EXPIRE", "k", "100", "NX"),
+        ("EXPIRE", "k", "50", "GT"), ("EXPIRE", "k", "200", "GT"), ("TTL", "k"),
+        ("EXPIRE", "k", "300", "LT"), ("EXPIRE", "k", "20", "LT"), ("TTL", "k"),
+        ("EXPIRE", "k", "100", "NX", "XX"), ("EXPIRE", "k", "100", "GT", "LT"),
+        ("EXPIRE", "k", "100", "nx", "gt"), ("PEXPIRE", "k", "5000", "xx"), ("TTL", "k"),
+        ("SET", "p", "v"), ("EXPIRE", "p", "10", "GT"), ("EXPIRE", "p", "10", "LT"), ("TTL", "p"),
+    ],
+    "many-arguments": [
+        ("MSET", *[f"key:{i}:{part}" for i in range(20000) for part in ("k", "v")]),
+        ("DBSIZE",), ("MGET", *[f"key:{i}:k" for i in range(0, 20000, 7)], "missing"),
+        ("EXISTS", *[f"key:{i}:k" for i in range(20000)]),
+        ("DEL", *[f"key:{i}:k" for i in range(0, 20000, 2)]), ("DBSIZE",),
     ],
     "select": [("SELECT", "0"), ("SELECT", "abc"), ("SELECT",), ("GET", "k")],
     "auth-without-password": [
@@ -378,11 +434,26 @@ SCENARIOS: dict[str, list[Step]] = {
         ("CONFIG", "SET", "maxmemory-policy", "bogus"), ("CONFIG", "SET", "maxmemory", "abc"),
         ("CONFIG", "GET", "no-such-parameter"), ("CONFIG", "GET"), ("CONFIG", "SET", "maxmemory"),
         ("CONFIG", "FOO"), ("CONFIG", "SET", "no-such-parameter", "1"),
-        ("CONFIG", "GET", "maxmemory-policy"),
+        ("CONFIG", "SET", "maxmemory-policy", "NOEVICTION"), ("CONFIG", "GET", "maxmemory-policy"),
+        ("CONFIG", "GET", "MAXMEMORY-POLICY"), ("CONFIG", "SET", "maxmemory", "-1"),
+        ("CONFIG", "SET", "maxmemory-policy", "noeviction", "maxmemory-policy", "allkeys-lru"),
+        ("CONFIG", "SET", "MAXMEMORY-POLICY", "allkeys-lru"), ("CONFIG", "GET", "maxmemory-policy"),
     ],
     "memory-usage-missing": [("MEMORY", "USAGE", "missing"), ("MEMORY", "USAGE")],
     "command-info": [
-        ("COMMAND", "INFO", "no-such-command"), ("COMMAND", "FOO"),
+        ("COMMAND", "INFO", "no-such-command"), ("COMMAND", "FOO"), ("COMMAND", "DOCS", "no-such"),
+        ("COMMAND", "COUNT", "x"), ("INFO", "no-such-section"),
+    ],
+    "resp3-replies": [
+        ("HELLO", "3"), ("SET", "k", "v"), ("GET", "missing"), ("MGET", "k", "missing"),
+        ("SET", "k", "w", "NX"), ("SET", "k", "w", "XX", "GET"), ("SET", "new", "v", "GET"),
+        ("GETDEL", "missing"), ("EXISTS", "k", "missing"), ("TTL", "k"), ("STRLEN", "k"),
+        ("ECHO", "e"), ("PING",), ("PING", "p"), ("CLIENT", "GETNAME"), ("MEMORY", "USAGE", "missing"),
+        ("COMMAND", "INFO", "no-such-command"), ("COMMAND", "DOCS", "no-such"), ("KEYS", "k*"),
+        ("SCAN", "0", "MATCH", "n*"), ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
+        ("CONFIG", "GET", "maxmemory-policy"), ("CONFIG", "GET", "no-such-parameter"),
+        ("TYPE", "k"), ("DEL", "k", "new"), ("FOO",), ("GET",), ("HELLO", "2"), ("GET", "missing"),
+        ("MGET", "missing"),
     ],
     "hello-errors": [
         ("HELLO", "4"), ("HELLO", "abc"), ("HELLO", "1"), ("HELLO", "3", "FOO"), ("PING",),
@@ -465,7 +536,7 @@ def target_with_password(request) -> Daemon:
 
 def test_auth_replies_match_redis(redis_with_password, kv_with_password):
     expected = run_steps(redis_with_password, AUTH_STEPS, flush=False)
-    assert run_steps(kv_with_password, AUTH_STEPS, flush=False) == expected
+    assert_same_replies(expected, run_steps(kv_with_password, AUTH_STEPS, flush=False))
 
 
 def test_hello_auth_authenticates(target_with_password):
@@ -478,9 +549,9 @@ def test_hello_auth_authenticates(target_with_password):
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_replies_match_redis(scenario, redis_server, kv):
-    expected = normalize_keys(run_steps(redis_server, SCENARIOS[scenario]))
-    got = normalize_keys(run_steps(kv, SCENARIOS[scenario]))
-    assert align_unstable(expected, got) == expected
+    expected = normalize(run_steps(redis_server, SCENARIOS[scenario]))
+    got = normalize(run_steps(kv, SCENARIOS[scenario]))
+    assert_same_replies(expected, got)
 
 
 def scan_all(daemon: Daemon, *options: str) -> tuple[set, int]:
@@ -538,6 +609,24 @@ def test_quit_inline_closes(target):
         assert conn.closed_by_peer()
 
 
+def test_quit_in_a_pipeline_drops_what_follows(target):
+    with RespConnection(target) as conn:
+        conn.send(b"PING\r\n" + encode_command("QUIT") + encode_command("SET", "after-quit", "1"))
+        assert conn.read_reply() == b"+PONG\r\n"
+        assert conn.read_reply() == b"+OK\r\n"
+        assert conn.closed_by_peer()
+    with RespConnection(target) as conn:
+        assert conn.call("EXISTS", "after-quit") == b":0\r\n"
+
+
+def test_deep_pipeline(target):
+    with RespConnection(target) as conn:
+        conn.send(b"PING\r\n" * 20000 + encode_command("SET", "k", "v") * 20000
+                  + encode_command("GET", "k") * 20000)
+        expected = b"+PONG\r\n" * 20000 + b"+OK\r\n" * 20000 + b"$1\r\nv\r\n" * 20000
+        assert conn.read_available(len(expected), quiet=10.0) == expected
+
+
 HELLO_FIELDS = [b"server", b"version", b"proto", b"id", b"mode", b"role", b"modules"]
 
 
@@ -577,6 +666,8 @@ def test_hello_3_switches_to_resp3(target):
         info = conn.call("INFO", "server")
         assert info.startswith(b"=") and decode(info).startswith(b"txt:# Server\r\n")
         assert conn.call("FOO") == b"-ERR unknown command 'FOO', with args beginning with: \r\n"
+        client_list = conn.call("CLIENT", "LIST")
+        assert client_list.startswith(b"=") and decode(client_list).startswith(b"txt:id=")
         assert conn.call("HELLO", "2").startswith(b"*14\r\n")
         assert conn.call("GET", "missing") == b"$-1\r\n"
 
