@@ -89,11 +89,11 @@ class BlockHasher:
         return f"BlockHasher({self.namespace!r}, {self.block_tokens}, prefix={self.prefix!r})"
 
 
-def token_bytes(token_ids: Any, block_tokens: int) -> bytes:
-    """The full blocks of a 1-D integer sequence, as `TOKEN_DTYPE` bytes."""
+def token_bytes(token_ids: Any, block_tokens: int) -> memoryview:
+    """The full blocks of a 1-D integer sequence, as `TOKEN_DTYPE` bytes (no copy when already so)."""
     tokens = np.asarray(token_ids)
     if tokens.size == 0:
-        return b""
+        return memoryview(b"")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise TypeError(f"token ids must be a 1-D integer sequence, got {tokens.dtype} "
                         f"with shape {tokens.shape}")
@@ -101,4 +101,4 @@ def token_bytes(token_ids: Any, block_tokens: int) -> bytes:
     if tokens.dtype != TOKEN_DTYPE and tokens.size:
         if tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max:
             raise ValueError("token ids must lie in [0, 2**32)")
-    return tokens.astype(TOKEN_DTYPE, copy=False).tobytes()
+    return memoryview(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE)).cast("B")
