@@ -29,6 +29,7 @@ from test_redis_compat import RespConnection, encode_command
 
 MiB = 1 << 20
 PASSWORD = "pw"
+MAXCLIENTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,9 @@ def kv(tmp_path_factory) -> Daemon:
 
 @pytest.fixture(scope="module")
 def kv_guarded(tmp_path_factory) -> Daemon:
-    """A password and a 1 MiB bulk limit."""
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-guarded"),
-                           "--proto-max-bulk-len", "1mb", password=PASSWORD)
+    """A password, a 1 MiB bulk limit and a small client limit."""
+    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-guarded"), "--proto-max-bulk-len", "1mb",
+                           "--maxclients", str(MAXCLIENTS), password=PASSWORD)
     yield daemon
     daemon.stop()
 
@@ -80,7 +81,7 @@ def guarded(request, kv_guarded) -> Daemon:
     if request.param == "kvstore":
         return flushed(kv_guarded)
     redis = configure(request.getfixturevalue("redis_server"), "proto-max-bulk-len", "1mb",
-                      "requirepass", PASSWORD)
+                      "maxclients", str(MAXCLIENTS), "requirepass", PASSWORD)
     redis.password = PASSWORD
     return redis
 
@@ -252,6 +253,46 @@ def test_limits_before_auth(guarded, payload, error):
         assert conn.call("ECHO", b"e" * 16385) == b"$16385\r\n" + b"e" * 16385 + b"\r\n"
 
 
+MAXCLIENTS_ERROR = b"-ERR max number of clients reached\r\n"
+
+
+def test_maxclients_refuses_the_extra_connection(guarded):
+    """Redis answers the connection past the limit with an error and closes it."""
+    time.sleep(0.2)  # let the server notice connections closed by earlier tests
+    held = []
+    try:
+        for _ in range(MAXCLIENTS + 1):
+            conn = RespConnection(guarded)
+            greeting = conn.read_available(len(MAXCLIENTS_ERROR), quiet=0.2)
+            if greeting:
+                break
+            held.append(conn)
+        assert greeting == MAXCLIENTS_ERROR
+        assert conn.closed_by_peer()
+        assert len(held) == MAXCLIENTS
+        assert held[0].call("AUTH", PASSWORD) == b"+OK\r\n"
+        assert held[0].call("PING") == b"+PONG\r\n"
+    finally:
+        for conn in held:
+            conn.close()
+    time.sleep(0.2)
+    with RespConnection(guarded) as conn:
+        assert conn.call("AUTH", PASSWORD) == b"+OK\r\n"
+
+
+def test_slow_reader_does_not_stall_others(target):
+    value = bytes(range(256)) * (4 * MiB // 256)
+    with RespConnection(target) as slow, RespConnection(target) as other:
+        assert slow.call("SET", "big", value) == b"+OK\r\n"
+        slow.send(encode_command("GET", "big") * 16)  # 64 MiB of replies nobody reads yet
+        time.sleep(0.2)
+        for i in range(50):
+            assert other.call("SET", f"other-{i}", i) == b"+OK\r\n"
+            assert other.call("GET", f"other-{i}") == b"$%d\r\n%d\r\n" % (len(str(i)), i)
+        expected = b"$4194304\r\n" + value + b"\r\n"
+        assert all(slow.read_reply() == expected for _ in range(16))
+
+
 def test_huge_multibulk_claims_keep_memory_bounded(target):
     before = rss_bytes(target)
     for _ in range(20):
@@ -285,6 +326,20 @@ def test_half_sent_value_leaves_nothing(noeviction):
         for i in range(8):
             assert other.call("SET", f"full-{i}", value) == b"+OK\r\n", "space was not released"
         assert other.call("STRLEN", "full-7") == b":4194304\r\n"
+
+
+def test_half_sent_kv_put_leaves_nothing(kv_noeviction):
+    flushed(kv_noeviction)
+    with RespConnection(kv_noeviction) as other:
+        for _ in range(4):
+            with RespConnection(kv_noeviction) as quitter:
+                quitter.send(encode_command("KV.PUT", "block", b"\x01" * (4 * MiB), "PARENT", "root")
+                             [:3 * MiB])
+                assert other.call("PING") == b"+PONG\r\n"
+        time.sleep(0.2)
+        assert other.call("EXISTS", "block") == b":0\r\n"
+        assert other.call("KV.MATCH", "block") == b":0\r\n"
+        assert other.call("DBSIZE") == b":0\r\n"
 
 
 OOM = b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"
