@@ -80,6 +80,8 @@ class Config:
                 value = int(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{name} must be an integer") from None
+        elif attr == "maxmemory_policy":
+            value = str(value).lower()
         elif value is not None:
             value = str(value)
         setattr(self, attr, value)

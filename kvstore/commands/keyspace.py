@@ -47,9 +47,10 @@ def _expire(conn, args, unit_ms: int, absolute: bool = False):
     if {b"GT", b"LT"} <= flags:
         raise CommandError("GT and LT options at the same time are not compatible")
     name = args[0].decode().lower()
-    if abs(amount) > 2**63 // unit_ms:
+    base = 0 if absolute else now_ms()
+    if abs(amount) > 2**63 // unit_ms or amount * unit_ms > 2**63 - 1 - base:
         raise CommandError(f"invalid expire time in '{name}' command")
-    deadline = amount * unit_ms + (0 if absolute else now_ms())
+    deadline = amount * unit_ms + base
     engine = conn.engine
     if engine.lookup(key) is None:
         return writer.ZERO
