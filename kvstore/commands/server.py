@@ -139,12 +139,24 @@ def config(conn, args):
 def _config_get(conn, patterns: list[bytes]) -> bytes:
     from kvstore.commands.keyspace import matches
     values = conn.server.config_values()
-    pairs = [(writer.bulk(name), writer.bulk(value)) for name, value in values.items()
-             if any(matches(p.lower(), name.encode()) for p in patterns)]
-    return conn.enc.map(pairs)
+    found: dict[bytes, str] = {}
+    for pattern in patterns:
+        if not any(c in pattern for c in b"*?["):    # a plain name echoes as typed, as Redis 7.0
+            value = values.get(pattern.decode(errors="replace").lower())
+            if value is not None:
+                found.setdefault(pattern, value)
+            continue
+        for name, value in values.items():
+            if matches(pattern.lower(), name.encode()):
+                found.setdefault(name.encode(), value)
+    return conn.enc.map([(writer.bulk(k), writer.bulk(v)) for k, v in found.items()])
 
 
 def _config_set(conn, pairs: list[bytes]) -> bytes:
+    names = [p.lower() for p in pairs[::2]]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1).decode(errors="replace")
+        raise CommandError(f"CONFIG SET failed (possibly related to argument '{dup}') - duplicate parameter")
     for i in range(0, len(pairs), 2):
         name = pairs[i].decode(errors="replace").lower()
         if name in READ_ONLY_SETTINGS:
