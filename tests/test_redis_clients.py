@@ -177,9 +177,9 @@ def test_redis_py_asyncio_pool_like_lmcache(target):
     assert clients >= 100, "the pool should have opened close to 150 connections"
 
 
-def redis_cli(daemon: Daemon, *args: str) -> str:
+def redis_cli(daemon: Daemon, *args: str, stdin: bytes = b"") -> str:
     done = subprocess.run(["redis-cli", "-h", daemon.host, "-p", str(daemon.port), *args],
-                          capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+                          capture_output=True, timeout=30, input=stdin)
     assert done.returncode == 0, done.stderr
     return done.stdout.decode()
 
@@ -197,6 +197,22 @@ def test_redis_cli_commands(target):
     assert re.search(r"^redis_version:\d+\.\d+\.\d+\r?$", redis_cli(target, "INFO"), re.M)
     assert redis_cli(target, "--scan", "--pattern", "c*") == "cli\n"
     assert redis_cli(target, "DBSIZE") == "1\n"
+
+
+def test_redis_cli_keyspace_tools(target):
+    """--bigkeys and --memkeys walk the keyspace with SCAN, TYPE, STRLEN and MEMORY USAGE."""
+    redis_cli(target, "SET", "big", "x" * 1000)
+    redis_cli(target, "SET", "small", "x")
+    assert "Biggest string found '\"big\"' has 1000 bytes" in redis_cli(target, "--bigkeys")
+    assert re.search(r"Biggest string found '\"big\"' has \d+ bytes", redis_cli(target, "--memkeys"))
+
+
+def test_redis_cli_pipe_mode(target):
+    """Mass insertion: raw RESP on stdin, ended by an ECHO the tool waits for."""
+    requests = b"".join(encode_command("SET", f"pipe:{i}", i) for i in range(10000))
+    output = redis_cli(target, "--pipe", stdin=requests)
+    assert "errors: 0, replies: 10000" in output
+    assert redis_cli(target, "DBSIZE") == "10000\n"
 
 
 class RecordingProxy:
@@ -282,6 +298,11 @@ def test_redis_benchmark_smoke(target):
     rates = benchmark(target, "-t", "set,get,ping_inline,mset", "-n", "2000")
     assert set(rates) == {"SET", "GET", "PING_INLINE", "MSET (10 keys)"}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_redis_benchmark_pipelined(target):
+    rates = benchmark(target, "-t", "set,get", "-n", "5000", "-P", "16")
+    assert set(rates) == {"SET", "GET"} and all(rate > 0 for rate in rates.values())
 
 
 def test_redis_benchmark_large_values(target):

@@ -736,6 +736,8 @@ def test_info_sections_and_format(target):
             assert sections["stats"][field].isdigit()
         assert set(info_sections(conn.call("INFO", "server"))) == {"server"}
         assert set(info_sections(conn.call("INFO", "memory", "clients"))) == {"memory", "clients"}
+        for everything in ("all", "everything"):
+            assert set(sections) <= set(info_sections(conn.call("INFO", everything)))
 
 
 def test_info_keyspace_line(target):
