@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from kvstore.allocator import BuddyAllocator
 from kvstore.arena import Arena
 from kvstore.eviction import NO_PARENT, SampledLRU
-from proto.wire import TIER_DRAM
+from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
+
+# Where a slot's value lives (the ``_tier`` column).
+DRAM, SSD, GPU = 0, 1, 2
+TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
+# ``_flags`` bits.
+ON_SSD = 1        # a verified copy is on SSD: dropping the DRAM copy loses nothing
+STAGED = 2        # an SSD/GPU value with a temporary DRAM copy for one command
 
 
 class OutOfMemory(Exception):
@@ -70,8 +77,12 @@ class Engine:
         self.expires: dict[bytes, int] = {}
         self.stats = EngineStats()
         self._keys: list[bytes | None] = []
-        self._offset = array("q")
+        self._offset = array("q")      # DRAM offset (or GPU offset for GPU values)
         self._size = array("q")
+        self._tier = array("b")
+        self._flags = array("b")
+        self.tier_bytes = {DRAM: 0, SSD: 0, GPU: 0}
+        self.tiers = None              # kvstore.tiering.TierManager when SSD/GPU tiers exist
         self._free_slots: list[int] = []
         self._leases: dict[int, int] = {}       # offset -> readers in flight
         self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
@@ -110,10 +121,15 @@ class Engine:
         slot = self._new_slot(key)
         self._offset[slot] = extent.offset
         self._size[slot] = extent.size
+        self._tier[slot] = DRAM
+        self._flags[slot] = 0
         self.value_bytes += extent.size
+        self.tier_bytes[DRAM] += extent.size
         self.index[key] = slot
         parent_slot = self.index.get(parent, NO_PARENT) if parent is not None else NO_PARENT
         self.eviction.insert(slot, parent_slot)
+        if self.tiers is not None:
+            self.tiers.on_commit(key, slot)
 
     def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
         """Copy ``data`` (any buffer) into the arena under ``key``."""
@@ -135,12 +151,14 @@ class Engine:
         offset = self._offset[slot]
         old = self._size[slot]
         alloc = self.allocator
-        if offset in self._leases or alloc.order_for(size) != alloc.order_for(old):
+        if offset in self._leases or alloc.order_for(size) != alloc.order_for(old) \
+                or self._tier[slot] != DRAM or self._flags[slot]:
             return False
         self.arena.view[offset:offset + size] = src
         self._size[slot] = size
         alloc.requested += size - old
         self.value_bytes += size - old
+        self.tier_bytes[DRAM] += size - old
         if not keep_ttl and self.expires:
             self.expires.pop(self._keys[slot], None)
         self.eviction.touch(slot)
@@ -152,6 +170,10 @@ class Engine:
             return False
         self._drop(slot)
         return True
+
+    def drop(self, slot: int) -> None:
+        """Remove a value from every tier (SSD over capacity, corrupt copy)."""
+        self._drop(slot)
 
     def flush(self) -> None:
         for slot in list(self.index.values()):
@@ -261,7 +283,7 @@ class Engine:
     # ----------------------------------------------------------- accounting
 
     def tier_of(self, slot: int) -> str:
-        return TIER_DRAM
+        return TIER_NAMES[self._tier[slot]]
 
     def memory_usage(self, key: bytes, slot: int) -> int:
         """Bytes a key costs: its arena block plus its share of the index."""
@@ -270,7 +292,8 @@ class Engine:
     def kv_stats(self) -> dict[str, int]:
         s = self.stats
         return {"hits": s.hits, "misses": s.misses, "keys": len(self.index), "evictions": s.evictions,
-                "bytes_gpu": 0, "bytes_dram": self.value_bytes, "bytes_ssd": 0}
+                "bytes_gpu": self.tier_bytes[GPU], "bytes_dram": self.tier_bytes[DRAM],
+                "bytes_ssd": self.tier_bytes[SSD]}
 
     def metadata_bytes_per_key(self) -> float:
         """Index overhead per key: dict entry, key object, slot int, arrays."""
@@ -279,7 +302,8 @@ class Engine:
             return 0.0
         sample = list(self.index)[:64]
         key_bytes = sum(sys.getsizeof(k) for k in sample) / len(sample)
-        per_slot = self._offset.itemsize + self._size.itemsize + self.eviction.nbytes_per_slot() + 8
+        per_slot = (self._offset.itemsize + self._size.itemsize + self._tier.itemsize + self._flags.itemsize
+                    + self.eviction.nbytes_per_slot() + 8)
         return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_slot
 
     def close(self) -> None:
@@ -296,6 +320,8 @@ class Engine:
         self._keys.append(key)
         self._offset.append(0)
         self._size.append(0)
+        self._tier.append(DRAM)
+        self._flags.append(0)
         return slot
 
     def _drop(self, slot: int, keep_ttl: bool = False) -> None:
@@ -303,20 +329,111 @@ class Engine:
         del self.index[key]
         if not keep_ttl:
             self.expires.pop(key, None)
-        offset, size = self._offset[slot], self._size[slot]
-        if offset in self._leases:
-            self._doomed[offset] = size
-        else:
-            self.allocator.free(offset, size)
+        tier, flags, size = self._tier[slot], self._flags[slot], self._size[slot]
+        if tier == DRAM or flags & STAGED:
+            self.free_dram(self._offset[slot], size)
+        if tier == GPU:
+            self.tiers.free_gpu(self._offset[slot], size)
+        if self.tiers is not None and (tier == SSD or flags & ON_SSD):
+            self.tiers.forget_on_ssd(key)
         self.value_bytes -= size
+        self.tier_bytes[tier] -= size
         self.eviction.remove(slot)
         self._keys[slot] = None
         self._free_slots.append(slot)
 
+    def free_dram(self, offset: int, size: int) -> None:
+        """Free a DRAM extent now, or when its last reader lets go."""
+        if offset in self._leases:
+            self._doomed[offset] = size
+        else:
+            self.allocator.free(offset, size)
+
     def _evict_one(self) -> bool:
-        slot = self.eviction.victim()
+        """Make room in DRAM: drop a clean copy, or evict the coldest value."""
+        if self.tiers is None:
+            slot = self.eviction.victim()
+        else:
+            slot = self.eviction.victim(among=(self._tier, DRAM))
         if slot is None:
             return False
+        if self._flags[slot] & ON_SSD:
+            self.demoted_to_ssd(slot)
+            return True
         self._drop(slot)
         self.stats.evictions += 1
+        if self.tiers is not None:
+            self.tiers.stats[DRAM].evictions += 1
         return True
+
+    # ----------------------------------------------------------- tier moves
+
+    def tier_code(self, slot: int) -> int:
+        return self._tier[slot]
+
+    def flags_of(self, slot: int) -> int:
+        return self._flags[slot]
+
+    def mark_on_ssd(self, slot: int) -> None:
+        self._flags[slot] |= ON_SSD
+
+    def demoted_to_ssd(self, slot: int) -> None:
+        """The value is safely on SSD: let its DRAM copy go."""
+        size = self._size[slot]
+        self.free_dram(self._offset[slot], size)
+        self._tier[slot] = SSD
+        self._flags[slot] = ON_SSD
+        self.tier_bytes[DRAM] -= size
+        self.tier_bytes[SSD] += size
+        if self.tiers is not None:
+            self.tiers.stats[DRAM].demotions += 1
+
+    def stage(self, slot: int, extent: Extent) -> None:
+        """Give an SSD/GPU value a temporary DRAM copy (freed by ``unstage``)."""
+        extent.committed = True
+        self._offset[slot] = extent.offset
+        self._flags[slot] |= STAGED
+
+    def unstage(self, slot: int) -> None:
+        if self._flags[slot] & STAGED:
+            self._flags[slot] &= ~STAGED
+            self.free_dram(self._offset[slot], self._size[slot])
+
+    def promote_to_dram(self, slot: int, extent: Extent) -> None:
+        """Make a fetched copy the value's home (the SSD copy stays as a clean backup)."""
+        extent.committed = True
+        old_tier, size = self._tier[slot], self._size[slot]
+        if old_tier == GPU:
+            self.tiers.free_gpu(self._offset[slot], size)
+        self._offset[slot] = extent.offset
+        self._flags[slot] = ON_SSD if old_tier == SSD else 0
+        self._tier[slot] = DRAM
+        self.tier_bytes[old_tier] -= size
+        self.tier_bytes[DRAM] += size
+
+    def moved_to_gpu(self, slot: int, gpu_offset: int) -> None:
+        """A hot DRAM value now lives in the GPU arena."""
+        size = self._size[slot]
+        self.free_dram(self._offset[slot], size)
+        self._offset[slot] = gpu_offset
+        self._tier[slot] = GPU
+        self.tier_bytes[DRAM] -= size
+        self.tier_bytes[GPU] += size
+
+    def add_from_ssd(self, key: bytes, size: int, parent: bytes | None) -> None:
+        """Index a value found on SSD at start-up (a newer value in DRAM wins)."""
+        if key in self.index:
+            return
+        slot = self._new_slot(key)
+        self._size[slot] = size
+        self._tier[slot] = SSD
+        self._flags[slot] = ON_SSD
+        self.value_bytes += size
+        self.tier_bytes[SSD] += size
+        self.index[key] = slot
+        parent_slot = self.index.get(parent, NO_PARENT) if parent is not None else NO_PARENT
+        self.eviction.insert(slot, parent_slot)
+
+    def coldest(self, tier: int) -> int | None:
+        """The next value to move out of ``tier`` (never a leased or pinned one)."""
+        return self.eviction.victim(among=(self._tier, tier))

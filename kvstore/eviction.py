@@ -114,17 +114,24 @@ class SampledLRU:
     def is_leaf(self, slot: int) -> bool:
         return not self._children[slot]
 
-    def victim(self) -> int | None:
-        """The slot to evict next, or None when every live entry is pinned."""
+    def victim(self, among: tuple[array, int] | None = None) -> int | None:
+        """The slot to evict next, or None when every live entry is pinned.
+
+        ``among=(column, value)`` limits the choice to slots whose entry in the
+        caller's per-slot ``column`` equals ``value`` (e.g. "values in DRAM").
+        """
         if self.count == 0:
             return None
         cols = self._views()
+        mask = None
+        if among is not None:
+            mask = (np.frombuffer(among[0], dtype=np.dtype(among[0].typecode))[: self._high], among[1])
         for _ in range(4):
-            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples))
+            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), mask)
             if picked is not None:
                 return picked
-        # The sampled slots were all free or pinned: look at everything once.
-        return self._pick(cols, np.arange(self._high))
+        # The sampled slots were all free, pinned or elsewhere: look at everything once.
+        return self._pick(cols, np.arange(self._high), mask)
 
     def _views(self) -> tuple[np.ndarray, ...]:
         high = self._high
@@ -132,9 +139,12 @@ class SampledLRU:
                      for name, code, _ in self._COLUMNS)
 
     @staticmethod
-    def _pick(cols: tuple[np.ndarray, ...], cand: np.ndarray) -> int | None:
+    def _pick(cols: tuple[np.ndarray, ...], cand: np.ndarray, mask) -> int | None:
         live, stamp, _, children, pins = cols
-        cand = cand[(live[cand] != 0) & (pins[cand] == 0)]
+        keep = (live[cand] != 0) & (pins[cand] == 0)
+        if mask is not None:
+            keep &= mask[0][cand] == mask[1]
+        cand = cand[keep]
         if cand.size == 0:
             return None
         leaves = cand[children[cand] == 0]
