@@ -10,7 +10,9 @@ round trip has been read.
 
 Values are returned as `bytearray` (received in place at their exact size;
 converting to `bytes` would copy them); `get_into` and `batch_get_into`
-receive into the caller's own buffers with no copy at all in Python.
+receive into the caller's own buffers. Either way only the first bytes of a
+value, those that arrive together with its reply header, pass through the
+connection's receive buffer; the rest goes straight to its destination.
 """
 from __future__ import annotations
 
