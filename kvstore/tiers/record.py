@@ -23,7 +23,7 @@ it spends any time decompressing, and a flipped bit anywhere in the payload
 Why compression is per value and guarded: KV tensors in fp16/bf16 are close
 to noise and lz4 saves nothing on them (ratio 1.00), while some values
 (text, sparse tensors, bf16 after byte-shuffling) do compress. The encoder
-first compresses a 64 KiB sample, plain and byte-shuffled, and compresses the
+first compresses a 16 KiB sample, plain and byte-shuffled, and compresses the
 whole value only when the sample saved enough; the compressed form is kept
 only when it is smaller than ``KEEP_RATIO`` of the value. Incompressible
 values thus cost one small probe, not a full pass.
@@ -48,7 +48,7 @@ MAGIC = b"KV"
 VERSION = 1
 HEADER = struct.Struct("<2sBBHQQQ")
 MAX_PARENT_LEN = 0xFFFF
-PROBE_BYTES = 64 * 1024
+PROBE_BYTES = 16 * 1024
 KEEP_RATIO = 0.95
 
 
