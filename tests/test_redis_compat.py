@@ -439,13 +439,18 @@ SCENARIOS: dict[str, list[Step]] = {
         ("CONFIG", "SET", "maxmemory-policy", "noeviction", "maxmemory-policy", "allkeys-lru"),
         ("CONFIG", "SET", "MAXMEMORY-POLICY", "allkeys-lru"), ("CONFIG", "GET", "maxmemory-policy"),
     ],
-    "memory-usage-missing": [("MEMORY", "USAGE", "missing"), ("MEMORY", "USAGE")],
+    "memory-usage-errors": [
+        ("SET", "k", "v"), ("MEMORY", "USAGE", "missing"), ("MEMORY", "USAGE"),
+        ("MEMORY", "USAGE", "missing", "SAMPLES", "5"), ("MEMORY", "USAGE", "k", "FOO"),
+        ("MEMORY", "USAGE", "k", "SAMPLES", "x"), ("MEMORY", "FOO"), ("MEMORY",),
+    ],
     "command-info": [
         ("COMMAND", "INFO", "no-such-command"), ("COMMAND", "FOO"), ("COMMAND", "DOCS", "no-such"),
         ("COMMAND", "COUNT", "x"), ("INFO", "no-such-section"),
     ],
     "resp3-replies": [
-        ("HELLO", "3"), ("SET", "k", "v"), ("GET", "missing"), ("MGET", "k", "missing"),
+        ("HELLO",), ("HELLO", "3"), ("HELLO",), ("SET", "k", "v"), ("GET", "missing"),
+        ("MGET", "k", "missing"),
         ("SET", "k", "w", "NX"), ("SET", "k", "w", "XX", "GET"), ("SET", "new", "v", "GET"),
         ("GETDEL", "missing"), ("EXISTS", "k", "missing"), ("TTL", "k"), ("STRLEN", "k"),
         ("ECHO", "e"), ("PING",), ("PING", "p"), ("CLIENT", "GETNAME"), ("MEMORY", "USAGE", "missing"),
@@ -776,6 +781,9 @@ def test_command_count_and_docs(target):
         assert isinstance(docs, list) and len(docs) % 2 == 0
         names = set(docs[0::2])
         assert {b"get", b"set", b"ping", b"del", b"scan", b"info"} <= names
+        table = decode(conn.call("COMMAND"))
+        assert len(table) == count
+        assert all(isinstance(entry[0], bytes) and isinstance(entry[1], int) for entry in table)
         [name, doc] = decode(conn.call("COMMAND", "DOCS", "get"))
         assert name == b"get"
         fields = dict(zip(doc[0::2], doc[1::2]))
