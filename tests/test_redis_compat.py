@@ -241,11 +241,8 @@ def sort_array_reply(raw: bytes) -> bytes:
 
 
 def align_unstable(reference: list, candidate: list) -> list:
-    """`candidate` with clock-dependent and unordered replies made comparable.
-
-    A TTL/PTTL reading counts as equal when both are positive and within the
-    tolerance; a KEYS reply is compared as a sorted list.
-    """
+    """`candidate` with its TTL/PTTL readings taken as equal to the reference's
+    when both are positive and within the tolerance (the clock moves between runs)."""
     aligned = []
     for (request, expected), (_, got) in zip(reference, candidate):
         name = command_name(request)
