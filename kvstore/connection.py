@@ -14,6 +14,7 @@ bound.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from array import array
@@ -64,6 +65,9 @@ class Connection:
         self.multi: list | None = None      # commands queued since MULTI
         self.multi_dirty = False
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
+        self.backlog: deque = deque()       # parsed commands not run yet
+        self.waiting: asyncio.Future | None = None
+        self.protocol_error: ProtocolError | None = None
         self.pending_fds: list[int] = []    # sent with the next reply bytes (SCM_RIGHTS)
 
     # ------------------------------------------------------------- identity
@@ -121,19 +125,46 @@ class Connection:
         self.flush()
 
     def _run_parsed(self) -> None:
-        try:
-            commands = self.reader.parse()
-            error = None
-        except ProtocolError as exc:
-            commands, error = self.reader.parsed_before_error, exc
-        for args, failure, has_holders in commands:
-            self.execute(args, failure, has_holders)
-            if self.close_after_reply:
-                return
-        if error is not None:
-            log.info("Protocol error (%s) from client id=%d addr=%s", error, self.id, self.addr)
-            self.wbuf += writer.error(f"Protocol error: {error}")
+        if self.protocol_error is None:
+            try:
+                self.backlog.extend(self.reader.parse())
+            except ProtocolError as exc:
+                self.backlog.extend(self.reader.parsed_before_error)
+                self.protocol_error = exc
+        self._run_backlog()
+
+    def _run_backlog(self) -> None:
+        """Run parsed commands in order; stop while one waits for a tier."""
+        backlog = self.backlog
+        while backlog and self.waiting is None and not self.close_after_reply:
+            self.execute(*backlog.popleft())
+        if not backlog and self.waiting is None and self.protocol_error is not None \
+                and not self.close_after_reply:
+            log.info("Protocol error (%s) from client id=%d addr=%s", self.protocol_error, self.id, self.addr)
+            self.wbuf += writer.error(f"Protocol error: {self.protocol_error}")
             self.close_after_reply = True
+
+    def defer(self, awaitable, resume) -> None:
+        """Pause this client's commands until ``awaitable`` is done, then ``resume(result)``.
+
+        Replies stay in request order: later commands wait in the backlog, and
+        we stop reading from the socket meanwhile.
+        """
+        self.waiting = asyncio.ensure_future(awaitable)
+        if self.reading:
+            self.server.loop.remove_reader(self.fd)
+            self.reading = False
+        self.waiting.add_done_callback(lambda future: self._resume(future, resume))
+
+    def _resume(self, future, resume) -> None:
+        self.waiting = None
+        try:
+            resume(future.result())
+        except Exception:
+            log.exception("deferred command failed")
+            self.wbuf += writer.error("internal error while running the command")
+        self._run_backlog()
+        self.flush()
 
     def _allocate(self, args: list, size: int):
         """Destination for a big bulk: an arena extent when it is a stored value."""
@@ -149,7 +180,7 @@ class Connection:
 
     def execute(self, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
         cmd = lookup(args[0])
-        queued = False
+        queued = deferred = False
         try:
             if cmd is None:
                 raise CommandError(_unknown_command(args))
@@ -162,11 +193,20 @@ class Connection:
                 return
             if failure is not None:
                 raise failure
+            if self.server.loading and "loading" not in cmd.flags:
+                raise CommandError("kvstore is loading the dataset in memory", "LOADING")
             if self.multi is not None and cmd.name.encode() not in QUEUE_ANYWAY:
                 self.multi.append((args, has_holders))
                 queued = True
                 self.wbuf += writer.QUEUED
                 return
+            tiers = self.engine.tiers
+            if tiers is not None and cmd.reads is not None:
+                pending = tiers.pending_fetch(cmd.reads(self, args))
+                if pending:
+                    deferred = True
+                    self.defer(tiers.fetch(pending), lambda fetched: self._run_fetched(fetched, args, has_holders))
+                    return
             self.last_command = cmd.name
             reply = cmd.handler(self, args)
             if reply is not None:
@@ -179,9 +219,19 @@ class Connection:
             log.exception("command %r failed", args[0][:64])
             self._fail(writer.error("internal error while running the command"))
         finally:
-            if has_holders and not queued:
+            if has_holders and not queued and not deferred:
                 self._release_holders(args)
-            self.server.stats.commands += 1
+            if not deferred:
+                self.server.stats.commands += 1
+
+    def _run_fetched(self, fetched: list, args: list, has_holders: bool) -> None:
+        """Run a command whose SSD/GPU values have just been copied into DRAM."""
+        tiers = self.engine.tiers
+        staged = tiers.install(fetched)
+        try:
+            self.execute(args, None, has_holders)
+        finally:
+            tiers.unstage(staged)
 
     def _fail(self, reply: bytes) -> None:
         if self.multi is not None:
@@ -285,7 +335,7 @@ class Connection:
             self.writing = False
         if self.close_after_reply:
             self.close()
-        elif not self.reading:
+        elif not self.reading and self.waiting is None:
             self.reading = True
             loop.add_reader(self.fd, self.on_readable)
             if self.reader.end > self.reader.start:
@@ -293,7 +343,7 @@ class Connection:
 
     def on_readable_buffered(self) -> None:
         """Run commands that arrived while we were not reading."""
-        if not self.closed and self.reading:
+        if not self.closed and self.reading and self.waiting is None:
             self._run_parsed()
             self.flush()
 

@@ -77,7 +77,7 @@ class Engine:
         self.expires: dict[bytes, int] = {}
         self.stats = EngineStats()
         self._keys: list[bytes | None] = []
-        self._offset = array("q")      # DRAM offset (or GPU offset for GPU values)
+        self._offset = array("q")      # DRAM offset (of the staged copy for SSD/GPU values)
         self._size = array("q")
         self._tier = array("b")
         self._flags = array("b")
@@ -333,7 +333,7 @@ class Engine:
         if tier == DRAM or flags & STAGED:
             self.free_dram(self._offset[slot], size)
         if tier == GPU:
-            self.tiers.free_gpu(self._offset[slot], size)
+            self.tiers.free_gpu(slot, size)
         if self.tiers is not None and (tier == SSD or flags & ON_SSD):
             self.tiers.forget_on_ssd(key)
         self.value_bytes -= size
@@ -404,18 +404,17 @@ class Engine:
         extent.committed = True
         old_tier, size = self._tier[slot], self._size[slot]
         if old_tier == GPU:
-            self.tiers.free_gpu(self._offset[slot], size)
+            self.tiers.free_gpu(slot, size)
         self._offset[slot] = extent.offset
         self._flags[slot] = ON_SSD if old_tier == SSD else 0
         self._tier[slot] = DRAM
         self.tier_bytes[old_tier] -= size
         self.tier_bytes[DRAM] += size
 
-    def moved_to_gpu(self, slot: int, gpu_offset: int) -> None:
-        """A hot DRAM value now lives in the GPU arena."""
+    def moved_to_gpu(self, slot: int) -> None:
+        """A hot DRAM value now lives in the GPU arena (its offset is the GPU tier's)."""
         size = self._size[slot]
         self.free_dram(self._offset[slot], size)
-        self._offset[slot] = gpu_offset
         self._tier[slot] = GPU
         self.tier_bytes[DRAM] -= size
         self.tier_bytes[GPU] += size

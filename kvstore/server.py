@@ -48,6 +48,11 @@ class Server:
         self._stopped: asyncio.Future | None = None
         self._cron_jobs: list = []          # (callable) run every CRON_SECONDS
 
+    @property
+    def loading(self) -> bool:
+        """True while the SSD tier's index is being read back after a restart."""
+        return self.engine.tiers is not None and self.engine.tiers.loading
+
     # ------------------------------------------------------------ lifecycle
 
     async def serve(self) -> None:

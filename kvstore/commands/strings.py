@@ -6,7 +6,7 @@ the arena through the connection. Replies match Redis 7 byte for byte.
 """
 from __future__ import annotations
 
-from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
+from kvstore.commands.table import SYNTAX, CommandError, all_keys, command, first_key, parse_int
 from kvstore.engine import Extent, now_ms
 from kvstore.protocol import writer
 
@@ -56,8 +56,12 @@ def _deadline(unit: bytes, amount: int, cmd: str) -> int:
     return now + ms
 
 
+def _set_reads(conn, args: list) -> list[bytes]:
+    return [args[1]] if any(a.upper() == b"GET" for a in args[3:]) else []
+
+
 @command("SET", -3, "write denyoom", "string", "Sets the string value of a key, ignoring its type.",
-         values=lambda i: i == 2)
+         values=lambda i: i == 2, reads=_set_reads)
 def set_(conn, args):
     key, value = args[1], args[2]
     if len(args) == 3:
@@ -77,7 +81,7 @@ def set_(conn, args):
     return old or writer.OK
 
 
-@command("GET", 2, "readonly fast", "string", "Returns the string value of a key.")
+@command("GET", 2, "readonly fast", "string", "Returns the string value of a key.", reads=first_key)
 def get(conn, args):
     slot = conn.engine.get_slot(args[1])
     if slot is None:
@@ -85,7 +89,8 @@ def get(conn, args):
     conn.write_value(slot)
 
 
-@command("GETDEL", 2, "write fast", "string", "Returns the string value of a key after deleting the key.")
+@command("GETDEL", 2, "write fast", "string", "Returns the string value of a key after deleting the key.",
+         reads=first_key)
 def getdel(conn, args):
     slot = conn.engine.get_slot(args[1])
     if slot is None:
@@ -96,7 +101,7 @@ def getdel(conn, args):
 
 
 @command("MGET", -2, "readonly fast", "string", "Atomically returns the string values of one or more keys.",
-         keys=(1, -1, 1))
+         keys=(1, -1, 1), reads=all_keys)
 def mget(conn, args):
     conn.write(b"*%d\r\n" % (len(args) - 1))
     for key in args[1:]:
@@ -123,7 +128,8 @@ def strlen(conn, args):
     return writer.integer(0 if slot is None else conn.engine.size_of(slot))
 
 
-@command("GETRANGE", 4, "readonly", "string", "Returns a substring of the string stored at a key.")
+@command("GETRANGE", 4, "readonly", "string", "Returns a substring of the string stored at a key.",
+         reads=first_key)
 def getrange(conn, args):
     start, end = parse_int(args[2]), parse_int(args[3])
     slot = conn.engine.lookup(args[1])

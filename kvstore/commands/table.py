@@ -39,6 +39,7 @@ class Command:
     last_key: int = 1
     step: int = 1
     value_args: Callable[[int], bool] | None = None   # argument index -> carries a value?
+    reads: Callable[[object, list], list[bytes]] | None = None  # keys whose values it reads
     subcommands: dict[str, tuple[int, str]] = field(default_factory=dict)   # name -> (arity, summary)
 
     def arity_ok(self, argc: int) -> bool:
@@ -59,11 +60,17 @@ TABLE: dict[bytes, Command] = {}
 
 
 def command(name: str, arity: int, flags: str, group: str, summary: str, *,
-            keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None):
-    """Register the decorated function as the handler of ``name``."""
+            keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None, reads=None):
+    """Register the decorated function as the handler of ``name``.
+
+    ``values(i)`` says whether argument ``i`` is a value to store (received
+    straight into the arena); ``reads(conn, args)`` names the keys whose
+    values the command reads (fetched into DRAM first when they live on SSD
+    or GPU, so handlers only ever see DRAM).
+    """
     def register(fn: Callable) -> Callable:
         cmd = Command(name.lower(), arity, tuple(flags.split()), fn, group, summary,
-                      *keys, value_args=values, subcommands=subcommands or {})
+                      *keys, value_args=values, reads=reads, subcommands=subcommands or {})
         TABLE[name.upper().encode()] = cmd
         TABLE[name.lower().encode()] = cmd
         return fn
@@ -82,6 +89,14 @@ def all_commands() -> list[Command]:
     for cmd in TABLE.values():
         seen[cmd.name] = cmd
     return list(seen.values())
+
+
+def first_key(conn, args: list) -> list[bytes]:
+    return [args[1]]
+
+
+def all_keys(conn, args: list) -> list[bytes]:
+    return args[1:]
 
 
 def parse_int(arg: bytes, message: str = WRONG_TYPE_INT) -> int:

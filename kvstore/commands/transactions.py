@@ -7,7 +7,7 @@ and the nesting errors.
 """
 from __future__ import annotations
 
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, command, lookup
 from kvstore.protocol import writer
 
 QUEUE_ANYWAY = (b"exec", b"discard", b"multi", b"quit", b"reset")
@@ -21,8 +21,18 @@ def multi(conn, args):
     return writer.OK
 
 
+def _queued_reads(conn, args: list) -> list[bytes]:
+    """Every key the queued commands will read, so EXEC runs with them all in DRAM."""
+    keys = []
+    for queued_args, _ in conn.multi or []:
+        cmd = lookup(queued_args[0])
+        if cmd is not None and cmd.reads is not None:
+            keys += cmd.reads(conn, queued_args)
+    return keys
+
+
 @command("EXEC", 1, "noscript loading stale skip-slowlog", "transactions", "Executes all commands in a transaction.",
-         keys=(0, 0, 0))
+         keys=(0, 0, 0), reads=_queued_reads)
 def exec_(conn, args):
     if conn.multi is None:
         raise CommandError("EXEC without MULTI")

@@ -1,0 +1,368 @@
+"""Movement between tiers: demotion under watermarks, promotion by heat,
+reads from SSD and GPU off the event loop, and the warm restart.
+
+The engine's index says where each value lives (GPU, DRAM or SSD); this
+module moves values and keeps that column true. Every copy runs on a worker
+thread (RocksDB through `SSDWorker`, device copies through a small pool) and
+the index changes only on the loop thread, when the copy is done and only if
+the key still names the same slot, so a reader always gets a whole value from
+one tier or the other.
+
+- Demotion: above a tier's high watermark the coldest values (leaf-first, see
+  eviction.py) move down until the tier is under its low watermark: GPU to
+  DRAM, DRAM to SSD; SSD drops its coldest values above its own. A DRAM value
+  with a clean SSD copy (write-through, or promoted from SSD) leaves at once.
+- Reads of SSD or GPU values: the connection asks for the keys a command will
+  read (`pending_fetch`), `fetch` copies them into DRAM extents, and `install`
+  either promotes the copy (the value is hot: N hits within the window) or
+  stages it for this one command (`unstage` frees it afterwards).
+- Ordering on SSD: puts and deletes share the writer thread's queue, so a
+  delete issued after a put always lands after it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvstore.engine import DRAM, GPU, ON_SSD, SSD, STAGED, Engine, OutOfMemory
+from kvstore.tiers import CorruptValue, TierError, ValueTooLarge
+
+log = logging.getLogger("kvstore")
+
+MAX_INFLIGHT_BYTES = 256 * 1024 * 1024    # demotion writes queued at once
+LOAD_CHUNK = 5000
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+
+
+@dataclass
+class TieringConfig:
+    high_watermark: float = 0.90
+    low_watermark: float = 0.85
+    promote_hits: int = 2
+    promote_window_s: float = 10.0
+    write_through: bool = False
+
+
+class TierManager:
+    """Owns the SSD and GPU tiers of one engine and moves values between tiers."""
+
+    def __init__(self, engine: Engine, cfg: TieringConfig, ssd_worker=None, gpu=None):
+        self.engine = engine
+        self.cfg = cfg
+        self.worker = ssd_worker
+        self.ssd = ssd_worker.tier if ssd_worker is not None else None
+        self.gpu = gpu
+        self.stats = {DRAM: TierStats(), SSD: TierStats(), GPU: TierStats()}
+        self.loading = False
+        self.recovered = 0
+        self._heat: dict[int, tuple[int, float]] = {}     # slot -> (hits, window start)
+        self._gpu_offset: dict[int, int] = {}
+        self._writing: set[int] = set()                   # slots with an SSD write in flight
+        self._inflight = 0
+        self._ssd_trouble_until = 0.0
+        self._copies = ThreadPoolExecutor(2, thread_name_prefix="tier-copy") if gpu is not None else None
+        engine.tiers = self
+
+    # ------------------------------------------------------------ reads
+
+    def pending_fetch(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
+        """(key, slot) of the keys whose values are not in DRAM."""
+        engine, out = self.engine, []
+        for key in keys:
+            slot = engine.lookup(key)
+            if slot is not None and engine.tier_code(slot) != DRAM and not engine.flags_of(slot) & STAGED:
+                out.append((key, slot))
+        return out
+
+    async def fetch(self, items: list[tuple[bytes, int]]) -> list[tuple]:
+        """Copy values into fresh DRAM extents; results for `install`."""
+        engine = self.engine
+        jobs = []
+        for key, slot in items:
+            try:
+                extent = engine.reserve(engine.size_of(slot))
+            except OutOfMemory as exc:
+                jobs.append((key, slot, None, _failed(exc)))
+                continue
+            jobs.append((key, slot, extent, self._copy_in(key, slot, extent)))
+        results = await asyncio.gather(*(job[3] for job in jobs), return_exceptions=True)
+        return [(key, slot, extent, result) for (key, slot, extent, _), result in zip(jobs, results)]
+
+    def _copy_in(self, key: bytes, slot: int, extent):
+        if self.engine.tier_code(slot) == GPU:
+            loop = asyncio.get_running_loop()
+            return loop.run_in_executor(self._copies, self.gpu.read_into, self._gpu_offset[slot],
+                                        extent.size, extent.view)
+        return self.worker.submit(self.ssd.get_into, key, extent.view)
+
+    def install(self, fetched: list[tuple]) -> list[int]:
+        """Put fetched copies in place; returns the slots staged for one command."""
+        engine, staged = self.engine, []
+        for key, slot, extent, result in fetched:
+            current = engine.index.get(key) == slot and engine.tier_code(slot) != DRAM
+            if isinstance(result, BaseException) or result is None or not current:
+                if extent is not None:
+                    engine.release(extent)
+                if current:
+                    self._lost(key, slot, result)
+                continue
+            tier = engine.tier_code(slot)
+            self.stats[tier].hits += 1
+            if self._is_hot(slot):
+                self._gpu_offset.pop(slot, None) if tier == GPU else None
+                engine.promote_to_dram(slot, extent)
+                self.stats[tier].promotions += 1
+            else:
+                engine.stage(slot, extent)
+                staged.append(slot)
+        return staged
+
+    def unstage(self, staged: list[int]) -> None:
+        for slot in staged:
+            self.engine.unstage(slot)
+
+    def _lost(self, key: bytes, slot: int, result) -> None:
+        """A value could not be read back: drop it so it is never served wrong."""
+        tier = self.engine.tier_code(slot)
+        if isinstance(result, CorruptValue):
+            self.stats[tier].checksum_failures += 1
+            log.warning("dropped %r: %s", key[:64], result)
+        elif isinstance(result, BaseException):
+            self.stats[tier].errors += 1
+            log.warning("could not read %r from %s: %s", key[:64], "SSD" if tier == SSD else "GPU", result)
+        self.stats[tier].misses += 1
+        self.engine.drop(slot)
+
+    def _is_hot(self, slot: int) -> bool:
+        now = time.monotonic()
+        hits, start = self._heat.get(slot, (0, now))
+        if now - start > self.cfg.promote_window_s:
+            hits, start = 0, now
+        hits += 1
+        if hits >= self.cfg.promote_hits:
+            self._heat.pop(slot, None)
+            return True
+        self._heat[slot] = (hits, start)
+        return False
+
+    # ------------------------------------------------------------ writes
+
+    def on_commit(self, key: bytes, slot: int) -> None:
+        self._heat.pop(slot, None)
+        if self.cfg.write_through and self._ssd_usable():
+            self._write_to_ssd(key, slot, demote=False)
+
+    def _write_to_ssd(self, key: bytes, slot: int, demote: bool) -> None:
+        engine = self.engine
+        lease = engine.lease(slot)            # the bytes stay put while the writer reads them
+        size = engine.size_of(slot)
+        self._writing.add(slot)
+        self._inflight += size
+        future = self.worker.put(key, engine.view(slot), self._parent_key(slot))
+        future.add_done_callback(lambda f: self._written(f, key, slot, lease, size, demote))
+
+    def _parent_key(self, slot: int) -> bytes | None:
+        parent = self.engine.eviction.parent_of(slot)
+        return None if parent < 0 else self.engine.key_of(parent)
+
+    def _written(self, future: asyncio.Future, key: bytes, slot: int, lease: int, size: int,
+                 demote: bool) -> None:
+        engine = self.engine
+        self._writing.discard(slot)
+        self._inflight -= size
+        engine.unlease(lease, slot, key)
+        error = future.exception()
+        same = engine.index.get(key) == slot and engine.tier_code(slot) == DRAM
+        if error is not None:
+            self._ssd_failed(key, error)
+            return
+        if same:
+            engine.mark_on_ssd(slot)
+            if demote:
+                engine.demoted_to_ssd(slot)
+            return
+        # The key changed while we wrote: our record is stale unless a newer one follows it.
+        newer = engine.index.get(key)
+        if newer is None or not (engine.flags_of(newer) & ON_SSD or newer in self._writing):
+            self.forget_on_ssd(key)
+
+    def _ssd_failed(self, key: bytes, error: BaseException) -> None:
+        self.stats[SSD].errors += 1
+        if isinstance(error, ValueTooLarge):
+            log.warning("value %r is larger than the SSD tier; it stays in DRAM", key[:64])
+            return
+        if time.monotonic() >= self._ssd_trouble_until:
+            log.error("SSD tier write failed (%s); pausing writes to it for 10 s", error)
+        self._ssd_trouble_until = time.monotonic() + 10.0
+
+    def _ssd_usable(self) -> bool:
+        return self.worker is not None and time.monotonic() >= self._ssd_trouble_until
+
+    def forget_on_ssd(self, key: bytes) -> None:
+        """Delete the SSD record of ``key`` (after any put of it already queued)."""
+        if self.worker is not None:
+            self.worker.delete(key).add_done_callback(_log_failure)
+
+    def free_gpu(self, slot: int, size: int) -> None:
+        offset = self._gpu_offset.pop(slot, None)
+        if offset is not None:
+            self.gpu.free(offset, size)
+
+    # ------------------------------------------------------------ watermarks
+
+    def cron(self) -> None:
+        """Run by the server every 100 ms: keep every tier under its watermarks."""
+        if self.loading:
+            return
+        self._demote_dram()
+        self._trim_ssd()
+        if self.gpu is not None:
+            self._demote_gpu()
+        self._forget_old_heat()
+
+    def _over(self, used: int, capacity: int) -> int:
+        """Bytes to move out of a tier: 0 under the high watermark, else down to the low one."""
+        if used <= self.cfg.high_watermark * capacity:
+            return 0
+        return int(used - self.cfg.low_watermark * capacity)
+
+    def _demote_dram(self) -> None:
+        engine = self.engine
+        excess = self._over(engine.allocator.used, engine.limit) - self._inflight
+        while excess > 0 and self._ssd_usable() and self._inflight < MAX_INFLIGHT_BYTES:
+            slot = engine.coldest(DRAM)
+            if slot is None:
+                return
+            excess -= engine.size_of(slot)
+            if engine.flags_of(slot) & ON_SSD:
+                engine.demoted_to_ssd(slot)
+            else:
+                self._write_to_ssd(engine.key_of(slot), slot, demote=True)
+
+    def _trim_ssd(self) -> None:
+        if self.ssd is None:
+            return
+        engine = self.engine
+        excess = self._over(self.ssd.used_bytes, self.ssd.capacity_bytes)
+        while excess > 0:
+            slot = engine.coldest(SSD)
+            if slot is None:
+                return
+            excess -= engine.size_of(slot)
+            engine.drop(slot)
+            self.stats[SSD].evictions += 1
+
+    def _demote_gpu(self) -> None:
+        engine = self.engine
+        excess = self._over(self.gpu.used_bytes, self.gpu.capacity_bytes)
+        items = []
+        while excess > 0:
+            slot = engine.coldest(GPU)
+            if slot is None or slot in self._writing:
+                break
+            excess -= engine.size_of(slot)
+            self._writing.add(slot)
+            items.append((engine.key_of(slot), slot))
+        if items:
+            asyncio.ensure_future(self._move_down_from_gpu(items))
+
+    async def _move_down_from_gpu(self, items: list[tuple[bytes, int]]) -> None:
+        fetched = await self.fetch(items)
+        for key, slot, extent, result in fetched:
+            self._writing.discard(slot)
+            if extent is not None and not isinstance(result, BaseException) \
+                    and self.engine.index.get(key) == slot and self.engine.tier_code(slot) == GPU:
+                self._gpu_offset.pop(slot, None)
+                self.engine.promote_to_dram(slot, extent)
+                self.stats[GPU].demotions += 1
+            elif extent is not None:
+                self.engine.release(extent)
+
+    def note_dram_hit(self, slot: int) -> None:
+        """A DRAM hit: a hot value moves up to the GPU tier."""
+        if slot in self._writing or not self._is_hot(slot):
+            return
+        engine = self.engine
+        size = engine.size_of(slot)
+        offset = self.gpu.alloc(size)
+        if offset is None:
+            return
+        key, lease = engine.key_of(slot), engine.lease(slot)
+        self._writing.add(slot)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._copies, self.gpu.write, offset, engine.view(slot))
+        future.add_done_callback(lambda f: self._on_gpu(f, key, slot, lease, offset, size))
+
+    def _on_gpu(self, future, key: bytes, slot: int, lease: int, offset: int, size: int) -> None:
+        engine = self.engine
+        self._writing.discard(slot)
+        engine.unlease(lease, slot, key)
+        if future.exception() is None and engine.index.get(key) == slot and engine.tier_code(slot) == DRAM:
+            self._gpu_offset[slot] = offset
+            engine.moved_to_gpu(slot)
+            self.stats[DRAM].promotions += 1
+        else:
+            self.gpu.free(offset, size)
+
+    def _forget_old_heat(self) -> None:
+        if len(self._heat) < 4096:
+            return
+        horizon = time.monotonic() - self.cfg.promote_window_s
+        self._heat = {s: h for s, h in self._heat.items() if h[1] >= horizon}
+
+    # ------------------------------------------------------------ restart
+
+    async def load_index(self) -> None:
+        """Index every value already on SSD (a warm restart), without blocking the loop."""
+        if self.ssd is None:
+            return
+        self.loading = True
+        start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            records = await loop.run_in_executor(None, lambda: list(self.ssd.scan_index()))
+            for i in range(0, len(records), LOAD_CHUNK):
+                for rec in records[i:i + LOAD_CHUNK]:
+                    self.engine.add_from_ssd(rec.key, rec.value_size, rec.parent)
+                await asyncio.sleep(0)
+            self.recovered = len(records)
+        except TierError as exc:
+            log.error("could not read the SSD tier's index: %s", exc)
+        finally:
+            self.loading = False
+        took = time.monotonic() - start
+        log.info("Recovered %d values from the SSD tier in %.2f s (%.0f values/s)", self.recovered, took,
+                 self.recovered / took if took > 0 else 0.0)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.ssd.close()
+        if self._copies is not None:
+            self._copies.shutdown(wait=True)
+        if self.gpu is not None:
+            self.gpu.close()
+
+
+def _failed(exc: BaseException) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(exc)
+    return future
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("SSD tier delete failed: %s", future.exception())
