@@ -11,7 +11,7 @@ import logging
 import sys
 
 from kvstore import __version__
-from kvstore.config import EVICTION_POLICIES, Config, ConfigError, parse_size
+from kvstore.config import EVICTION_POLICIES, SSD_WRITE_POLICIES, Config, ConfigError, parse_size
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 
@@ -24,8 +24,7 @@ def _size(text: str) -> int:
 
 def serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a store node",
-                       description="Run a kvstore node speaking RESP on TCP (and a Unix socket).",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Run a kvstore node speaking RESP on TCP (and a Unix socket).")
     p.add_argument("--config", metavar="FILE", help="TOML file with the same keys as these flags "
                    "(dram-size = \"4gb\"); flags given on the command line win")
     p.add_argument("--bind", metavar="ADDR", help=f"addresses to listen on, space separated (default {DEFAULT_HOST})")
@@ -41,14 +40,36 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--maxclients", type=int, metavar="N", help="most clients connected at once (default 10000)")
     p.add_argument("--loglevel", choices=("debug", "verbose", "notice", "warning"),
                    help="log verbosity (default notice)")
+    tiers = p.add_argument_group("tiers")
+    tiers.add_argument("--ssd-dir", metavar="DIR", help="enable the SSD tier: RocksDB in this directory "
+                       "(values survive restarts)")
+    tiers.add_argument("--ssd-size", type=_size, metavar="SIZE", help="capacity of the SSD tier (default 64gb)")
+    tiers.add_argument("--ssd-write-policy", choices=SSD_WRITE_POLICIES,
+                       help="write-back: values reach SSD when demoted; write-through: every put also "
+                       "lands on SSD, asynchronously (default write-back)")
+    tiers.add_argument("--ssd-compression", choices=("auto", "off"),
+                       help="lz4 per value, kept only when it saves space (default auto)")
+    tiers.add_argument("--gpu-size", type=_size, metavar="SIZE", help="enable the GPU tier with a device "
+                       "arena of this size (an error without a usable GPU; default: no GPU tier)")
+    tiers.add_argument("--gpu-device", type=int, metavar="N", help="CUDA device of the GPU tier (default 0)")
+    tiers.add_argument("--high-watermark", type=float, metavar="F", help="fill of a tier above which its "
+                       "coldest values move down (default 0.90)")
+    tiers.add_argument("--low-watermark", type=float, metavar="F", help="fill a tier is brought back to "
+                       "(default 0.85)")
+    tiers.add_argument("--promote-hits", type=int, metavar="N", help="hits within the window that make a "
+                       "value in a lower tier move up (default 2)")
+    tiers.add_argument("--promote-window-ms", type=int, metavar="MS", help="the heat window (default 10000)")
+    p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port "
+                   "(default: off)")
     return p
 
 
 def build_config(args: argparse.Namespace) -> Config:
     cfg = Config.from_toml(args.config) if args.config else Config()
-    for name in ("bind", "port", "unixsocket", "dram_size", "maxmemory_policy", "requirepass",
-                 "proto_max_bulk_len", "maxclients", "loglevel"):
+    for name in vars(args):
         value = getattr(args, name)
+        if name in ("command", "config"):
+            continue
         if value is not None:
             cfg.set(name, value)
     cfg.validate()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 EVICTION_POLICIES = ("allkeys-lru", "noeviction")
+SSD_WRITE_POLICIES = ("write-back", "write-through")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2,
           "g": 1000**3, "gb": 1024**3, "t": 1000**4, "tb": 1024**4}
@@ -44,9 +45,21 @@ class Config:
     proto_max_bulk_len: int = 512 * 1024**2
     maxclients: int = 10000
     loglevel: str = "notice"
+    ssd_dir: str | None = None
+    ssd_size: int = 64 * 1024**3
+    ssd_write_policy: str = "write-back"
+    ssd_compression: str = "auto"
+    gpu_size: int = 0                 # 0: no GPU tier
+    gpu_device: int = 0
+    high_watermark: float = 0.90
+    low_watermark: float = 0.85
+    promote_hits: int = 2
+    promote_window_ms: int = 10000
+    metrics_port: int = 0             # 0: no /metrics endpoint
 
-    SIZE_FIELDS = ("dram_size", "proto_max_bulk_len")
-    INT_FIELDS = ("port", "maxclients")
+    SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size")
+    INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port")
+    FLOAT_FIELDS = ("high_watermark", "low_watermark")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,6 +75,16 @@ class Config:
             raise ConfigError("proto-max-bulk-len must be at least 1mb")
         if self.maxclients < 1:
             raise ConfigError("maxclients must be at least 1")
+        if self.ssd_write_policy not in SSD_WRITE_POLICIES:
+            raise ConfigError(f"ssd-write-policy must be one of {', '.join(SSD_WRITE_POLICIES)}")
+        if self.ssd_compression not in ("auto", "off"):
+            raise ConfigError("ssd-compression must be auto or off")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError("watermarks must satisfy 0 < low-watermark < high-watermark <= 1")
+        if self.promote_hits < 1:
+            raise ConfigError("promote-hits must be at least 1")
+        if self.ssd_size < 1024 * 1024:
+            raise ConfigError("ssd-size must be at least 1mb")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -80,7 +103,12 @@ class Config:
                 value = int(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{name} must be an integer") from None
-        elif attr == "maxmemory_policy":
+        elif attr in self.FLOAT_FIELDS:
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name} must be a number") from None
+        elif attr in ("maxmemory_policy", "ssd_write_policy"):
             value = str(value).lower()
         elif value is not None:
             value = str(value)

@@ -24,6 +24,8 @@ import time
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvstore.allocator import BuddyAllocator
 from kvstore.arena import Arena
 from kvstore.eviction import NO_PARENT, SampledLRU
@@ -199,6 +201,8 @@ class Engine:
             return None
         self.stats.hits += 1
         self.eviction.touch(slot)
+        if self.tiers is not None and self.tiers.gpu is not None and self._tier[slot] == DRAM:
+            self.tiers.note_dram_hit(slot)
         return slot
 
     def key_of(self, slot: int) -> bytes:
@@ -288,6 +292,14 @@ class Engine:
     def memory_usage(self, key: bytes, slot: int) -> int:
         """Bytes a key costs: its arena block plus its share of the index."""
         return self.allocator.block_size(self._size[slot]) + sys.getsizeof(key) + int(self.metadata_bytes_per_key())
+
+    def tier_counts(self) -> dict[int, int]:
+        """How many values live in each tier (for INFO; O(keys) in numpy)."""
+        n = len(self._keys)
+        tiers = np.frombuffer(self._tier, dtype=np.int8)[:n]
+        live = np.frombuffer(self.eviction.live_column(), dtype=np.int8)[:n] != 0
+        counts = np.bincount(tiers[live], minlength=3)
+        return {DRAM: int(counts[DRAM]), SSD: int(counts[SSD]), GPU: int(counts[GPU])}
 
     def kv_stats(self) -> dict[str, int]:
         s = self.stats

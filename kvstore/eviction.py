@@ -111,6 +111,12 @@ class SampledLRU:
     def is_pinned(self, slot: int) -> bool:
         return bool(self._pins[slot])
 
+    def live_column(self) -> array:
+        return self._live
+
+    def parent_of(self, slot: int) -> int:
+        return self._parent[slot]
+
     def is_leaf(self, slot: int) -> bool:
         return not self._children[slot]
 

@@ -13,8 +13,9 @@ import sys
 import time
 
 from kvstore import __version__
+from kvstore.engine import DRAM, GPU, SSD
 
-DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "keyspace", "kvcache")
+DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "keyspace", "kvcache", "gpu", "dram", "ssd")
 
 
 def human(n: float) -> str:
@@ -86,8 +87,59 @@ def kvcache_section(server) -> dict:
             "metadata_bytes_per_key": f"{engine.metadata_bytes_per_key():.1f}"}
 
 
+def _tier_stats(server, tier: int) -> dict:
+    tiers = server.engine.tiers
+    if tiers is None:
+        return {"hits": server.engine.stats.hits, "misses": server.engine.stats.misses} if tier == DRAM else {}
+    st = tiers.stats[tier]
+    return {"hits": st.hits, "misses": st.misses, "promotions": st.promotions, "demotions": st.demotions,
+            "evictions": st.evictions, "checksum_failures": st.checksum_failures, "errors": st.errors}
+
+
+def dram_section(server) -> dict:
+    engine = server.engine
+    fields = {"capacity": engine.limit, "used": engine.allocator.used, "values": engine.tier_counts()[DRAM],
+              "value_bytes": engine.tier_bytes[DRAM]}
+    fields.update(_tier_stats(server, DRAM))
+    if engine.tiers is None:
+        fields["evictions"] = engine.stats.evictions
+    return {f"dram_{k}": v for k, v in fields.items()}
+
+
+def ssd_section(server) -> dict:
+    tiers = server.engine.tiers
+    if tiers is None or tiers.ssd is None:
+        return {"ssd_enabled": 0}
+    ssd = tiers.ssd
+    fields = {"enabled": 1, "capacity": ssd.capacity_bytes, "used": ssd.used_bytes,
+              "values": server.engine.tier_counts()[SSD], "records": ssd.count,
+              "compression_ratio": f"{ssd.compression_ratio:.3f}", "recovered": tiers.recovered,
+              "loading": int(tiers.loading)}
+    fields.update(_tier_stats(server, SSD))
+    return {f"ssd_{k}": v for k, v in fields.items()}
+
+
+def gpu_section(server) -> dict:
+    tiers = server.engine.tiers
+    if tiers is None or tiers.gpu is None:
+        return {"gpu_enabled": 0}
+    gpu = tiers.gpu
+    fields = {"enabled": 1, "device": gpu.device_id, "capacity": gpu.capacity_bytes, "used": gpu.used_bytes,
+              "values": server.engine.tier_counts()[GPU]}
+    fields.update(_tier_stats(server, GPU))
+    return {f"gpu_{k}": v for k, v in fields.items()}
+
+
 SECTIONS = {"server": server_section, "clients": clients_section, "memory": memory_section,
-            "stats": stats_section, "keyspace": keyspace_section, "kvcache": kvcache_section}
+            "stats": stats_section, "keyspace": keyspace_section, "kvcache": kvcache_section,
+            "gpu": gpu_section, "dram": dram_section, "ssd": ssd_section}
+
+TITLES = {"kvcache": "KVCache", "gpu": "GPU", "dram": "DRAM", "ssd": "SSD"}
+
+
+def collect(server, names=DEFAULT_SECTIONS) -> dict[str, dict]:
+    """Section name -> fields, for INFO and the metrics endpoint."""
+    return {name: SECTIONS[name](server) for name in names}
 
 
 def render(server, wanted: list[str]) -> str:
@@ -97,9 +149,8 @@ def render(server, wanted: list[str]) -> str:
     else:
         names = [w for w in SECTIONS if w in wanted]
     parts = []
-    for name in names:
-        fields = SECTIONS[name](server)
-        lines = [f"# {name.capitalize() if name != 'kvcache' else 'KVCache'}"]
+    for name, fields in collect(server, names).items():
+        lines = [f"# {TITLES.get(name, name.capitalize())}"]
         lines += [f"{k}:{v}" for k, v in fields.items()]
         parts.append("\r\n".join(lines) + "\r\n")
     return "\r\n".join(parts)

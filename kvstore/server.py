@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from kvstore.config import Config, parse_size
 from kvstore.connection import Connection
 from kvstore.engine import Engine
+from kvstore.metrics import serve_metrics
+from kvstore.tiering import open_tiers
+from kvstore.tiers import TierError
 
 log = logging.getLogger("kvstore")
 
@@ -38,6 +41,7 @@ class Server:
         self.config = config
         self.config_file = config_file
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
+        self.tiers = open_tiers(self.engine, config)
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()
         self.listeners: list[socket.socket] = []
@@ -64,6 +68,11 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.request_shutdown, f"Received {signal.Signals(sig).name}")
         self.loop.call_later(CRON_SECONDS, self._cron)
+        if self.tiers is not None:
+            self.add_cron(self.tiers.cron)
+            self.loop.create_task(self.tiers.load_index())
+        if self.config.metrics_port:
+            await serve_metrics(self, self.config.bind.split()[0], self.config.metrics_port)
         log.info("Ready to accept connections (dram %d bytes, prefault %.2fs, %s)",
                  self.config.dram_size, self.engine.arena.prefault_seconds, self.loop_name)
         await self._stopped
@@ -180,6 +189,8 @@ class Server:
         self.engine.stats.__init__()
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
         self.engine.close()
 
 
@@ -190,7 +201,11 @@ def run(config: Config, config_file: str | None = None) -> int:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    server = Server(config, config_file)
+    try:
+        server = Server(config, config_file)
+    except TierError as exc:
+        log.error("Could not start: %s", exc)
+        return 1
     try:
         runner(server.serve())
     except OSError as exc:

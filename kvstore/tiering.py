@@ -357,6 +357,33 @@ class TierManager:
             self.gpu.close()
 
 
+def open_tiers(engine: Engine, config) -> TierManager | None:
+    """The SSD and GPU tiers the configuration asks for, around ``engine``.
+
+    An unusable SSD directory is logged and the node runs without the tier;
+    an explicit --gpu-size without a usable GPU is an error (TierError).
+    """
+    from kvstore.tiers.gpu import GPUTier, gpu_available
+    from kvstore.tiers.ssd import SSDTier, SSDWorker
+    worker = gpu = None
+    if config.ssd_dir:
+        try:
+            worker = SSDWorker(SSDTier.open(config.ssd_dir, config.ssd_size, compression=config.ssd_compression))
+            log.info("SSD tier: %s (%d bytes)", config.ssd_dir, config.ssd_size)
+        except TierError as exc:
+            log.error("SSD tier disabled: %s", exc)
+    if config.gpu_size:
+        gpu = GPUTier.open(config.gpu_size, config.gpu_device)
+        log.info("GPU tier: device %d, %d bytes", config.gpu_device, config.gpu_size)
+    else:
+        log.info("GPU tier: off (%s)", gpu_available()[1] if not gpu_available()[0] else "no --gpu-size")
+    if worker is None and gpu is None:
+        return None
+    cfg = TieringConfig(config.high_watermark, config.low_watermark, config.promote_hits,
+                        config.promote_window_ms / 1000, config.ssd_write_policy == "write-through")
+    return TierManager(engine, cfg, worker, gpu)
+
+
 def _failed(exc: BaseException) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_exception(exc)

@@ -322,16 +322,30 @@ class SSDWorker:
         self._queue.put(pending)
         return pending.future
 
+    def delete(self, key: bytes) -> asyncio.Future[bool]:
+        """Queue a delete behind every put already queued (so it never undoes a later put)."""
+        loop = asyncio.get_running_loop()
+        pending = _PendingPut(key, None, None, loop, loop.create_future())
+        self._queue.put(pending)
+        return pending.future
+
     def _write_loop(self) -> None:
-        while (first := self._queue.get()) is not None:
+        held: _PendingPut | None = None
+        while (first := held or self._queue.get()) is not None:
+            held = None
+            if first.value is None:
+                first.settle(self.tier.delete, first.key)
+                continue
             batch, size = [first], len(memoryview(first.value).cast("B"))
             while size < self.max_batch_bytes:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
-                    self._queue.put(None)   # finish this batch, then stop
+                if item is None or item.value is None:
+                    held = item if item is not None else None
+                    if item is None:
+                        self._queue.put(None)   # finish this batch, then stop
                     break
                 batch.append(item)
                 size += len(memoryview(item.value).cast("B"))
@@ -356,6 +370,8 @@ class SSDWorker:
 
 @dataclass(slots=True)
 class _PendingPut:
+    """A queued write: a put, or a delete when ``value`` is None."""
+
     key: bytes
     value: Any
     parent: bytes | None
