@@ -342,10 +342,11 @@ class SSDWorker:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None or item.value is None:
-                    held = item if item is not None else None
-                    if item is None:
-                        self._queue.put(None)   # finish this batch, then stop
+                if item is None:
+                    self._queue.put(None)       # finish this batch, then stop
+                    break
+                if item.value is None:
+                    held = item                 # a delete: after this batch, in order
                     break
                 batch.append(item)
                 size += len(memoryview(item.value).cast("B"))
