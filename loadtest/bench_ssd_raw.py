@@ -3,8 +3,10 @@
     python -m loadtest.bench_ssd_raw [--quick] [--dir DIR] [--repeats N] [--no-wal]
                                      [--markdown] [--json FILE]
 
-What it prints (medians of ``--repeats`` runs, tier and reference taking
-turns going first, each run in a fresh RocksDB directory under ``--dir``):
+What it prints (medians of ``--repeats`` runs, each in fresh RocksDB
+directories under ``--dir``; within a run the stores are open side by side
+and take turns on chunks of 16 values, so load from other processes on a
+shared host falls on all of them alike):
 
 - put and get throughput (GB/s) of 256 KiB and 1 MiB incompressible values
   through ``SSDTier`` against raw rocksdict (``Rdict[key] = value``) with the
@@ -39,6 +41,8 @@ from kvstore.tiers.ssd import SSDTier, SSDWorker
 from loadtest.report import Table, Target, machine_info
 
 TIER, RAW, RAW_DEFAULTS = "SSDTier", "rocksdict", "rocksdict defaults"
+STORES = (TIER, RAW, RAW_DEFAULTS)
+CHUNK = 16          # values one store handles before the next takes its turn
 KIB, MIB = 1 << 10, 1 << 20
 GB = 1e9
 
@@ -62,10 +66,10 @@ class Store:
     """One side of the comparison: how to open it, put, get, close."""
 
     def __init__(self, name: str, path: str, wal: bool):
-        self.name = name
+        self.name, self.path = name, path
         if name == TIER:
-            self.tier = SSDTier.open(path, 1 << 40, wal=wal)
-            self.put, self.get, self.close = self.tier.put, self.tier.get, self.tier.close
+            tier = SSDTier.open(path, 1 << 40, wal=wal)
+            self.put, self.get, self.close = tier.put, tier.get, tier.close
             return
         options = Options(raw_mode=True)
         options.create_if_missing(True)
@@ -76,6 +80,15 @@ class Store:
         write_options.disable_wal = not wal
         db.set_write_options(write_options)
         self.put, self.get, self.close = db.__setitem__, db.get, db.close
+
+    def run(self, op: str, keys: list[bytes], pool: list[bytes]) -> None:
+        """Put (value chosen by key number) or get each key."""
+        if op == "put":
+            for key in keys:
+                self.put(key, pool[int(key) % len(pool)])
+        else:
+            for key in keys:
+                self.get(key)
 
 
 def value_pool(size: int, count: int = 16) -> list[bytes]:
@@ -89,22 +102,32 @@ def timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure_store(name: str, root: str, size: int, settings: Settings) -> dict[str, float]:
-    """GB/s of puts then gets of ``bytes_per_run`` worth of ``size``-byte values."""
+def measure_round(root: str, size: int, settings: Settings) -> dict[str, dict[str, float]]:
+    """GB/s of puts then gets of ``bytes_per_run`` of ``size``-byte values, per store.
+
+    The stores are open side by side and take turns on chunks of ``CHUNK``
+    values (the order rotating each chunk), so a burst of load from other
+    processes on this shared host hits all of them alike.
+    """
     pool = value_pool(size)
-    keys = [b"%016d" % i for i in range(max(settings.bytes_per_run // size, 1))]
-    path = tempfile.mkdtemp(prefix="bench-", dir=root)
-    store = Store(name, path, settings.wal)
+    keys = [b"%016d" % i for i in range(max(settings.bytes_per_run // size, CHUNK))]
+    stores = [Store(name, tempfile.mkdtemp(prefix="bench-", dir=root), settings.wal) for name in STORES]
+    seconds = {(store.name, op): 0.0 for store in stores for op in ("put", "get")}
+    order = random.Random(size).sample(keys, len(keys))
     try:
-        put_s = timed(lambda: [store.put(key, pool[i % len(pool)]) for i, key in enumerate(keys)])
-        order = random.Random(size).sample(keys, len(keys))
-        get_s = timed(lambda: [store.get(key) for key in order])
-        assert store.get(keys[-1]) == pool[(len(keys) - 1) % len(pool)]
+        for op, sequence in (("put", keys), ("get", order)):
+            for turn, first in enumerate(range(0, len(sequence), CHUNK)):
+                chunk = sequence[first:first + CHUNK]
+                for store in stores[turn % 3:] + stores[:turn % 3]:
+                    seconds[store.name, op] += timed(lambda: store.run(op, chunk, pool))
+        for store in stores:
+            assert store.get(keys[-1]) == pool[(len(keys) - 1) % len(pool)]
     finally:
-        store.close()
-        shutil.rmtree(path, ignore_errors=True)
+        for store in stores:
+            store.close()
+            shutil.rmtree(store.path, ignore_errors=True)
     moved = len(keys) * size
-    return {"put": moved / put_s / GB, "get": moved / get_s / GB}
+    return {name: {op: moved / seconds[name, op] / GB for op in ("put", "get")} for name in STORES}
 
 
 def measure_worker(root: str, size: int, settings: Settings) -> float:
@@ -138,10 +161,8 @@ def throughput_rows(table: Table, root: str, settings: Settings) -> None:
         put_row = table.row(f"put {label}", "GB/s", Target(0.8))
         get_row = table.row(f"get {label}", "GB/s", Target(0.8))
         worker_row = table.row(f"put {label} via SSDWorker, {settings.in_flight} in flight", "GB/s")
-        for repeat in range(settings.repeats):
-            names = [TIER, RAW, RAW_DEFAULTS]
-            for name in names if repeat % 2 == 0 else names[::-1]:
-                figures = measure_store(name, root, size, settings)
+        for _ in range(settings.repeats):
+            for name, figures in measure_round(root, size, settings).items():
                 put_row.add(name, figures["put"])
                 get_row.add(name, figures["get"])
             worker_row.add(TIER, measure_worker(root, size, settings))
