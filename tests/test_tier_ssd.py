@@ -433,6 +433,22 @@ def test_worker_batches_puts_and_reads_off_the_loop(tier):
     assert tier.count == 63
 
 
+def test_worker_applies_deletes_in_queue_order(tier):
+    async def scenario() -> list:
+        worker = SSDWorker(tier)
+        try:
+            queued = [worker.put(b"k", b"first"), worker.delete(b"k"), worker.put(b"k", b"second"),
+                      worker.put(b"gone", b"x"), worker.delete(b"gone"), worker.delete(b"never")]
+            return await asyncio.gather(*queued)
+        finally:
+            worker.close()
+
+    results = asyncio.run(scenario())
+    assert results[1] is True and results[4] is True and results[5] is False
+    assert tier.get(b"k") == b"second" and not tier.contains(b"gone")
+    assert tier.count == 1
+
+
 def test_worker_gives_each_put_its_own_error(tmp_path):
     tier = SSDTier.open(str(tmp_path / "ssd"), 1 << 20)
 

@@ -275,8 +275,10 @@ class SSDTier:
     def close(self) -> None:
         """Flush memtables (a restart then replays no WAL) and release the directory.
 
-        The directory is released even when the flush fails (a full disk);
-        the error is raised afterwards, and the WAL still holds the writes.
+        Stop the SSDWorker first: reads in flight on other threads do not
+        take the lock. The directory is released even when the flush fails
+        (a full disk); the error is raised afterwards, and the WAL still
+        holds the writes.
         """
         with self._lock:
             if self._db is None:
@@ -411,7 +413,7 @@ def _describe_failure(path: str, action: str, exc: Exception) -> TierError:
     """Turn RocksDB's status text into an error that names the cause."""
     text = str(exc)
     lowered = text.lower()
-    if "lock" in lowered:
+    if "/LOCK" in text:                      # RocksDB's lock file, held by another opener
         cause = "the directory is locked by another process using it as an SSD tier"
     elif "no space left" in lowered:
         cause = "the disk is full"
