@@ -88,6 +88,7 @@ class Engine:
         self._free_slots: list[int] = []
         self._leases: dict[int, int] = {}       # offset -> readers in flight
         self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
+        self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
         self.value_bytes = 0
 
     # ----------------------------------------------------------- writes
@@ -250,6 +251,33 @@ class Engine:
         if self.index.get(key) == slot and self._offset[slot] == offset:
             self.eviction.unpin(slot)
 
+    # ----------------------------------------------------------- pins
+
+    def pin(self, key: bytes, ttl_ms: int) -> bool:
+        """Soft-pin ``key`` for ``ttl_ms``: evicted last; the pin expires by itself."""
+        slot = self.lookup(key)
+        if slot is None:
+            return False
+        self.eviction.soft_pin(slot)
+        self._soft_pins[slot] = (key, now_ms() + ttl_ms)
+        return True
+
+    def unpin(self, key: bytes) -> bool:
+        slot = self.lookup(key)
+        if slot is None or slot not in self._soft_pins:
+            return False
+        del self._soft_pins[slot]
+        self.eviction.soft_pin(slot, False)
+        return True
+
+    def expire_pins(self) -> None:
+        now = now_ms()
+        for slot, (key, deadline) in list(self._soft_pins.items()):
+            if deadline <= now or self.index.get(key) != slot:
+                del self._soft_pins[slot]
+                if self.index.get(key) == slot:
+                    self.eviction.soft_pin(slot, False)
+
     # ----------------------------------------------------------- expiry
 
     def set_expire(self, key: bytes, deadline_ms: int) -> None:
@@ -260,6 +288,8 @@ class Engine:
 
     def expire_cycle(self, samples: int = 20) -> int:
         """Drop expired keys among a random sample (Redis's active expiry)."""
+        if self._soft_pins:
+            self.expire_pins()
         if not self.expires:
             return 0
         now = now_ms()

@@ -11,7 +11,8 @@ a parent goes only when no sampled entry is a leaf.
 
 Entries are small integer slot ids handed out by the caller (the engine's
 index, or the conductor's simulated node cache), so the policy knows nothing
-of keys or values. Pinned entries (a read lease, a KV.PIN) are never chosen.
+of keys or values. Pinned entries (a read lease in flight) are never chosen;
+soft-pinned ones (KV.PIN) only when nothing else is left.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class SampledLRU:
     """
 
     _COLUMNS = (("_live", "b", 0), ("_stamp", "q", 0), ("_parent", "i", NO_PARENT),
-                ("_children", "i", 0), ("_pins", "i", 0))
+                ("_children", "i", 0), ("_pins", "i", 0), ("_soft", "b", 0))
 
     def __init__(self, capacity: int = 1024, samples: int = 16, seed: int = 0):
         self.samples = samples
@@ -68,6 +69,7 @@ class SampledLRU:
         self._stamp[slot] = self._clock
         self._children[slot] = 0
         self._pins[slot] = 0
+        self._soft[slot] = 0
         if parent != NO_PARENT and self._live[parent]:
             self._parent[slot] = parent
             self._children[parent] += 1
@@ -99,6 +101,7 @@ class SampledLRU:
         self._parent[slot] = NO_PARENT
         self._children[slot] = 0
         self._pins[slot] = 0
+        self._soft[slot] = 0
         self.count -= 1
 
     def pin(self, slot: int) -> None:
@@ -107,6 +110,13 @@ class SampledLRU:
     def unpin(self, slot: int) -> None:
         if self._pins[slot] > 0:
             self._pins[slot] -= 1
+
+    def soft_pin(self, slot: int, on: bool = True) -> None:
+        """A soft pin (KV.PIN): the entry goes only when no unpinned one is left."""
+        self._soft[slot] = 1 if on else 0
+
+    def is_soft_pinned(self, slot: int) -> bool:
+        return bool(self._soft[slot])
 
     def is_pinned(self, slot: int) -> bool:
         return bool(self._pins[slot])
@@ -146,14 +156,14 @@ class SampledLRU:
 
     @staticmethod
     def _pick(cols: tuple[np.ndarray, ...], cand: np.ndarray, mask) -> int | None:
-        live, stamp, _, children, pins = cols
+        live, stamp, _, children, pins, soft = cols
         keep = (live[cand] != 0) & (pins[cand] == 0)
         if mask is not None:
             keep &= mask[0][cand] == mask[1]
         cand = cand[keep]
         if cand.size == 0:
             return None
-        leaves = cand[children[cand] == 0]
-        if leaves.size:
-            cand = leaves
+        for preferred in (soft[cand] == 0, children[cand] == 0):
+            if preferred.any():
+                cand = cand[preferred]
         return int(cand[np.argmin(stamp[cand])])

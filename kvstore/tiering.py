@@ -164,6 +164,8 @@ class TierManager:
         self._heat.pop(slot, None)
         if self.cfg.write_through and self._ssd_usable():
             self._write_to_ssd(key, slot, demote=False)
+        if self.engine.allocator.used > self.cfg.high_watermark * self.engine.limit:
+            self._demote_dram()          # do not wait for the cron when writes come fast
 
     def _write_to_ssd(self, key: bytes, slot: int, demote: bool) -> None:
         engine = self.engine

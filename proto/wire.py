@@ -12,6 +12,8 @@ KV_PUT = "KV.PUT"
 KV_MATCH = "KV.MATCH"
 KV_LOCATE = "KV.LOCATE"
 KV_STATS = "KV.STATS"
+KV_PIN = "KV.PIN"
+KV_UNPIN = "KV.UNPIN"
 
 # Tier names as they appear in KV.LOCATE, KV.STATS and INFO.
 TIER_GPU = "gpu"

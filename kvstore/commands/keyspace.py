@@ -103,7 +103,7 @@ def persist(conn, args):
     return writer.integer(int(conn.engine.persist(args[1])))
 
 
-@command("DBSIZE", 1, "readonly fast", "server", "Returns the number of keys in the database.", keys=(0, 0, 0))
+@command("DBSIZE", 1, "readonly fast loading", "server", "Returns the number of keys in the database.", keys=(0, 0, 0))
 def dbsize(conn, args):
     return writer.integer(len(conn.engine.index))
 

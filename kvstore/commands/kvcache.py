@@ -8,16 +8,18 @@ prefer leaves.
 from __future__ import annotations
 
 from kvstore.commands.strings import store
-from kvstore.commands.table import SYNTAX, CommandError, command
+from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
+
+DEFAULT_PIN_TTL_MS = 60_000
 from kvstore.protocol import writer
 from proto import wire
 
 
 @command(wire.KV_PUT, -3, "write denyoom", "kvcache",
-         "Stores a KV block, optionally linked to its parent block; NX keeps an existing one.",
-         values=lambda i: i == 2)
+         "Stores a KV block, optionally linked to its parent block; NX keeps an existing one; "
+         "PIN soft-pins it.", values=lambda i: i == 2)
 def kv_put(conn, args):
-    parent, nx, i = None, False, 3
+    parent, nx, pin, i = None, False, False, 3
     while i < len(args):
         opt = args[i].upper()
         if opt == b"PARENT" and i + 1 < len(args):
@@ -26,12 +28,33 @@ def kv_put(conn, args):
         elif opt == b"NX":
             nx = True
             i += 1
+        elif opt == b"PIN":
+            pin = True
+            i += 1
         else:
             raise CommandError(SYNTAX)
     if nx and conn.engine.lookup(args[1]) is not None:
         return writer.ZERO
     store(conn, args[1], args[2], parent)
+    if pin:
+        conn.engine.pin(args[1], DEFAULT_PIN_TTL_MS)
     return writer.ONE
+
+
+@command(wire.KV_PIN, -2, "write fast", "kvcache",
+         "Soft-pins a block for ttl-ms (default 60000): evicted last, the pin expires by itself.")
+def kv_pin(conn, args):
+    if len(args) > 3:
+        raise CommandError(SYNTAX)
+    ttl = parse_int(args[2]) if len(args) == 3 else DEFAULT_PIN_TTL_MS
+    if ttl <= 0:
+        raise CommandError("invalid pin time in 'kv.pin' command")
+    return writer.integer(int(conn.engine.pin(args[1], ttl)))
+
+
+@command(wire.KV_UNPIN, 2, "write fast", "kvcache", "Removes a block's soft pin.")
+def kv_unpin(conn, args):
+    return writer.integer(int(conn.engine.unpin(args[1])))
 
 
 @command(wire.KV_MATCH, -2, "readonly fast", "kvcache",

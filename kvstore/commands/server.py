@@ -20,14 +20,14 @@ REDIS_POLICIES_TEXT = ("argument(s) must be one of the following: volatile-lru, 
                        "volatile-ttl, allkeys-lru, allkeys-lfu, allkeys-random, noeviction")
 
 
-@command("PING", -1, "fast", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
+@command("PING", -1, "fast loading stale", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
 def ping(conn, args):
     if len(args) > 2:
         raise CommandError("wrong number of arguments for 'ping' command")
     return writer.PONG if len(args) == 1 else writer.bulk(args[1])
 
 
-@command("ECHO", 2, "fast", "connection", "Returns the given string.", keys=(0, 0, 0))
+@command("ECHO", 2, "fast loading stale", "connection", "Returns the given string.", keys=(0, 0, 0))
 def echo(conn, args):
     return writer.bulk(args[1])
 
