@@ -5,7 +5,7 @@
 
 What it prints (medians of ``--repeats`` runs, each in fresh RocksDB
 directories under ``--dir``; within a run the stores are open side by side
-and take turns on chunks of 16 values, so load from other processes on a
+and take turns on chunks of 4 values, so load from other processes on a
 shared host falls on all of them alike):
 
 - put and get throughput (GB/s) of 256 KiB and 1 MiB incompressible values
@@ -42,7 +42,7 @@ from loadtest.report import Table, Target, machine_info
 
 TIER, RAW, RAW_DEFAULTS = "SSDTier", "rocksdict", "rocksdict defaults"
 STORES = (TIER, RAW, RAW_DEFAULTS)
-CHUNK = 16          # values one store handles before the next takes its turn
+CHUNK = 4           # values one store handles before the next takes its turn
 KIB, MIB = 1 << 10, 1 << 20
 GB = 1e9
 
@@ -158,14 +158,20 @@ def measure_worker(root: str, size: int, settings: Settings) -> float:
 def throughput_rows(table: Table, root: str, settings: Settings) -> None:
     for size in settings.sizes:
         label = f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
-        put_row = table.row(f"put {label}", "GB/s", Target(0.8))
-        get_row = table.row(f"get {label}", "GB/s", Target(0.8))
+        rows = {op: table.row(f"{op} {label}", "GB/s", Target(0.8)) for op in ("put", "get")}
         worker_row = table.row(f"put {label} via SSDWorker, {settings.in_flight} in flight", "GB/s")
+        paired: dict[str, list[float]] = {op: [] for op in rows}
         for _ in range(settings.repeats):
-            for name, figures in measure_round(root, size, settings).items():
-                put_row.add(name, figures["put"])
-                get_row.add(name, figures["get"])
+            figures = measure_round(root, size, settings)
+            for op, row in rows.items():
+                for name in STORES:
+                    row.add(name, figures[name][op])
+                paired[op].append(figures[TIER][op] / figures[RAW][op])
             worker_row.add(TIER, measure_worker(root, size, settings))
+        for op, ratios in paired.items():
+            table.notes.append(f"{op} {label}: {TIER}/{RAW} within each run "
+                               + " ".join(f"{r:.2f}" for r in ratios)
+                               + f", median {statistics.median(ratios):.2f}")
 
 
 def noise(kind: str, nbytes: int) -> np.ndarray:
