@@ -1,6 +1,8 @@
 """Command families, grouped as Redis groups them; importing this package
 fills the command table (`table.TABLE`)."""
 from kvstore.commands import keyspace, kvcache, server, strings, transactions  # noqa: F401  (they register themselves)
+from kvstore.commands import fastpath  # noqa: F401  (local fast path: leases, reservations)
+from kvstore.commands import layers  # noqa: F401  (layer-wise blocks)
 from kvstore.commands.table import TABLE, Command, CommandError, lookup
 
 __all__ = ["TABLE", "Command", "CommandError", "lookup"]

@@ -1,0 +1,229 @@
+"""Fast-path commands: map the arena, lease values, reserve and publish extents.
+
+The socket carries only these small control messages; the bytes move through
+the client's own mapping of the DRAM arena (see kvstore/leases.py for why
+everything a client holds has an id, an owner and a deadline).
+
+    KV.ARENA                             -> [size, pid, fd, id offset, id token, fd passed]
+    KV.LEASE ttl_ms key [key ...]        -> per key: [lease id, offset, size] or nil
+    KV.RELEASE id [id ...]               -> per lease: 1 if it was valid until released, else 0
+    KV.RESERVE ttl_ms size [size ...]    -> per size: [reservation id, offset]
+    KV.PUBLISH id key [PARENT p] [NX]    -> 1 stored, 0 key existed under NX (extent given back)
+    KV.UNRESERVE id [id ...]             -> how many reservations were given back
+    KV.LEASES                            -> lease, reservation and partial-block counters
+    KV.GPUARENA                          -> [device, CUDA IPC handle, size] or nil without a GPU tier
+    KV.LEASEGPU ttl_ms key [key ...]     -> per key: [lease id, tier, offset, size] or nil
+
+How a client maps the arena: over the Unix socket the arena's memfd comes
+with the KV.ARENA reply (SCM_RIGHTS); over TCP a client on the same host
+opens ``/proc/<pid>/fd/<fd>`` (same user). Either way it then checks the
+16-byte token written at the id offset, so a client that reached a node on
+another host (where the pid means nothing) finds no match and stays on the
+wire.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+
+from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
+from kvstore.engine import GPU, SSD, STAGED
+from kvstore.layers import blocks_for
+from kvstore.leases import table_for
+from kvstore.protocol import writer
+from proto import fastpath as fp
+
+ARENA_TOKEN_BYTES = 16
+
+
+def parse_ttl(arg: bytes) -> int:
+    ttl = parse_int(arg, "TTL must be a positive integer of milliseconds")
+    if not 0 < ttl <= fp.MAX_TTL_MS:
+        raise CommandError(f"TTL must be between 1 and {fp.MAX_TTL_MS} milliseconds")
+    return ttl
+
+
+def parse_ids(args: list) -> list[int]:
+    return [parse_int(a, "lease and reservation ids are integers") for a in args]
+
+
+def _arena_identity(conn) -> tuple[int, bytes]:
+    """A token kept in a small extent of the arena, to prove a mapping is this node's."""
+    table = table_for(conn.server)
+    if table.identity is None:
+        extent = conn.engine.reserve(ARENA_TOKEN_BYTES)
+        token = secrets.token_bytes(ARENA_TOKEN_BYTES)
+        extent.view[:] = token
+        table.identity = (extent.offset, token)
+    return table.identity
+
+
+@command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
+         "passes its fd over a Unix socket.", keys=(0, 0, 0))
+def kv_arena(conn, args):
+    arena = conn.engine.arena
+    offset, token = _arena_identity(conn)
+    passed = conn.sock.family == socket.AF_UNIX
+    if passed:
+        conn.attach_fds([arena.fd])
+    return writer.array([writer.integer(arena.size), writer.integer(os.getpid()), writer.integer(arena.fd),
+                         writer.integer(offset), writer.bulk(token), writer.integer(int(passed))])
+
+
+def _lease_reads(conn, args: list) -> list[bytes]:
+    return args[2:]
+
+
+@command(fp.KV_LEASE, -3, "readonly fast", "fastpath",
+         "Pins values for a direct read from the arena; per key [lease id, offset, size] or nil.",
+         keys=(2, -1, 1), reads=_lease_reads)
+def kv_lease(conn, args):
+    ttl = parse_ttl(args[1])
+    table, items = table_for(conn.server), []
+    for key in args[2:]:
+        lease = dram_lease(conn, table, key, ttl)
+        items.append(conn.enc.null if lease is None else writer.array(
+            [writer.integer(lease[0]), writer.integer(lease[1]), writer.integer(lease[2])]))
+    return writer.array(items)
+
+
+def dram_lease(conn, table, key: bytes, ttl_ms: int) -> tuple[int, int, int] | None:
+    """Lease the DRAM copy of ``key``: (lease id, offset, size), or None when absent."""
+    engine = conn.engine
+    slot = engine.get_slot(key)
+    if slot is None:
+        return None
+    size = engine.size_of(slot)
+    token = engine.lease(slot)
+    lease = table.grant(conn, size, ttl_ms, lambda: engine.unlease(token, slot, key))
+    return lease.id, token, size
+
+
+@command(fp.KV_RELEASE, -2, "fast", "fastpath",
+         "Ends leases; per lease 1 when it was still valid, 0 when it had expired or was reclaimed.",
+         keys=(0, 0, 0))
+def kv_release(conn, args):
+    table = table_for(conn.server)
+    return writer.array([writer.ONE if table.release(i) else writer.ZERO for i in parse_ids(args[1:])])
+
+
+@command(fp.KV_RESERVE, -3, "write denyoom fast", "fastpath",
+         "Reserves arena extents for direct writes; per size [reservation id, offset].", keys=(0, 0, 0))
+def kv_reserve(conn, args):
+    ttl = parse_ttl(args[1])
+    sizes = [parse_int(a, "sizes are non-negative integers") for a in args[2:]]
+    if any(size < 0 for size in sizes):
+        raise CommandError("sizes are non-negative integers")
+    table, made = table_for(conn.server), []
+    try:
+        for size in sizes:
+            made.append(table.reserve(conn, size, ttl))
+    except Exception:
+        for reservation in made:
+            table.cancel(reservation.id)
+        raise
+    return writer.array([writer.array([writer.integer(r.id), writer.integer(r.extent.offset)]) for r in made])
+
+
+@command(fp.KV_PUBLISH, -3, "write fast", "fastpath",
+         "Commits a written reservation as the value of a key; NX keeps an existing value.")
+def kv_publish(conn, args):
+    reservation_id = parse_ids(args[1:2])[0]
+    key, parent, nx = args[2], None, False
+    i = 3
+    while i < len(args):
+        opt = args[i].upper()
+        if opt == b"PARENT" and i + 1 < len(args):
+            parent, i = args[i + 1], i + 2
+        elif opt == b"NX":
+            nx, i = True, i + 1
+        else:
+            raise CommandError(SYNTAX)
+    table = table_for(conn.server)
+    reservation = table.take(reservation_id)
+    if reservation is None:
+        raise CommandError("reservation expired or unknown", "EXPIRED")
+    table.published()
+    if nx and conn.engine.lookup(key) is not None:
+        conn.engine.release(reservation.extent)
+        return writer.ZERO
+    conn.engine.commit(key, reservation.extent, parent)
+    return writer.ONE
+
+
+@command(fp.KV_UNRESERVE, -2, "write fast", "fastpath", "Gives back reservations that will not be published.",
+         keys=(0, 0, 0))
+def kv_unreserve(conn, args):
+    table = table_for(conn.server)
+    return writer.integer(sum(table.cancel(i) for i in parse_ids(args[1:])))
+
+
+@command(fp.KV_LEASES, 1, "readonly fast", "fastpath",
+         "Returns lease, reservation and partial-block counters.", keys=(0, 0, 0))
+def kv_leases(conn, args):
+    fields = {**table_for(conn.server).info(), **blocks_for(conn.server).info()}
+    return conn.enc.map([(writer.bulk(k), writer.integer(v)) for k, v in fields.items()])
+
+
+# --------------------------------------------------------------- GPU tier
+
+def _gpu_tier(conn):
+    tiers = conn.engine.tiers
+    return None if tiers is None else tiers.gpu
+
+
+@command(fp.KV_GPUARENA, 1, "fast", "fastpath",
+         "Returns the GPU tier's device, CUDA IPC handle and size, or nil without a GPU tier.", keys=(0, 0, 0))
+def kv_gpuarena(conn, args):
+    gpu = _gpu_tier(conn)
+    if gpu is None:
+        return conn.enc.null
+    return writer.array([writer.integer(gpu.device_id), writer.bulk(gpu.ipc_handle()),
+                         writer.integer(gpu.capacity_bytes)])
+
+
+def _ssd_reads(conn, args: list) -> list[bytes]:
+    """Only SSD values are brought up first: GPU values are leased where they are."""
+    engine = conn.engine
+    return [k for k in args[2:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
+
+
+@command(fp.KV_LEASEGPU, -3, "readonly fast", "fastpath",
+         "Pins values where they live; per key [lease id, tier, offset, size] or nil.",
+         keys=(2, -1, 1), reads=_ssd_reads)
+def kv_leasegpu(conn, args):
+    ttl = parse_ttl(args[1])
+    table, engine, items = table_for(conn.server), conn.engine, []
+    for key in args[2:]:
+        slot = engine.lookup(key)
+        if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:
+            lease_id, offset, size, tier = *_gpu_lease(conn, table, key, slot, ttl), b"gpu"
+        else:
+            lease = dram_lease(conn, table, key, ttl)
+            if lease is None:
+                items.append(conn.enc.null)
+                continue
+            (lease_id, offset, size), tier = lease, b"dram"
+        items.append(writer.array([writer.integer(lease_id), writer.bulk(tier), writer.integer(offset),
+                                   writer.integer(size)]))
+    return writer.array(items)
+
+
+def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> tuple[int, int, int]:
+    """Pin a GPU-tier value against demotion; a delete or move shows at release."""
+    engine = conn.engine
+    engine.get_slot(key)
+    offset, size = engine.tiers._gpu_offset[slot], engine.size_of(slot)
+    engine.eviction.pin(slot)
+
+    def unpin() -> None:
+        if engine.index.get(key) == slot:
+            engine.eviction.unpin(slot)
+
+    def unchanged() -> bool:
+        return (engine.index.get(key) == slot and engine.tier_code(slot) == GPU
+                and engine.tiers._gpu_offset.get(slot) == offset)
+
+    lease = table.grant(conn, size, ttl_ms, unpin, unchanged)
+    return lease.id, offset, size

@@ -1,0 +1,173 @@
+"""Layer-wise block commands: open a block, write layers, read ranges of layers (waiting if asked).
+
+    KV.BLOCK key header [PARENT p] [TIMEOUT ms]   -> [offset, n_layers, layer_bytes], or 0 when cached
+    KV.PUTLAYER key layer data                    -> layers written so far (the last one commits)
+    KV.LAYERDONE key layer                        -> the same, for a layer the client wrote into the arena
+    KV.GETLAYERS key start stop [WAIT ms]         -> [header, bytes of layers start..stop-1] or nil
+    KV.LEASELAYERS ttl key start stop [WAIT ms]   -> [lease id, offset, nbytes, header] or nil
+
+The header (proto/fastpath.py) declares the geometry, so a writer needs no
+other metadata and a reader of a finished block needs none at all. With WAIT
+a read that finds its layers missing (or the block not yet opened) parks the
+client's command stream on the connection (``conn.defer``) until the writer
+catches up, the timeout passes (an error), or the block is abandoned (an
+error). Without WAIT a missing block is nil and missing layers are an error.
+"""
+from __future__ import annotations
+
+from kvstore.commands.fastpath import parse_ttl
+from kvstore.commands.table import SYNTAX, CommandError, command, first_key, parse_int
+from kvstore.engine import Extent
+from kvstore.layers import LayerError, PartialBlock, blocks_for, parse_header
+from kvstore.leases import table_for
+from kvstore.protocol import writer
+from proto import fastpath as fp
+
+PENDING = "pending"
+
+
+def _options(args: list, allowed: tuple[bytes, ...]) -> dict[bytes, bytes]:
+    found, i = {}, 0
+    while i < len(args):
+        opt = args[i].upper()
+        if opt not in allowed or i + 1 >= len(args):
+            raise CommandError(SYNTAX)
+        found[opt] = args[i + 1]
+        i += 2
+    return found
+
+
+def _layer_errors(fn):
+    """Turn the block table's LayerError into a command error."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except LayerError as exc:
+            raise CommandError(str(exc)) from None
+    return run
+
+
+@command(fp.KV_BLOCK, -3, "write denyoom", "layers",
+         "Opens a block for layer-wise writing; its header declares dtype, shape and layers.")
+@_layer_errors
+def kv_block(conn, args):
+    opts = _options(args[3:], (b"PARENT", b"TIMEOUT"))
+    timeout = parse_ttl(opts[b"TIMEOUT"]) if b"TIMEOUT" in opts else fp.PARTIAL_TIMEOUT_MS
+    block = blocks_for(conn.server).open(args[1], args[2], opts.get(b"PARENT"), timeout)
+    if block is None:
+        return writer.ZERO
+    g = block.geometry
+    return writer.array([writer.integer(block.extent.offset), writer.integer(g.n_layers),
+                         writer.integer(g.layer_bytes)])
+
+
+def _layer_index(arg: bytes) -> int:
+    return parse_int(arg, "layer index must be an integer")
+
+
+@command(fp.KV_PUTLAYER, 4, "write denyoom", "layers", "Writes one layer of an open block.",
+         values=lambda i: i == 3)
+@_layer_errors
+def kv_putlayer(conn, args):
+    data = args[3].view if isinstance(args[3], Extent) else args[3]
+    return writer.integer(blocks_for(conn.server).write(args[1], _layer_index(args[2]), data))
+
+
+@command(fp.KV_LAYERDONE, 3, "write fast", "layers",
+         "Marks a layer the client wrote straight into the block's extent as complete.")
+@_layer_errors
+def kv_layerdone(conn, args):
+    return writer.integer(blocks_for(conn.server).mark(args[1], _layer_index(args[2])))
+
+
+# ------------------------------------------------------------------ reads
+
+def _find(conn, key: bytes, start: int, stop: int):
+    """The partial block holding the range, the engine slot of the finished block,
+    PENDING when the block is open but the range is not in yet, or None."""
+    block = blocks_for(conn.server).blocks.get(key)
+    if block is not None:
+        block.geometry.check_range(start, stop)
+        return block if block.has(start, stop) else PENDING
+    return conn.engine.lookup(key)
+
+
+def _read_layers(conn, args: list, first: int, reply) -> bytes | None:
+    """Parse ``key start stop [WAIT ms]`` at ``first``; reply now or when the layers are in."""
+    key = args[first]
+    start, stop = _layer_index(args[first + 1]), _layer_index(args[first + 2])
+    opts = _options(args[first + 3:], (b"WAIT",))
+    found = _find(conn, key, start, stop)
+    if b"WAIT" not in opts or (found is not None and found != PENDING):
+        if found == PENDING:
+            raise CommandError(f"layers [{start}, {stop}) of the block are not written yet")
+        return reply(found, start, stop)
+    timeout_s = parse_ttl(opts[b"WAIT"]) / 1000
+    seen = [found == PENDING]
+
+    def ready() -> bool:
+        now = _find(conn, key, start, stop)
+        seen[0] = seen[0] or now == PENDING
+        return now not in (None, PENDING) or (now is None and seen[0])
+
+    def resume(arrived: bool) -> None:
+        try:
+            now = _find(conn, key, start, stop)
+            if not arrived:
+                raise CommandError(f"timed out waiting for layers [{start}, {stop}) of the block")
+            if now is None and seen[0]:
+                raise CommandError("the block was abandoned by its writer before these layers were written")
+            conn.write(reply(now, start, stop))
+        except (CommandError, LayerError) as exc:
+            conn.write(writer.error(str(exc), getattr(exc, "code", "ERR")))
+
+    conn.defer(blocks_for(conn.server).wait(key, ready, timeout_s), resume)
+    return None
+
+
+def _source(conn, found, start: int, stop: int) -> tuple[memoryview, memoryview, int]:
+    """(header, the bytes of layers start..stop-1, their offset within the value)."""
+    value = found.extent.view if isinstance(found, PartialBlock) else conn.engine.view(found)
+    header = value[:fp.HEADER_SIZE]
+    geometry = parse_header(header)
+    geometry.check_range(start, stop)
+    first, last = geometry.slot_offset(start), geometry.slot_offset(stop)
+    return header, value[first:last], first
+
+
+@command(fp.KV_GETLAYERS, -4, "readonly", "layers",
+         "Returns the header and a range of layers of a block; WAIT ms waits for them.",
+         reads=first_key)
+@_layer_errors
+def kv_getlayers(conn, args):
+    def reply(found, start, stop):
+        if found is None:
+            return conn.enc.null
+        header, data, _ = _source(conn, found, start, stop)
+        return writer.array([writer.bulk(bytes(header)), writer.bulk_header(len(data)) + data + writer.CRLF])
+    return _read_layers(conn, args, 1, reply)
+
+
+@command(fp.KV_LEASELAYERS, -5, "readonly", "layers",
+         "Leases a range of layers for a direct read: [lease id, offset, nbytes, header]; WAIT ms waits.",
+         keys=(2, 2, 1), reads=lambda conn, args: [args[2]])
+@_layer_errors
+def kv_leaselayers(conn, args):
+    ttl = parse_ttl(args[1])
+
+    def reply(found, start, stop):
+        if found is None:
+            return conn.enc.null
+        header, data, first = _source(conn, found, start, stop)
+        engine = conn.engine
+        if isinstance(found, PartialBlock):
+            base, unpin = found.extent.offset, blocks_for(conn.server).pin(found)
+        else:
+            key = engine.key_of(found)
+            engine.get_slot(key)
+            base = engine.lease(found)         # the token is the value's arena offset
+            unpin = lambda: engine.unlease(base, found, key)    # noqa: E731
+        lease = table_for(conn.server).grant(conn, len(data), ttl, unpin)
+        return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
+                             writer.bulk(bytes(header))])
+    return _read_layers(conn, args, 2, reply)

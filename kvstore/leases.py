@@ -1,0 +1,214 @@
+"""Leases and reservations: what local clients hold while they copy through the arena.
+
+A local client reads a value by copying it straight out of its own mapping of
+the DRAM arena, and writes one by copying into an extent reserved for it. The
+node must keep those bytes in place meanwhile, yet a client may die or hang at
+any moment, so everything it holds is a record here with an id, an owner
+connection and a deadline:
+
+- a *lease* pins a value (the engine's read lease: eviction skips it, and a
+  delete or overwrite frees the bytes only after the last unlease). It ends
+  when the client releases it, when its deadline passes (the cron), or when
+  its owner connection closes. Release answers whether the lease was still
+  valid, so a client whose lease ended mid-copy knows its copy may be torn
+  and retries; a release that arrives after the deadline is answered "not
+  valid" even when the cron has not run yet.
+- a *reservation* is an uncommitted extent a client writes into. Publishing
+  commits it under a key; otherwise it is given back on expiry or on close.
+  Reservations live longer than leases (30 s by default): a writer that is
+  still copying when its reservation is reclaimed would scribble on bytes that
+  may belong to another value by then, so the client refuses to start a copy
+  into a reservation with less than half of its life left.
+
+Ids are random 63-bit integers, so one client cannot release another's lease
+by guessing. One table exists per server (`table_for`); it registers its
+expiry job with the server's cron on first use and counts what happened for
+KV.LEASES and INFO.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvstore.engine import Extent
+
+
+@dataclass(slots=True)
+class Lease:
+    id: int
+    owner: int
+    deadline: float
+    nbytes: int
+    unpin: Callable[[], None]
+    still_valid: Callable[[], bool] | None = None    # a further check (GPU values) made at release
+
+
+@dataclass(slots=True)
+class Reservation:
+    id: int
+    owner: int
+    deadline: float
+    extent: Extent
+
+
+@dataclass
+class LeaseStats:
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    leases_reclaimed: int = 0
+    leases_invalid_at_release: int = 0
+    reservations_granted: int = 0
+    reservations_published: int = 0
+    reservations_cancelled: int = 0
+    reservations_expired: int = 0
+    reservations_reclaimed: int = 0
+
+
+@dataclass
+class LeaseTable:
+    """Every lease and reservation of one node, by id and by owner connection."""
+
+    engine: object
+    leases: dict[int, Lease] = field(default_factory=dict)
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    stats: LeaseStats = field(default_factory=LeaseStats)
+    identity: tuple[int, bytes] | None = None        # (offset, token) proving a mapping is ours
+    _by_owner: dict[int, set[int]] = field(default_factory=dict)
+    _watched: set[int] = field(default_factory=set)
+
+    # ------------------------------------------------------------ leases
+
+    def grant(self, conn, nbytes: int, ttl_ms: int, unpin: Callable[[], None],
+              still_valid: Callable[[], bool] | None = None) -> Lease:
+        lease = Lease(self._new_id(), self._watch(conn), time.monotonic() + ttl_ms / 1000, nbytes,
+                      unpin, still_valid)
+        self.leases[lease.id] = lease
+        self._by_owner[lease.owner].add(lease.id)
+        self.stats.leases_granted += 1
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease; True when it was valid until now (the copy made under it is whole)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            self.stats.leases_invalid_at_release += 1
+            return False
+        self._forget(lease.owner, lease_id)
+        valid = time.monotonic() < lease.deadline and (lease.still_valid is None or lease.still_valid())
+        lease.unpin()
+        self.stats.leases_released += 1
+        if not valid:
+            self.stats.leases_invalid_at_release += 1
+        return valid
+
+    # ------------------------------------------------------------ reservations
+
+    def reserve(self, conn, size: int, ttl_ms: int) -> Reservation:
+        """A fresh extent of ``size`` bytes for ``conn`` to write (OutOfMemory when none)."""
+        extent = self.engine.reserve(size)
+        reservation = Reservation(self._new_id(), self._watch(conn), time.monotonic() + ttl_ms / 1000, extent)
+        self.reservations[reservation.id] = reservation
+        self._by_owner[reservation.owner].add(reservation.id)
+        self.stats.reservations_granted += 1
+        return reservation
+
+    def take(self, reservation_id: int) -> Reservation | None:
+        """Remove a live reservation to publish it; None when unknown or expired."""
+        reservation = self.reservations.pop(reservation_id, None)
+        if reservation is None:
+            return None
+        self._forget(reservation.owner, reservation_id)
+        if time.monotonic() >= reservation.deadline:
+            self.engine.release(reservation.extent)
+            self.stats.reservations_expired += 1
+            return None
+        return reservation
+
+    def published(self) -> None:
+        self.stats.reservations_published += 1
+
+    def cancel(self, reservation_id: int) -> bool:
+        reservation = self.take(reservation_id)
+        if reservation is None:
+            return False
+        self.engine.release(reservation.extent)
+        self.stats.reservations_cancelled += 1
+        return True
+
+    # ------------------------------------------------------------ reclamation
+
+    def expire(self) -> None:
+        """Cron: end leases and reservations whose deadline has passed."""
+        now = time.monotonic()
+        for lease in [x for x in self.leases.values() if x.deadline <= now]:
+            self._drop_lease(lease)
+            self.stats.leases_expired += 1
+        for reservation in [r for r in self.reservations.values() if r.deadline <= now]:
+            self._drop_reservation(reservation)
+            self.stats.reservations_expired += 1
+
+    def on_close(self, conn) -> None:
+        """The owner connection is gone: give back all it held."""
+        self._watched.discard(conn.id)
+        for item_id in self._by_owner.pop(conn.id, ()):
+            if item_id in self.leases:
+                self.leases.pop(item_id).unpin()
+                self.stats.leases_reclaimed += 1
+            elif item_id in self.reservations:
+                self.engine.release(self.reservations.pop(item_id).extent)
+                self.stats.reservations_reclaimed += 1
+
+    def info(self) -> dict[str, int]:
+        """Counters for KV.LEASES and INFO."""
+        return {"leases_active": len(self.leases),
+                "leased_bytes": sum(x.nbytes for x in self.leases.values()),
+                "reservations_active": len(self.reservations),
+                "reserved_bytes": sum(r.extent.size for r in self.reservations.values()),
+                **vars(self.stats)}
+
+    # ------------------------------------------------------------ internals
+
+    def _drop_lease(self, lease: Lease) -> None:
+        del self.leases[lease.id]
+        self._forget(lease.owner, lease.id)
+        lease.unpin()
+
+    def _drop_reservation(self, reservation: Reservation) -> None:
+        del self.reservations[reservation.id]
+        self._forget(reservation.owner, reservation.id)
+        self.engine.release(reservation.extent)
+
+    def _new_id(self) -> int:
+        while True:
+            item_id = secrets.randbits(63) or 1
+            if item_id not in self.leases and item_id not in self.reservations:
+                return item_id
+
+    def _watch(self, conn) -> int:
+        """Register the close callback once per connection; returns the owner id."""
+        if conn.id not in self._watched:
+            self._watched.add(conn.id)
+            self._by_owner.setdefault(conn.id, set())
+            conn.close_callbacks.append(self.on_close)
+        return conn.id
+
+    def _forget(self, owner: int, item_id: int) -> None:
+        owned = self._by_owner.get(owner)
+        if owned is not None:
+            owned.discard(item_id)
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def table_for(server) -> LeaseTable:
+    """The lease table of ``server``, made (and its expiry put on the cron) on first use."""
+    table = _TABLES.get(server)
+    if table is None:
+        table = _TABLES[server] = LeaseTable(server.engine)
+        server.add_cron(table.expire)
+    return table

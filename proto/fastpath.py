@@ -1,0 +1,39 @@
+"""Wire constants of the local fast path and of layer-wise blocks.
+
+The store's command modules and the client SDK both import these, so each
+command name, default and limit is spelled once (as `proto.wire` does for
+the core KV commands).
+"""
+
+# Shared-memory fast path (kvstore/commands/fastpath.py, client/fastpath.py).
+KV_ARENA = "KV.ARENA"            # map the DRAM arena: fd passing or /proc/<pid>/fd/<n>
+KV_LEASE = "KV.LEASE"            # pin values for a direct read
+KV_RELEASE = "KV.RELEASE"        # unpin; says whether each lease was still valid
+KV_RESERVE = "KV.RESERVE"        # an extent for a direct write
+KV_PUBLISH = "KV.PUBLISH"        # commit a written reservation under a key
+KV_UNRESERVE = "KV.UNRESERVE"    # give back reservations never published
+KV_LEASES = "KV.LEASES"          # lease, reservation and partial-block counters
+KV_GPUARENA = "KV.GPUARENA"      # the GPU tier's CUDA IPC handle
+KV_LEASEGPU = "KV.LEASEGPU"      # pin values where they live, GPU included
+
+# Layer-wise blocks (kvstore/commands/layers.py, client/layers.py).
+KV_BLOCK = "KV.BLOCK"            # open a partial block of n equal layer slots
+KV_PUTLAYER = "KV.PUTLAYER"      # write one layer over the wire
+KV_LAYERDONE = "KV.LAYERDONE"    # a layer written through the arena is complete
+KV_GETLAYERS = "KV.GETLAYERS"    # read a range of layers over the wire (may wait)
+KV_LEASELAYERS = "KV.LEASELAYERS"  # lease a range of layers for a direct read (may wait)
+
+LEASE_TTL_MS = 5000              # default life of a read lease
+RESERVATION_TTL_MS = 30000       # default life of a write reservation
+PARTIAL_TIMEOUT_MS = 30000       # an unfinished block with no progress this long is dropped
+MAX_TTL_MS = 600000
+
+# The header that opens every tensor value and layer-wise block (128 bytes, little-endian):
+#   magic "KVT1", u32 n_layers, u64 bytes per layer, 16-byte dtype name (NUL padded),
+#   u32 ndim, u32 flags, 8 x i64 shape of one layer, then zero padding.
+# The node reads only the magic and the geometry; the SDK reads the rest.
+HEADER_MAGIC = b"KVT1"
+HEADER_SIZE = 128
+HEADER_FORMAT = "<4sIQ16sII8q"
+MAX_NDIM = 8
+FLAG_LAYERED = 1                 # the value is n_layers slots (get_tensor adds a leading axis)
