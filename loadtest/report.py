@@ -4,9 +4,10 @@ A benchmark fills a `Table` with `Row`s: one row per figure (say "GET 1 MiB,
 redis-py"), one column per system measured (the subject, the reference it is
 compared with, and any extra anchors), each cell a list of samples from the
 repeated runs. The table reports the median of each cell and the ratio
-subject/reference, which is the figure targets are set on: this host is shared
-and noisy, and a ratio of medians from interleaved runs is steadier than any
-absolute number. A cell that could not be measured keeps its reason instead of
+subject/reference, which is the figure targets are set on. The benchmarks run
+the columns back to back within each repeat, so the ratio is the median of the
+per-repeat ratios: on a shared, noisy host a slow spell then hits both sides
+of a pair and cancels out, where a ratio of two medians would keep it. A cell that could not be measured keeps its reason instead of
 a number, so a partial run still prints everything it learned.
 
 The same table renders as plain text (terminal), Markdown (docs, with the
@@ -55,6 +56,11 @@ class Row:
         return statistics.median(values) if values else None
 
     def ratio(self, column: str, over: str) -> float | None:
+        """Median of the per-run ratios when both columns ran equally often (run i of each back to back),
+        else the ratio of the medians."""
+        tops, bottoms = self.samples.get(column, []), self.samples.get(over, [])
+        if tops and len(tops) == len(bottoms) and all(bottoms):
+            return statistics.median(top / bottom for top, bottom in zip(tops, bottoms))
         top, bottom = self.median(column), self.median(over)
         if top is None or not bottom:
             return None

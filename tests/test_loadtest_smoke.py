@@ -105,7 +105,12 @@ def test_table_reports_medians_ratios_and_targets():
     latency.add("a", 0.7)
     latency.fail("b", "no such command")
     assert speed.median("a") == 2.5 and speed.ratio("a", "b") == 1.25 and table.met(speed) is True
-    assert speed.ratio("a", "c") == 0.5
+    assert speed.ratio("a", "c") == 0.5  # unpaired: ratio of the medians
+    paired = table.row("paired", "GB/s")
+    for a, b in ((1.0, 2.0), (4.0, 2.0), (3.0, 1.0)):
+        paired.add("a", a)
+        paired.add("b", b)
+    assert paired.ratio("a", "b") == 2.0  # median of 0.5, 2, 3; the medians' ratio would be 1.5
     assert table.met(latency) is False
     assert table.cells(latency)[3] == "n/a" and table.failures() == ["b not measured in 1 row(s) from 'latency': "
                                                                      "no such command"]
