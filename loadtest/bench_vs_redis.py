@@ -414,6 +414,8 @@ def run(settings: Settings, group: ProcessGroup) -> Table:
                REDIS: start_redis(group, settings.memory)}
     for name, server in servers.items():
         log(f"{name}: pid {server.process.pid} on {server.host}:{server.port}")
+    table.notes.append(f"{KVSTORE}/{REDIS}: median of the per-run ratios, the servers running back to back "
+                       "in each run and taking turns to go first.")
     for name in GROUPS:
         if name not in settings.groups:
             continue
@@ -459,14 +461,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_from(args)
+    machine = machine_info()
     try:
         with ProcessGroup() as group:
             table = run(settings, group)
     except KeyboardInterrupt:
         log("interrupted; every server started was stopped")
         return 130
-    machine = machine_info()
-    print(table.render_markdown(machine) if args.markdown else table.render_text())
+    print(table.render_markdown(machine) if args.markdown else table.render_text(machine))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table.to_json(machine), f, indent=2)

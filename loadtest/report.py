@@ -124,10 +124,10 @@ class Table:
         return [f"{column} not measured in {len(names)} row(s) from '{names[0]}': {reason}"
                 for (column, reason), names in rows_by_cause.items()]
 
-    def render_text(self) -> str:
+    def render_text(self, machine: dict[str, str] | None = None) -> str:
         lines = [self.header()] + [self.cells(row) for row in self.rows.values()]
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-        out = [self.title, ""]
+        out = [self.title] + ([_describe(machine)] if machine else []) + [""]
         for n, line in enumerate(lines):
             out.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
             if n == 0:
@@ -136,7 +136,7 @@ class Table:
         return "\n".join(out)
 
     def render_markdown(self, machine: dict[str, str]) -> str:
-        out = [f"### {self.title}", "", "Measured " + ", ".join(f"{k}: {v}" for k, v in machine.items()) + ".", ""]
+        out = [f"### {self.title}", "", _describe(machine), ""]
         header = self.header()
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---" if i == 0 else "--:" for i in range(len(header))) + "|")
@@ -161,6 +161,10 @@ class Table:
                 "rows": rows, "notes": self.notes}
 
 
+def _describe(machine: dict[str, str]) -> str:
+    return "Measured " + ", ".join(f"{key}: {value}" for key, value in machine.items()) + "."
+
+
 def _fmt(value: float | None) -> str:
     if value is None:
         return ""
@@ -175,7 +179,7 @@ def _fmt(value: float | None) -> str:
 
 
 def machine_info() -> dict[str, str]:
-    """Date, CPU count and model, and RAM of this host, for the report's header."""
+    """Date, CPU count and model, RAM and load of this host, for the report's header."""
     return {
         "date": datetime.date.today().isoformat(),
         "nproc": str(len(os.sched_getaffinity(0))),
@@ -183,6 +187,7 @@ def machine_info() -> dict[str, str]:
         "ram": f"{_ram_gib():.0f} GiB",
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
+        "load average at start": "%.1f" % os.getloadavg()[0],
     }
 
 
