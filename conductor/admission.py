@@ -16,8 +16,10 @@ arrival check knows:
   refused and prefill idles, then decode drains, a burst is admitted and
   overloads it again (the oscillation of the paper's section 7).
 - `predictive`: the arrival check uses the decode load predicted for the time
-  the request would reach decode (residents expected to finish by then
-  leave, requests still in prefill count in), which damps the oscillation.
+  the request would reach decode: residents and requests whose KV arrives
+  before then count by the chance that they are still decoding, judged from
+  the output lengths of finished requests (never the request's own), which
+  damps the oscillation.
 
 The decode-stage check stays in every mode but `none`: memory is physical.
 """
@@ -60,7 +62,7 @@ class Admission:
         if self.mode == "early":
             load = decode.load()
         elif self.mode == "predictive":
-            load = decode.predicted_load(now_s + placement.ttft_s, output_estimate)
+            load = decode.predicted_load(now_s + placement.ttft_s)
         else:
             return None
         if not decode.fits(load, input_length, output_estimate, self.slo.tbt_s):

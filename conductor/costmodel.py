@@ -22,7 +22,10 @@ NIC.
 LLaMA-70B-class model, 80 layers, hidden 8192, GQA with 8 KV heads, 2-byte
 elements, i.e. 320 KiB of KV per token; 8 x A800 80 GB per node at 312 dense
 TFLOPS each; 800 Gbps between nodes; about 3 M tokens of DRAM cache per
-node). The efficiencies (MFU, achieved HBM bandwidth, per-step overhead) are
+node). A decode instance holds as much KV as vLLM would give it: 90 % of
+the HBM (its default gpu_memory_utilization) less the weights, 436 GB or
+1.33 M tokens per 8-GPU node, and at most 256 sequences (its default
+max_num_seqs). The efficiencies (MFU, achieved HBM bandwidth, per-step overhead) are
 not in the paper; they are typical values for this class of hardware and are
 named fields so a reader can see and change them. `fit_cost_model` replaces
 the derived coefficients with least-squares fits to measured timings.
@@ -58,7 +61,8 @@ class Testbed:
     hbm_efficiency: float = 0.7
     step_overhead_s: float = 0.005     # kernel launches and 2 all-reduces per layer
     transfer_setup_s: float = 0.001
-    kv_memory_fraction: float = 0.9    # HBM left for KV after weights, minus workspace
+    gpu_memory_utilization: float = 0.9  # vLLM's default share of HBM for weights + KV
+    max_batch: int = 256                 # vLLM's default max_num_seqs
     cache_tokens_per_node: int = 3_000_000
 
     @property
@@ -68,7 +72,7 @@ class Testbed:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Coefficients of the three closed forms, plus decode KV capacity."""
+    """Coefficients of the three closed forms, plus a decode instance's limits."""
 
     p_fixed: float
     p_token: float
@@ -80,6 +84,7 @@ class CostModel:
     d_seq: float
     d_kv: float
     decode_capacity_tokens: int
+    decode_max_batch: int = 256
 
     @classmethod
     def from_testbed(cls, tb: Testbed = Testbed()) -> CostModel:
@@ -87,7 +92,7 @@ class CostModel:
         node_hbm_bw = tb.gpus_per_node * tb.gpu_hbm_bandwidth * tb.hbm_efficiency
         kv = tb.kv_bytes_per_token
         weights = tb.params * tb.dtype_bytes
-        free_hbm = tb.gpus_per_node * tb.gpu_hbm_bytes - weights
+        kv_hbm = tb.gpus_per_node * tb.gpu_hbm_bytes * tb.gpu_memory_utilization - weights
         return cls(
             p_fixed=0.0,
             p_token=2 * tb.params / (node_flops * tb.prefill_mfu),
@@ -98,7 +103,8 @@ class CostModel:
             d_fixed=weights / node_hbm_bw + tb.step_overhead_s,
             d_seq=2 * tb.params / (node_flops * tb.decode_mfu),
             d_kv=kv / node_hbm_bw,
-            decode_capacity_tokens=int(free_hbm * tb.kv_memory_fraction / kv),
+            decode_capacity_tokens=int(kv_hbm / kv),
+            decode_max_batch=tb.max_batch,
         )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:

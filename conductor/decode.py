@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from conductor.costmodel import CostModel
+from conductor.outputs import OutputLengths
 from conductor.policy import DecodeLoad
 
 _EPS = 1e-9
@@ -46,21 +47,23 @@ class DecodeView(ABC):
         """Now, plus requests already bound here and still in prefill."""
 
     @abstractmethod
-    def predicted_load(self, at_s: float, output_estimate: float) -> DecodeLoad:
+    def predicted_load(self, at_s: float) -> DecodeLoad:
         """The load expected at ``at_s``."""
 
     def fits(self, load: DecodeLoad, input_length: int, output_estimate: float,
              tbt_slo_s: float) -> bool:
-        """Whether a request still meets the TBT SLO and memory with ``load`` present."""
+        """Whether a request still meets the TBT SLO, memory and batch limit with ``load`` present."""
         kv = load.kv_tokens + input_length
         return (kv + output_estimate <= self.capacity_tokens
+                and load.batch + 1 <= self.cost.decode_max_batch
                 and self.cost.decode_step_s(load.batch + 1, kv) <= tbt_slo_s)
 
 
 class DecodeInstance(DecodeView):
-    def __init__(self, index: int, cost: CostModel):
+    def __init__(self, index: int, cost: CostModel, outputs: OutputLengths):
         super().__init__(cost)
         self.index = index
+        self.outputs = outputs
         self.generated = 0.0
         self.clock_s = 0.0
         self.step_s = cost.decode_step_s(1, 0)
@@ -96,26 +99,30 @@ class DecodeInstance(DecodeView):
         pending = sum(length for length, _ in self.inflight.values())
         return DecodeLoad(self.batch + len(self.inflight), self.kv_tokens() + pending)
 
-    def predicted_load(self, at_s: float, output_estimate: float) -> DecodeLoad:
+    def predicted_load(self, at_s: float) -> DecodeLoad:
         """Load expected at ``at_s``, when a request admitted now would reach decode.
 
-        A scheduler does not know output lengths, so every request is assumed
-        to generate ``output_estimate`` tokens at the current step time (the
-        paper's uniform decode duration): residents expected to be done by
-        ``at_s`` leave, the rest have grown by the tokens made until then, and
-        requests still in prefill whose KV is due here by ``at_s`` join.
+        A scheduler does not know output lengths, only those of the requests
+        that finished (`OutputLengths`). Each resident, having made m tokens,
+        is still there after the k more it has time for (at the current step
+        time) with probability P(out > m + k | out > m), and counts that much
+        of its batch slot and KV; every request already bound here and still
+        in prefill or transfer counts in full, since it will reach decode
+        about when this one does and stay for most of its stay.
         """
         ahead = max(0.0, at_s - self.clock_s) / self.step_s
-        batch, kv = 0, 0.0
+        batch, kv = 0.0, 0.0
         for r in self.residents.values():
-            made = self.generated - r.start_count + ahead
-            if made < output_estimate:
-                batch += 1
-                kv += r.input_length + made
+            made = self.generated - r.start_count
+            p = self.outputs.still_running(made, made + ahead)
+            batch += p
+            kv += p * (r.input_length + made + ahead)
         for input_length, due_s in self.inflight.values():
             if due_s <= at_s:
-                batch += 1
-                kv += input_length
+                made = (at_s - due_s) / self.step_s
+                p = self.outputs.still_running(0.0, made)
+                batch += p
+                kv += p * (input_length + made)
         return DecodeLoad(batch, kv)
 
     def join(self, request: int, input_length: int, output_length: int, now_s: float) -> None:

@@ -19,10 +19,10 @@ from conductor.admission import REJECT_TTFT, Admission
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeView
+from conductor.outputs import OUTPUT_PRIOR_TOKENS
 from conductor.policy import FROM_POOL, Candidates, DecodeLoad, Placement, Policy
 
 PREFILL, DECODE = "prefill", "decode"
-OUTPUT_PRIOR_TOKENS = 512
 
 
 class Rejected(Exception):
@@ -49,7 +49,7 @@ class ReportedDecode(DecodeView):
         return DecodeLoad(self.reported.batch + self.pending,
                           self.reported.kv_tokens + self.pending_tokens)
 
-    def predicted_load(self, at_s: float, output_estimate: float) -> DecodeLoad:
+    def predicted_load(self, at_s: float) -> DecodeLoad:
         # A report carries no per-sequence ages, so the best prediction is
         # what is there now plus what is already on its way.
         return self.committed_load()

@@ -61,7 +61,7 @@ class Placement:
 class DecodeLoad:
     """A decode instance as the decode choice sees it."""
 
-    batch: int
+    batch: float            # sequences (a prediction may count a fraction of one)
     kv_tokens: float
 
 

@@ -26,11 +26,11 @@ from conductor.costmodel import CostModel
 from conductor.decode import DecodeInstance
 from conductor.metrics import (REJECTED_AT_ARRIVAL, REJECTED_AT_DECODE, Outcomes,
                                RunSummary, summarize)
+from conductor.outputs import OutputLengths
 from conductor.policy import Candidates, Placement, make_policy
 from conductor.trace import BLOCK_TOKENS, TraceRequest
 
 _PREFILL_DONE, _DECODE_JOIN, _DECODE_STEP = 0, 1, 2
-OUTPUT_PRIOR_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -70,17 +70,12 @@ class Simulator:
         self.caches = [NodeCache(i, capacity, self.directory, config.seed)
                        for i in range(config.prefill)]
         self.busy_until = [0.0] * config.prefill
-        self.decodes = [DecodeInstance(j, cost) for j in range(config.decode)]
+        self.outputs = OutputLengths()
+        self.decodes = [DecodeInstance(j, cost, self.outputs) for j in range(config.decode)]
         self.out = Outcomes(len(trace))
         self._events: list[tuple] = []
         self._seq = 0
         self._inflight: dict[int, _Inflight] = {}
-        self._out_sum, self._out_n = float(OUTPUT_PRIOR_TOKENS), 1
-
-    @property
-    def output_estimate(self) -> float:
-        """Mean output length of finished requests (what a live conductor can observe)."""
-        return self._out_sum / self._out_n
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> RunSummary:
         started = time.perf_counter()
@@ -128,7 +123,7 @@ class Simulator:
         self._sample_load(now, queue)
         self.out.input_tokens[rid] = req.input_length
         reason = self.admission.at_arrival(now, placement, self.decodes[j], req.input_length,
-                                           self.output_estimate)
+                                           self.outputs.mean)
         if reason is not None:
             self.out.status[rid] = REJECTED_AT_ARRIVAL
             return
@@ -167,7 +162,7 @@ class Simulator:
         decode = self.decodes[fl.decode]
         del decode.inflight[rid]
         decode.advance(now)
-        if not self.admission.at_decode(decode, req.input_length, self.output_estimate):
+        if not self.admission.at_decode(decode, req.input_length, self.outputs.mean):
             self.out.status[rid] = REJECTED_AT_DECODE
             self.out.wasted_prefill_s += fl.placement.service_s
             return
@@ -178,8 +173,7 @@ class Simulator:
         decode = self.decodes[j]
         for r in decode.pop_finished(now):
             self.out.tbt_s[r.request] = (now - r.join_s) / r.output_length
-            self._out_sum += r.output_length
-            self._out_n += 1
+            self.outputs.observe(r.output_length)
         self._schedule_departure(decode)
 
     def _schedule_departure(self, decode: DecodeInstance) -> None:

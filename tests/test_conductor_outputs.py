@@ -1,0 +1,62 @@
+"""Output-length knowledge and the decode-load prediction built on it, computed by hand.
+
+Cost model: a decode step of 10 ms whatever the batch, 10,000 tokens of
+decode memory and at most 2 sequences per batch.
+"""
+import pytest
+
+from conductor.costmodel import CostModel
+from conductor.decode import DecodeInstance
+from conductor.outputs import OutputLengths
+from conductor.policy import DecodeLoad
+
+COST = CostModel(p_fixed=0, p_token=0.001, p_attention=0, p_load=0, t_fixed=0, t_token=0,
+                 d_fixed=0.01, d_seq=0, d_kv=0, decode_capacity_tokens=10_000,
+                 decode_max_batch=2)
+
+
+def test_prior_alone_is_a_uniform_decode_length():
+    o = OutputLengths(prior_tokens=100)
+    assert o.mean == 100
+    assert o.still_running(0, 99) == 1.0
+    assert o.still_running(0, 100) == 0.0
+
+
+def test_survival_comes_from_finished_lengths():
+    o = OutputLengths(prior_tokens=512)
+    for length in (10, 100, 1000):
+        o.observe(length)
+    assert o.mean == pytest.approx((512 + 10 + 100 + 1000) / 4)
+    assert o.still_running(0, 50) == pytest.approx(3 / 4)      # 100, 512, 1000 of 4
+    assert o.still_running(200, 600) == pytest.approx(1 / 2)   # 1000 of {512, 1000}
+    assert o.still_running(2000, 3000) == 0.0                  # past anything seen
+
+
+def test_prediction_weights_residents_and_inflight_by_survival():
+    outputs = OutputLengths(prior_tokens=512)
+    outputs.observe(10)
+    outputs.observe(100)
+    d = DecodeInstance(0, COST, outputs)
+    d.join(1, 1000, 400, now_s=0.0)
+    d.inflight[2] = (2000, 0.3)      # KV due at 0.3 s
+    d.inflight[3] = (4000, 9.0)      # due after the horizon: not there yet
+    load = d.predicted_load(0.5)
+    # resident: 50 tokens ahead, P(out > 50) = 2/3; in-flight: 20 tokens made
+    # by 0.5 s, P(out > 20) = 2/3.
+    assert load.batch == pytest.approx(4 / 3)
+    assert load.kv_tokens == pytest.approx(2 / 3 * 1050 + 2 / 3 * 2020)
+
+
+def test_batch_limit_refuses_a_third_sequence():
+    d = DecodeInstance(0, COST, OutputLengths())
+    assert d.fits(DecodeLoad(1, 0), 100, 10, tbt_slo_s=0.1)
+    assert not d.fits(DecodeLoad(2, 0), 100, 10, tbt_slo_s=0.1)
+
+
+def test_testbed_decode_limits_follow_vllm_defaults():
+    cost = CostModel.from_testbed()
+    # (0.9 x 8 x 80 GB - 140 GB of fp16 weights) / 320 KiB per token
+    assert cost.decode_capacity_tokens == int((0.9 * 640e9 - 140e9) / 327_680)
+    assert cost.decode_max_batch == 256
+    # a full node still steps within the 0.1 s TBT SLO: memory binds first
+    assert cost.decode_step_s(256, cost.decode_capacity_tokens) < 0.1
