@@ -13,9 +13,11 @@ from typing import Any, Sequence
 from client import operations as ops
 from client.buffers import Key
 from client.hashing import BlockHasher
+from client.fastpath import AsyncFastTransport, FastPath
 from client.operations import Items, Location, Value
 from client.sockets import Endpoint
 from client.transport import AsyncWireTransport
+from proto.fastpath import LEASE_TTL_MS
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 
@@ -24,10 +26,13 @@ class AsyncKVClient:
 
     def __init__(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
                  password: str | None = None, unix_socket: str | None = None,
-                 timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8):
+                 timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8,
+                 fast_path: str = "auto", lease_ttl_ms: int = LEASE_TTL_MS):
         self.endpoint = Endpoint(host, port, unix_socket)
-        self._transport = AsyncWireTransport(self.endpoint, password=password, timeout=timeout,
-                                            retries=retries, pool_size=pool_size)
+        self.fast_path = FastPath(self.endpoint, password, timeout, fast_path, lease_ttl_ms)
+        wire = AsyncWireTransport(self.endpoint, password=password, timeout=timeout,
+                                  retries=retries, pool_size=pool_size)
+        self._transport = wire if fast_path == "off" else AsyncFastTransport(wire, self.fast_path)
 
     async def put(self, key: Key, value: Value, *, parent: Key | None = None,
                   overwrite: bool = False) -> bool:

@@ -9,12 +9,15 @@ socket error leaves the connection in an unknown state, so the pool closes it.
 from __future__ import annotations
 
 import socket
+from array import array
 from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
 from client.sockets import (Endpoint, check_handshake, handshake, idle_poller, is_stale,
                             socket_errors, tune)
+
+MAX_FDS = 4             # file descriptors accepted with one reply
 
 
 class Connection:
@@ -42,6 +45,13 @@ class Connection:
             self._send(resp.pack(requests))
             return [self._drive(self._reader.read(sink)) for sink in sinks]
 
+    def round_trip_fds(self, requests: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
+        """A round trip whose replies may carry file descriptors (SCM_RIGHTS, Unix socket only)."""
+        fds: list[int] = []
+        with socket_errors(f"request to {self.endpoint}"):
+            self._send(resp.pack(requests))
+            return [self._drive(self._reader.read(None), fds) for _ in requests], fds
+
     def is_stale(self) -> bool:
         return self._reader.buffered > 0 or is_stale(self._poller)
 
@@ -53,16 +63,23 @@ class Connection:
             sent = self._sock.sendmsg(buffers[:resp.IOV_MAX])
             buffers = resp.drop_sent(buffers, sent)
 
-    def _drive(self, parse: resp.Receive) -> Any:
+    def _drive(self, parse: resp.Receive, fds: list[int] | None = None) -> Any:
         try:
             view = next(parse)
             while True:
-                received = self._sock.recv_into(view)
+                received = self._sock.recv_into(view) if fds is None else self._recv_fds(view, fds)
                 if not received:
                     raise ConnectionError(f"{self.endpoint} closed the connection")
                 view = parse.send(received)
         except StopIteration as done:
             return done.value
+
+    def _recv_fds(self, view: memoryview, fds: list[int]) -> int:
+        received, ancillary, _, _ = self._sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * 4))
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array("i", data[:len(data) - len(data) % 4]))
+        return received
 
 
 def _connect(endpoint: Endpoint, timeout: float | None) -> socket.socket:

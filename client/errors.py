@@ -62,6 +62,17 @@ class BufferTooSmall(KVError):
         self.capacity = capacity
 
 
+class FastPathUnavailable(ConnectionError):
+    """fast_path="required", but the node's arena cannot be mapped (a remote node, another user)."""
+
+
+class LeaseExpired(KVError):
+    """A fast-path read kept losing its lease mid-copy (a tiny lease TTL, or a stalled client).
+
+    Nothing torn was returned; the destination buffer's contents are unspecified.
+    """
+
+
 AUTH_ERROR_CODES = ("NOAUTH", "WRONGPASS", "NOPERM")
 # Older servers reply -ERR with these texts for the same failures.
 AUTH_ERROR_TEXTS = ("invalid password", "without any password configured")

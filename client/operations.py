@@ -8,6 +8,11 @@ function that turns the replies into the result. The clients hand Calls to a
 transport (see `transport`), blocking or asyncio, so the command logic exists
 once for both.
 
+A Call for a get or a put also describes itself as a `LocalRead` or
+`LocalWrite`, so the local fast path (`fastpath`) can move the same bytes
+through the node's arena instead and still finish with the same function:
+its results have the shapes the wire replies have.
+
 Retrying is safe for reads and for overwriting puts. A put-once (`NX`) put
 and DEL are not retried once sent: had the first attempt landed, the retry
 would report "existed" or "0 deleted" for work that the first attempt did.
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from client import resp
-from client.buffers import Key, writable_view
+from client.buffers import Key, readable_view, writable_view
 from client.errors import BufferTooSmall, KVError, ProtocolError
 from client.hashing import BlockHasher
 from proto import wire
@@ -36,6 +41,28 @@ class Location:
 
 
 @dataclass
+class LocalRead:
+    """Values to read: into the caller's views, or into fresh bytearrays where a view is None."""
+
+    keys: list[Key]
+    views: list[memoryview | None]
+
+
+@dataclass
+class LocalWrite:
+    """Values to store, as byte views, with their parent links and the put-once choice."""
+
+    keys: list[Key]
+    views: list[memoryview]
+    parents: list[Key | None]
+    overwrite: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+
+@dataclass
 class Call:
     """One round trip: pipelined requests, a sink per reply, and how replies become the result."""
 
@@ -43,11 +70,12 @@ class Call:
     finish: Callable[[list[Any]], Any]
     sinks: list[resp.Sink] | None = None
     idempotent: bool = True
+    local: LocalRead | LocalWrite | None = None
 
 
 def put(key: Key, value: Value, parent: Key | None, overwrite: bool) -> Call:
     return Call([_put_args(key, value, parent, overwrite)], lambda replies: bool(_only(replies)),
-                idempotent=overwrite)
+                idempotent=overwrite, local=LocalWrite([key], [readable_view(value)], [parent], overwrite))
 
 
 def batch_put(items: Items, parents: Sequence[Key | None] | None, overwrite: bool) -> Call:
@@ -56,15 +84,17 @@ def batch_put(items: Items, parents: Sequence[Key | None] | None, overwrite: boo
     if len(links) != len(pairs):
         raise ValueError(f"{len(pairs)} items but {len(links)} parents")
     requests = [_put_args(k, v, p, overwrite) for (k, v), p in zip(pairs, links)]
-    return Call(requests, lambda replies: [bool(r) for r in _checked(replies)], idempotent=overwrite)
+    local = LocalWrite([k for k, _ in pairs], [readable_view(v) for _, v in pairs], links, overwrite)
+    return Call(requests, lambda replies: [bool(r) for r in _checked(replies)], idempotent=overwrite,
+                local=local)
 
 
 def get(key: Key) -> Call:
-    return Call([("GET", key)], _only)
+    return Call([("GET", key)], _only, local=LocalRead([key], [None]))
 
 
 def batch_get(keys: Sequence[Key]) -> Call:
-    return Call([("GET", k) for k in keys], _checked)
+    return Call([("GET", k) for k in keys], _checked, local=LocalRead(list(keys), [None] * len(keys)))
 
 
 def get_into(key: Key, buffer: Any) -> Call:
@@ -75,8 +105,9 @@ def batch_get_into(keys: Sequence[Key], buffers: Sequence[Any],
                    finish: Callable[[list[Any]], Any] | None = None) -> Call:
     if len(keys) != len(buffers):
         raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-    sinks = [_into(k, writable_view(b)) for k, b in zip(keys, buffers)]
-    return Call([("GET", k) for k in keys], finish or _checked, sinks)
+    views = [writable_view(b) for b in buffers]
+    sinks = [_into(k, v) for k, v in zip(keys, views)]
+    return Call([("GET", k) for k in keys], finish or _checked, sinks, local=LocalRead(list(keys), views))
 
 
 def exists(keys: Sequence[Key]) -> Call:

@@ -21,9 +21,11 @@ from typing import Any, Sequence
 from client import operations as ops
 from client.buffers import Key
 from client.hashing import BlockHasher
+from client.fastpath import FastPath, FastTransport
 from client.operations import Items, Location, Value
 from client.sockets import Endpoint
 from client.transport import WireTransport
+from proto.fastpath import LEASE_TTL_MS
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 
@@ -32,10 +34,13 @@ class KVClient:
 
     def __init__(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
                  password: str | None = None, unix_socket: str | None = None,
-                 timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8):
+                 timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8,
+                 fast_path: str = "auto", lease_ttl_ms: int = LEASE_TTL_MS):
         self.endpoint = Endpoint(host, port, unix_socket)
-        self._transport = WireTransport(self.endpoint, password=password, timeout=timeout,
-                                       retries=retries, pool_size=pool_size)
+        self.fast_path = FastPath(self.endpoint, password, timeout, fast_path, lease_ttl_ms)
+        wire = WireTransport(self.endpoint, password=password, timeout=timeout,
+                             retries=retries, pool_size=pool_size)
+        self._transport = wire if fast_path == "off" else FastTransport(wire, self.fast_path)
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         """Store value under key (KV.PUT); False when the key existed and overwrite is False."""

@@ -4,16 +4,17 @@ The clients describe every operation as a `Call` (see `operations`) and hand
 it to a transport; they never touch sockets. `WireTransport` and
 `AsyncWireTransport` run Calls as RESP round trips on pooled connections
 (TCP or Unix socket) and retry connection failures where `RetryPolicy`
-allows. They are the only transports today; a local fast path (the node's
-shared-memory arena) fits in as another transport with the same `execute`
-and `close`, which moves the bytes of the calls it can serve itself and
-passes the others to the wire transport it wraps.
+allows. The local fast path (`fastpath`) is another transport with the same
+`execute` and `close`: it moves the bytes of the calls it can serve itself
+through the node's shared-memory arena, running its control round trips on
+the wire transport's pooled connections through `run`, and passes the other
+calls to the wire transport it wraps.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from client.aio_connection import AsyncConnection
 from client.connection import Connection
@@ -22,6 +23,8 @@ from client.operations import Call
 from client.pool import AsyncConnectionPool, ConnectionPool
 from client.retry import RetryPolicy
 from client.sockets import Endpoint
+
+T = TypeVar("T")
 
 
 class WireTransport:
@@ -37,16 +40,25 @@ class WireTransport:
     def execute(self, call: Call) -> Any:
         if not call.requests:
             return call.finish([])
+        return self.run(lambda conn: _finisher(call, conn.round_trip(call.requests, call.sinks)),
+                        call.idempotent)
+
+    def run(self, work: Callable[[Connection], Callable[[], T]], idempotent: bool) -> T:
+        """Run ``work`` on a pooled connection, retried where allowed; then call what it returns.
+
+        ``work`` returns a thunk that makes the result (raising server errors),
+        so an error reply never costs the pooled connection.
+        """
         attempt = 0
         while True:
             sent = False
             try:
                 with self._pool.connection() as conn:
                     sent = True
-                    replies = conn.round_trip(call.requests, call.sinks)
-                return call.finish(replies)
+                    done = work(conn)
+                return done()
             except ConnectionError:
-                if not self._retry.should_retry(attempt, sent, call.idempotent):
+                if not self._retry.should_retry(attempt, sent, idempotent):
                     raise
             time.sleep(self._retry.delay(attempt))
             attempt += 1
@@ -68,19 +80,30 @@ class AsyncWireTransport:
     async def execute(self, call: Call) -> Any:
         if not call.requests:
             return call.finish([])
+
+        async def work(conn: AsyncConnection) -> Callable[[], Any]:
+            return _finisher(call, await conn.round_trip(call.requests, call.sinks))
+        return await self.run(work, call.idempotent)
+
+    async def run(self, work: Callable[[AsyncConnection], Awaitable[Callable[[], T]]], idempotent: bool) -> T:
+        """The asyncio form of `WireTransport.run`."""
         attempt = 0
         while True:
             sent = False
             try:
                 async with self._pool.connection() as conn:
                     sent = True
-                    replies = await conn.round_trip(call.requests, call.sinks)
-                return call.finish(replies)
+                    done = await work(conn)
+                return done()
             except ConnectionError:
-                if not self._retry.should_retry(attempt, sent, call.idempotent):
+                if not self._retry.should_retry(attempt, sent, idempotent):
                     raise
             await asyncio.sleep(self._retry.delay(attempt))
             attempt += 1
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _finisher(call: Call, replies: list[Any]) -> Callable[[], Any]:
+    return lambda: call.finish(replies)
