@@ -1,0 +1,225 @@
+"""The `kvstore` command line, run as a real process (`python -m kvstore ...`).
+
+What is checked: the help texts document every flag of `kvstore serve`; a bad
+flag value ends with exit status 2 and a one-line error, never a traceback;
+`--config FILE` (TOML) is honoured and a flag given on the command line wins
+over the file; the daemon stops cleanly (exit status 0, Unix socket file
+removed) on SIGTERM, SIGINT and `SHUTDOWN` from redis-cli; `--maxclients`
+turns the next client away with Redis's error; `--unixsocket` serves
+redis-cli -s.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from conftest import Daemon, free_port, start_kvstore, wait_ready
+
+ISSUE_FLAGS = ("--bind", "--port", "--unixsocket", "--dram-size", "--maxmemory-policy", "--requirepass",
+               "--proto-max-bulk-len", "--maxclients", "--config")
+SMALL = ("--dram-size", "4mb")
+
+
+def kvstore(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ----------------------------------------------------------------- help
+
+def test_serve_help_documents_every_flag():
+    done = kvstore("serve", "--help")
+    assert done.returncode == 0
+    for flag in ISSUE_FLAGS:
+        assert f"  {flag} " in done.stdout, flag
+    for choice in ("allkeys-lru", "noeviction"):
+        assert choice in done.stdout
+
+
+def test_serve_help_states_each_default_once():
+    done = kvstore("serve", "--help")
+    assert "(default: None)" not in done.stdout
+
+
+def test_top_level_help_names_serve():
+    done = kvstore("--help")
+    assert done.returncode == 0
+    assert "serve" in done.stdout and "run a store node" in done.stdout
+
+
+def test_top_level_help_documents_every_serve_flag():
+    done = kvstore("--help")
+    assert all(flag in done.stdout for flag in ISSUE_FLAGS)
+
+
+def test_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "kvstore")
+    done = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "--dram-size" in done.stdout
+
+
+# ----------------------------------------------------------------- bad values
+
+@pytest.mark.parametrize("args, names", [
+    (("--port", "abc"), "--port"),
+    (("--dram-size", "12zb"), "12zb"),
+    (("--proto-max-bulk-len", "lots"), "lots"),
+    (("--maxmemory-policy", "allkeys-lfu"), "--maxmemory-policy"),
+    (("--maxclients", "many"), "--maxclients"),
+    (("--maxclients", "0"), "maxclients"),
+    (("--dram-size", "1kb"), "dram-size"),
+    (("--port", "70000"), "70000"),
+    (("--no-such-flag",), "--no-such-flag"),
+])
+def test_bad_flag_value_exits_2_with_one_error_line(args, names):
+    done = kvstore("serve", *args)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and done.stderr.rstrip().splitlines()[-1] == errors[0]
+    assert names in errors[0]
+    assert done.stdout == ""
+
+
+def test_unreadable_config_file_exits_2(tmp_path):
+    done = kvstore("serve", "--config", str(tmp_path / "absent.toml"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"error: cannot read config file {tmp_path / 'absent.toml'}: " \
+                                  "No such file or directory"
+
+
+def test_bad_key_in_config_file_exits_2(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('dram = "1gb"\n')
+    done = kvstore("serve", "--config", str(path))
+    assert done.returncode == 2 and done.stderr.strip() == "error: unknown setting 'dram'"
+
+
+# ----------------------------------------------------------------- --config
+
+def spawn(tmp_path, port: int, *args: str) -> Daemon:
+    """`kvstore serve` with exactly these flags, ready on ``port``."""
+    log_path = str(tmp_path / f"kv-{port}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    daemon = Daemon(proc, "127.0.0.1", port, log_path=log_path)
+    try:
+        wait_ready("127.0.0.1", port, proc)
+    except Exception:
+        daemon.stop(signal.SIGKILL)
+        raise RuntimeError("kvstore did not start:\n" + daemon.log())
+    return daemon
+
+
+def config_get(port: int, name: str) -> str:
+    with redis.Redis(port=port, decode_responses=True) as client:
+        return client.config_get(name)[name]
+
+
+def test_config_file_is_honoured(tmp_path):
+    port = free_port()
+    sock = tmp_path / "from-file.sock"
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f'port = {port}\ndram-size = "8mb"\nunixsocket = "{sock}"\nmaxclients = 7\n')
+    daemon = spawn(tmp_path, port, "--config", str(path))
+    try:
+        with redis.Redis(port=port) as client:
+            assert client.info("kvcache")["dram_capacity"] == 8 << 20
+            assert client.info("server")["config_file"] == str(path)
+        assert config_get(port, "maxclients") == "7"
+        with redis.Redis(unix_socket_path=str(sock)) as client:
+            assert client.ping()
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_a_flag_overrides_the_config_file(tmp_path):
+    file_port, flag_port = free_port(), free_port()
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f'port = {file_port}\ndram-size = "8mb"\nmaxmemory-policy = "noeviction"\n')
+    daemon = spawn(tmp_path, flag_port, "--config", str(path), "--port", str(flag_port),
+                   "--maxmemory-policy", "allkeys-lru")
+    try:
+        assert config_get(flag_port, "maxmemory-policy") == "allkeys-lru"
+        with redis.Redis(port=flag_port) as client:
+            assert client.info("kvcache")["dram_capacity"] == 8 << 20
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", file_port), timeout=2).close()
+    finally:
+        assert daemon.stop() == 0
+
+
+# ----------------------------------------------------------------- shutdown
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly(tmp_path, sig):
+    daemon = start_kvstore(tmp_path, *SMALL)
+    with redis.Redis(port=daemon.port) as client:       # a connected client does not hold it up
+        client.set("k", "v")
+        assert os.path.exists(daemon.unix_socket)
+        assert daemon.stop(sig) == 0
+    assert not os.path.exists(daemon.unix_socket)
+    assert "Traceback" not in daemon.log()
+
+
+def test_shutdown_from_redis_cli(tmp_path):
+    daemon = start_kvstore(tmp_path, *SMALL)
+    try:
+        subprocess.run(["redis-cli", "-p", str(daemon.port), "SHUTDOWN"], capture_output=True,
+                       timeout=10)
+        assert daemon.proc.wait(10) == 0
+    finally:
+        daemon.stop(signal.SIGKILL)
+    assert not os.path.exists(daemon.unix_socket)
+    assert "Traceback" not in daemon.log()
+
+
+# ----------------------------------------------------------------- clients
+
+def connected(daemon: Daemon) -> socket.socket:
+    sock = socket.create_connection((daemon.host, daemon.port), timeout=5)
+    sock.sendall(b"PING\r\n")
+    assert sock.recv(64) == b"+PONG\r\n"
+    return sock
+
+
+def test_maxclients_rejects_the_next_client(tmp_path):
+    daemon = start_kvstore(tmp_path, *SMALL, "--maxclients", "2")
+    try:
+        first, second = connected(daemon), connected(daemon)
+        with socket.create_connection((daemon.host, daemon.port), timeout=5) as third:
+            assert third.recv(128) == b"-ERR max number of clients reached\r\n"
+            assert third.recv(128) == b"", "the rejected client is disconnected"
+        first.close()
+        # The server may see the close a moment later; redis-py retries the connect meanwhile.
+        with redis.Redis(port=daemon.port) as client:
+            assert client.info("clients")["connected_clients"] == 2    # second and this one
+            assert client.info("stats")["rejected_connections"] >= 1
+        second.close()
+    finally:
+        daemon.stop()
+
+
+def test_unixsocket_serves_redis_cli(tmp_path):
+    daemon = start_kvstore(tmp_path, *SMALL)
+    try:
+        def cli(*args: str) -> str:
+            done = subprocess.run(["redis-cli", "-s", daemon.unix_socket, *args], capture_output=True,
+                                  text=True, timeout=10)
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+
+        assert cli("PING") == "PONG"
+        assert cli("SET", "greeting", "hello world") == "OK"
+        assert cli("GET", "greeting") == "hello world"
+        with redis.Redis(port=daemon.port) as client:
+            assert client.get("greeting") == b"hello world"
+    finally:
+        daemon.stop()
