@@ -40,7 +40,8 @@ from typing import Any, Callable
 import numpy as np
 
 from client.connection import Connection
-from client.errors import BufferTooSmall, FastPathUnavailable, KVError, LeaseExpired, TimeoutError
+from client.errors import (BufferTooSmall, ConnectionError, FastPathUnavailable, KVError, LeaseExpired,
+                           TimeoutError)
 from client.operations import Call, LocalRead, LocalWrite
 from client.sockets import Endpoint
 from proto import fastpath as fp
@@ -61,7 +62,8 @@ class Arena:
     extent would spend 2 ms faulting): MAP_POPULATE maps them all at once.
     """
 
-    def __init__(self, fd: int, size: int):
+    def __init__(self, fd: int, size: int, token: bytes):
+        self.token = token
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
@@ -89,10 +91,13 @@ def attach(endpoint: Endpoint, password: str | None, timeout: float | None) -> A
         for fd in fds:
             os.close(fd)
         raise FastPathUnavailable(f"{endpoint} has no fast path: {reply}")
-    size, pid, fd_number, token_offset, token, _ = reply
+    try:
+        size, pid, fd_number, token_offset, token, _ = reply
+    except (TypeError, ValueError):
+        raise FastPathUnavailable(f"{endpoint} answered {fp.KV_ARENA} with {reply!r:.80}") from None
     fd = fds[0] if fds else _open_proc_fd(pid, fd_number, endpoint)
     try:
-        arena = Arena(fd, size)
+        arena = Arena(fd, size, bytes(token))
     except (OSError, ValueError) as exc:
         raise FastPathUnavailable(f"cannot map the arena of {endpoint}: {exc}") from exc
     finally:
@@ -147,28 +152,43 @@ class FastPath:
         return self._arena
 
     def _map(self) -> None:
+        """Map the arena; in "auto" mode a node without a fast path means the wire from now
+        on, and a node that cannot be reached now means the wire for this call."""
         try:
             self._arena = attach(self._endpoint, self._password, self._timeout)
         except FastPathUnavailable as exc:
             if self.mode == "required":
                 raise
             self.unavailable = str(exc)
+        except (ConnectionError, TimeoutError):
+            if self.mode == "required":
+                raise
 
     @property
     def needs_mapping(self) -> bool:
         return self._arena is None and self.unavailable is None
 
-    def serves(self, call: Call) -> bool:
+    def eligible(self, call: Call) -> bool:
+        """Whether the call is a get or a put the fast path would carry (no I/O)."""
         local = call.local
-        if local is None or (isinstance(local, LocalWrite)
-                             and (local.nbytes < FAST_PUT_MIN or not all(v.nbytes for v in local.views))):
+        if local is None or self.unavailable is not None:
             return False
-        return self.arena() is not None
+        return not isinstance(local, LocalWrite) or (local.nbytes >= FAST_PUT_MIN and all(v.nbytes for v in local.views))
+
+    def serves(self, call: Call) -> bool:
+        return self.eligible(call) and self.arena() is not None
+
+    def remap_if_stale(self, reply: Any) -> bool:
+        """True (and the mapping dropped, to be made again) when the node's arena changed."""
+        if isinstance(reply, KVError) and str(reply).startswith("STALEARENA"):
+            self._arena = None
+            return True
+        return False
 
     # ------------------------------------------------------------ reads
 
     def lease_requests(self, keys: list) -> list[tuple]:
-        return [*self.release_requests(), (fp.KV_LEASE, self.lease_ttl_ms, *keys)]
+        return [*self.release_requests(), (fp.KV_LEASE, self._arena.token, self.lease_ttl_ms, *keys)]
 
     def release_requests(self) -> list[tuple]:
         """The deferred releases, to send ahead of the next request."""
@@ -213,7 +233,7 @@ class FastPath:
 
     def reserve_requests(self, local: LocalWrite) -> list[tuple]:
         return [*self.release_requests(),
-                (fp.KV_RESERVE, self.reservation_ttl_ms, *(v.nbytes for v in local.views))]
+                (fp.KV_RESERVE, self._arena.token, self.reservation_ttl_ms, *(v.nbytes for v in local.views))]
 
     def copy_in(self, local: LocalWrite, entries: list, started: float) -> list[tuple] | None:
         """Copy the values into their reservations; the KV.PUBLISH requests, or None when
@@ -240,6 +260,13 @@ def _publish_args(reservation_id: int, key, parent, overwrite: bool) -> tuple:
     return args
 
 
+REMAPPED = object()      # a call's result when the node's arena changed under it: run it again
+
+
+def _remapped() -> Any:
+    return REMAPPED
+
+
 def _raise(error: KVError) -> Callable[[], Any]:
     def fail() -> Any:
         raise error
@@ -259,18 +286,25 @@ class FastTransport:
         self.endpoint = wire.endpoint
 
     def execute(self, call: Call) -> Any:
-        if not self.fast.serves(call):
-            self.fast.stats.wire_calls += 1
-            return self.wire.execute(call)
-        if isinstance(call.local, LocalRead):
-            return self.wire.run(lambda conn: self._read(conn, call), True)
-        return self.wire.run(lambda conn: self._write(conn, call), call.idempotent)
+        for _ in range(2):
+            if not self.fast.serves(call):
+                self.fast.stats.wire_calls += 1
+                return self.wire.execute(call)
+            if isinstance(call.local, LocalRead):
+                result = self.wire.run(lambda conn: self._read(conn, call), True)
+            else:
+                result = self.wire.run(lambda conn: self._write(conn, call), call.idempotent)
+            if result is not REMAPPED:
+                return result
+        return self.wire.execute(call)
 
     def _read(self, conn, call: Call) -> Callable[[], Any]:
         fast = self.fast
         for _ in range(LEASE_RETRIES):
             started = time.monotonic()
             entries = conn.round_trip(fast.lease_requests(call.local.keys))[-1]
+            if fast.remap_if_stale(entries):
+                return _remapped
             if isinstance(entries, KVError):
                 return _raise(entries)
             results, leases = fast.copy_out(call.local, entries)
@@ -286,6 +320,8 @@ class FastTransport:
         fast = self.fast
         started = time.monotonic()
         entries = conn.round_trip(fast.reserve_requests(call.local))[-1]
+        if fast.remap_if_stale(entries):
+            return _remapped
         if isinstance(entries, KVError):
             return _raise(entries)
         publish = fast.copy_in(call.local, entries, started)
@@ -312,20 +348,27 @@ class AsyncFastTransport:
 
     async def execute(self, call: Call) -> Any:
         fast = self.fast
-        if call.local is not None and fast.needs_mapping:
-            await asyncio.to_thread(fast.arena)
-        if not fast.serves(call):
-            fast.stats.wire_calls += 1
-            return await self.wire.execute(call)
-        if isinstance(call.local, LocalRead):
-            return await self.wire.run(lambda conn: self._read(conn, call), True)
-        return await self.wire.run(lambda conn: self._write(conn, call), call.idempotent)
+        for _ in range(2):
+            if fast.eligible(call) and fast.needs_mapping:
+                await asyncio.to_thread(fast.arena)
+            if not fast.serves(call):
+                fast.stats.wire_calls += 1
+                return await self.wire.execute(call)
+            if isinstance(call.local, LocalRead):
+                result = await self.wire.run(lambda conn: self._read(conn, call), True)
+            else:
+                result = await self.wire.run(lambda conn: self._write(conn, call), call.idempotent)
+            if result is not REMAPPED:
+                return result
+        return await self.wire.execute(call)
 
     async def _read(self, conn, call: Call) -> Callable[[], Any]:
         fast = self.fast
         for _ in range(LEASE_RETRIES):
             started = time.monotonic()
             entries = (await conn.round_trip(fast.lease_requests(call.local.keys)))[-1]
+            if fast.remap_if_stale(entries):
+                return _remapped
             if isinstance(entries, KVError):
                 return _raise(entries)
             results, leases = await _maybe_in_thread(_nbytes(entries), fast.copy_out, call.local, entries)
@@ -341,6 +384,8 @@ class AsyncFastTransport:
         fast = self.fast
         started = time.monotonic()
         entries = (await conn.round_trip(fast.reserve_requests(call.local)))[-1]
+        if fast.remap_if_stale(entries):
+            return _remapped
         if isinstance(entries, KVError):
             return _raise(entries)
         publish = await _maybe_in_thread(call.local.nbytes, fast.copy_in, call.local, entries, started)

@@ -5,14 +5,14 @@ the client's own mapping of the DRAM arena (see kvstore/leases.py for why
 everything a client holds has an id, an owner and a deadline).
 
     KV.ARENA                             -> [size, pid, fd, id offset, id token, fd passed]
-    KV.LEASE ttl_ms key [key ...]        -> per key: [lease id, offset, size] or nil
+    KV.LEASE token ttl_ms key [key ...]  -> per key: [lease id, offset, size] or nil
     KV.RELEASE id [id ...]               -> per lease: 1 if it was valid until released, else 0
-    KV.RESERVE ttl_ms size [size ...]    -> per size: [reservation id, offset]
+    KV.RESERVE token ttl_ms size [...]   -> per size: [reservation id, offset]
     KV.PUBLISH id key [PARENT p] [NX]    -> 1 stored, 0 key existed under NX (extent given back)
     KV.UNRESERVE id [id ...]             -> how many reservations were given back
     KV.LEASES                            -> lease, reservation and partial-block counters
     KV.GPUARENA                          -> [device, CUDA IPC handle, size] or nil without a GPU tier
-    KV.LEASEGPU ttl_ms key [key ...]     -> per key: [lease id, tier, offset, size] or nil
+    KV.LEASEGPU token ttl_ms key [...]   -> per key: [lease id, tier, offset, size] or nil
 
 How a client maps the arena: over the Unix socket the arena's memfd comes
 with the KV.ARENA reply (SCM_RIGHTS); over TCP a client on the same host
@@ -20,6 +20,11 @@ opens ``/proc/<pid>/fd/<fd>`` (same user). Either way it then checks the
 16-byte token written at the id offset, so a client that reached a node on
 another host (where the pid means nothing) finds no match and stays on the
 wire.
+
+Commands that hand out arena offsets take the client's arena token first: a
+client still holding the mapping of a node that has since restarted (a new
+arena) gets ``-STALEARENA`` instead of offsets into memory it no longer
+shares with the node, and maps the arena again.
 """
 from __future__ import annotations
 
@@ -48,6 +53,13 @@ def parse_ids(args: list) -> list[int]:
     return [parse_int(a, "lease and reservation ids are integers") for a in args]
 
 
+def check_token(conn, token: bytes) -> None:
+    """Refuse offsets to a client whose mapping is not of this node's current arena."""
+    if token != _arena_identity(conn)[1]:
+        raise CommandError("the client's arena mapping is not this node's arena (map it again)",
+                           "STALEARENA")
+
+
 def _arena_identity(conn) -> tuple[int, bytes]:
     """A token kept in a small extent of the arena, to prove a mapping is this node's."""
     table = table_for(conn.server)
@@ -72,16 +84,17 @@ def kv_arena(conn, args):
 
 
 def _lease_reads(conn, args: list) -> list[bytes]:
-    return args[2:]
+    return args[3:]
 
 
-@command(fp.KV_LEASE, -3, "readonly fast", "fastpath",
+@command(fp.KV_LEASE, -4, "readonly fast", "fastpath",
          "Pins values for a direct read from the arena; per key [lease id, offset, size] or nil.",
-         keys=(2, -1, 1), reads=_lease_reads)
+         keys=(3, -1, 1), reads=_lease_reads)
 def kv_lease(conn, args):
-    ttl = parse_ttl(args[1])
+    check_token(conn, args[1])
+    ttl = parse_ttl(args[2])
     table, items = table_for(conn.server), []
-    for key in args[2:]:
+    for key in args[3:]:
         lease = dram_lease(conn, table, key, ttl)
         items.append(conn.enc.null if lease is None else writer.array(
             [writer.integer(lease[0]), writer.integer(lease[1]), writer.integer(lease[2])]))
@@ -108,11 +121,12 @@ def kv_release(conn, args):
     return writer.array([writer.ONE if table.release(i) else writer.ZERO for i in parse_ids(args[1:])])
 
 
-@command(fp.KV_RESERVE, -3, "write denyoom fast", "fastpath",
+@command(fp.KV_RESERVE, -4, "write denyoom fast", "fastpath",
          "Reserves arena extents for direct writes; per size [reservation id, offset].", keys=(0, 0, 0))
 def kv_reserve(conn, args):
-    ttl = parse_ttl(args[1])
-    sizes = [parse_int(a, "sizes are non-negative integers") for a in args[2:]]
+    check_token(conn, args[1])
+    ttl = parse_ttl(args[2])
+    sizes = [parse_int(a, "sizes are non-negative integers") for a in args[3:]]
     if any(size < 0 for size in sizes):
         raise CommandError("sizes are non-negative integers")
     table, made = table_for(conn.server), []
@@ -186,16 +200,17 @@ def kv_gpuarena(conn, args):
 def _ssd_reads(conn, args: list) -> list[bytes]:
     """Only SSD values are brought up first: GPU values are leased where they are."""
     engine = conn.engine
-    return [k for k in args[2:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
+    return [k for k in args[3:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
 
 
-@command(fp.KV_LEASEGPU, -3, "readonly fast", "fastpath",
+@command(fp.KV_LEASEGPU, -4, "readonly fast", "fastpath",
          "Pins values where they live; per key [lease id, tier, offset, size] or nil.",
-         keys=(2, -1, 1), reads=_ssd_reads)
+         keys=(3, -1, 1), reads=_ssd_reads)
 def kv_leasegpu(conn, args):
-    ttl = parse_ttl(args[1])
+    check_token(conn, args[1])
+    ttl = parse_ttl(args[2])
     table, engine, items = table_for(conn.server), conn.engine, []
-    for key in args[2:]:
+    for key in args[3:]:
         slot = engine.lookup(key)
         if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:
             lease_id, offset, size, tier = *_gpu_lease(conn, table, key, slot, ttl), b"gpu"
