@@ -129,9 +129,21 @@ class BuddyAllocator:
         return self.capacity - self.used
 
     def largest_free(self) -> int:
-        """The largest extent one allocation could get without eviction."""
+        """The largest extent one allocation could get without eviction.
+
+        Quick-listed blocks count as merged, as they would be on demand (the
+        merge is simulated on a copy: this runs for INFO, not per request).
+        """
+        free = [set(blocks) for blocks in self._free]
+        for order, blocks in enumerate(self._quick):
+            for offset in blocks:
+                while order < self.max_order and (offset ^ (1 << order)) in free[order]:
+                    free[order].remove(offset ^ (1 << order))
+                    offset = min(offset, offset ^ (1 << order))
+                    order += 1
+                free[order].add(offset)
         for order in range(self.max_order, -1, -1):
-            if self._free[order] or (order < len(self._quick) and self._quick[order]):
+            if free[order]:
                 return 1 << order
         return 0
 

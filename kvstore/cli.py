@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "that speaks the Redis protocol.")
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve_parser(sub)
+    serve = serve_parser(sub)
+    # `kvstore --help` documents the node's flags too, not only the subcommand names.
+    parser.epilog = serve.format_help()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     sub.add_parser("replay", help="replay a Mooncake trace through the conductor's simulator "
                    "(kvstore replay --help)", add_help=False)
     sub.add_parser("conductor", help="run the cache-aware conductor service (kvstore conductor --help)",

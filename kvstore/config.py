@@ -71,8 +71,8 @@ class Config:
             raise ConfigError(f"port {self.port} out of range")
         if self.dram_size < 1024 * 1024:
             raise ConfigError("dram-size must be at least 1mb")
-        if self.proto_max_bulk_len < 1024 * 1024:
-            raise ConfigError("proto-max-bulk-len must be at least 1mb")
+        if not 1024 * 1024 <= self.proto_max_bulk_len < 4 * 1024**3:
+            raise ConfigError("proto-max-bulk-len must be at least 1mb and below 4gb")
         if self.maxclients < 1:
             raise ConfigError("maxclients must be at least 1")
         if self.ssd_write_policy not in SSD_WRITE_POLICIES:
@@ -99,6 +99,8 @@ class Config:
         if attr in self.SIZE_FIELDS:
             value = parse_size(value)
         elif attr in self.INT_FIELDS:
+            if isinstance(value, float):
+                raise ConfigError(f"{name} must be an integer")
             try:
                 value = int(value)
             except (TypeError, ValueError):

@@ -263,7 +263,7 @@ class Connection:
             self.wbuf += engine.view(slot)
             self.wbuf += b"\r\n"
             return
-        lease = (engine.lease(slot), slot, engine.key_of(slot))
+        lease = (engine.lease(slot), slot, engine.key_of(slot))     # None token: heap-staged copy
         self.out.append((self.wbuf, None))
         self.out.append((engine.view(slot), lease))
         self.wbuf = bytearray(b"\r\n")

@@ -34,6 +34,8 @@ from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 # Where a slot's value lives (the ``_tier`` column).
 DRAM, SSD, GPU = 0, 1, 2
 TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
+BLOCK_SHIFT = 6        # the allocator's smallest block is 64 bytes
+MAX_VALUE = 2**32 - 1  # sizes are kept in 32 bits
 # ``_flags`` bits.
 ON_SSD = 1        # a verified copy is on SSD: dropping the DRAM copy loses nothing
 STAGED = 2        # an SSD/GPU value with a temporary DRAM copy for one command
@@ -71,7 +73,7 @@ class Engine:
 
     def __init__(self, dram_size: int, policy: str = "allkeys-lru", prefault: bool = True):
         self.arena = Arena(dram_size, prefault=prefault)
-        self.allocator = BuddyAllocator(dram_size)
+        self.allocator = BuddyAllocator(dram_size, min_block=1 << BLOCK_SHIFT)
         self.eviction = SampledLRU(capacity=1024)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
@@ -79,8 +81,10 @@ class Engine:
         self.expires: dict[bytes, int] = {}
         self.stats = EngineStats()
         self._keys: list[bytes | None] = []
-        self._offset = array("q")      # DRAM offset (of the staged copy for SSD/GPU values)
-        self._size = array("q")
+        # DRAM offset >> BLOCK_SHIFT (of the staged copy for SSD/GPU values); 4 bytes
+        # a key instead of 8, since extents are aligned to the allocator's 64-byte blocks.
+        self._block = array("I")
+        self._size = array("I")
         self._tier = array("b")
         self._flags = array("b")
         self.tier_bytes = {DRAM: 0, SSD: 0, GPU: 0}
@@ -89,13 +93,16 @@ class Engine:
         self._leases: dict[int, int] = {}       # offset -> readers in flight
         self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
+        self._heap_staged: dict[int, bytearray] = {}         # slot -> copy read for one command
         self.value_bytes = 0
 
     # ----------------------------------------------------------- writes
 
-    def reserve(self, size: int) -> Extent:
+    def reserve(self, size: int, clean_only: bool = False) -> Extent:
         """An extent for a value of ``size`` bytes, evicting if the policy allows."""
         alloc = self.allocator
+        if size > MAX_VALUE:
+            raise OutOfMemory(f"value of {size} bytes is larger than the largest value ({MAX_VALUE} bytes)")
         while True:
             if alloc.used + size <= self.limit:
                 offset = alloc.alloc(size)
@@ -104,7 +111,7 @@ class Engine:
             if not alloc.fits(size) or size > self.limit:
                 self.stats.oom_rejections += 1
                 raise OutOfMemory(f"value of {size} bytes is larger than the DRAM tier")
-            if self.policy == "noeviction" or not self._evict_one():
+            if self.policy == "noeviction" or not self._evict_one(clean_only):
                 self.stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
 
@@ -122,7 +129,7 @@ class Engine:
         if old is not None:
             self._drop(old, keep_ttl=keep_ttl)
         slot = self._new_slot(key)
-        self._offset[slot] = extent.offset
+        self._block[slot] = extent.offset >> BLOCK_SHIFT
         self._size[slot] = extent.size
         self._tier[slot] = DRAM
         self._flags[slot] = 0
@@ -151,7 +158,7 @@ class Engine:
         The copy happens in one step on the loop thread, so no reader sees a
         mix; a leased block (being sent) is never rewritten.
         """
-        offset = self._offset[slot]
+        offset = self._dram_offset(slot)
         old = self._size[slot]
         alloc = self.allocator
         if offset in self._leases or alloc.order_for(size) != alloc.order_for(old) \
@@ -206,6 +213,9 @@ class Engine:
             self.tiers.note_dram_hit(slot)
         return slot
 
+    def _dram_offset(self, slot: int) -> int:
+        return self._block[slot] << BLOCK_SHIFT
+
     def key_of(self, slot: int) -> bytes:
         return self._keys[slot]
 
@@ -213,12 +223,13 @@ class Engine:
         return self._size[slot]
 
     def view(self, slot: int) -> memoryview:
-        offset = self._offset[slot]
+        if self._heap_staged and slot in self._heap_staged:
+            return memoryview(self._heap_staged[slot])
+        offset = self._dram_offset(slot)
         return self.arena.view[offset:offset + self._size[slot]]
 
     def value(self, slot: int) -> bytes:
-        offset = self._offset[slot]
-        return self.arena.view[offset:offset + self._size[slot]].tobytes()
+        return self.view(slot).tobytes()
 
     def match_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys are present: the longest cached prefix."""
@@ -233,14 +244,21 @@ class Engine:
 
     # ----------------------------------------------------------- leases
 
-    def lease(self, slot: int) -> int:
-        """Keep the value of ``slot`` in place while it is sent; returns a token."""
-        offset = self._offset[slot]
+    def lease(self, slot: int) -> int | None:
+        """Keep the value of ``slot`` in place while it is sent; returns a token.
+
+        A value staged on the heap needs no lease (the view keeps it alive): None.
+        """
+        if self._heap_staged and slot in self._heap_staged:
+            return None
+        offset = self._dram_offset(slot)
         self._leases[offset] = self._leases.get(offset, 0) + 1
         self.eviction.pin(slot)
         return offset
 
-    def unlease(self, offset: int, slot: int, key: bytes) -> None:
+    def unlease(self, offset: int | None, slot: int, key: bytes) -> None:
+        if offset is None:
+            return
         left = self._leases[offset] - 1
         if left:
             self._leases[offset] = left
@@ -248,7 +266,7 @@ class Engine:
             del self._leases[offset]
             if offset in self._doomed:
                 self.allocator.free(offset, self._doomed.pop(offset))
-        if self.index.get(key) == slot and self._offset[slot] == offset:
+        if self.index.get(key) == slot and self._dram_offset(slot) == offset:
             self.eviction.unpin(slot)
 
     # ----------------------------------------------------------- pins
@@ -344,7 +362,7 @@ class Engine:
             return 0.0
         sample = list(self.index)[:64]
         key_bytes = sum(sys.getsizeof(k) for k in sample) / len(sample)
-        per_slot = (self._offset.itemsize + self._size.itemsize + self._tier.itemsize + self._flags.itemsize
+        per_slot = (self._block.itemsize + self._size.itemsize + self._tier.itemsize + self._flags.itemsize
                     + self.eviction.nbytes_per_slot() + 8)
         return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_slot
 
@@ -360,7 +378,7 @@ class Engine:
             return slot
         slot = len(self._keys)
         self._keys.append(key)
-        self._offset.append(0)
+        self._block.append(0)
         self._size.append(0)
         self._tier.append(DRAM)
         self._flags.append(0)
@@ -372,8 +390,10 @@ class Engine:
         if not keep_ttl:
             self.expires.pop(key, None)
         tier, flags, size = self._tier[slot], self._flags[slot], self._size[slot]
-        if tier == DRAM or flags & STAGED:
-            self.free_dram(self._offset[slot], size)
+        if flags & STAGED and slot in self._heap_staged:
+            del self._heap_staged[slot]
+        elif tier == DRAM or flags & STAGED:
+            self.free_dram(self._dram_offset(slot), size)
         if tier == GPU:
             self.tiers.free_gpu(slot, size)
         if self.tiers is not None and (tier == SSD or flags & ON_SSD):
@@ -391,12 +411,19 @@ class Engine:
         else:
             self.allocator.free(offset, size)
 
-    def _evict_one(self) -> bool:
-        """Make room in DRAM: drop a clean copy, or evict the coldest value."""
+    def _evict_one(self, clean_only: bool = False) -> bool:
+        """Make room in DRAM: drop a clean copy first, else evict the coldest value.
+
+        With an SSD tier a clean DRAM copy (its value is already on SSD) goes
+        at no loss; ``clean_only`` forbids dropping anything else (a read that
+        makes room must not lose a value that exists only in DRAM).
+        """
         if self.tiers is None:
             slot = self.eviction.victim()
         else:
-            slot = self.eviction.victim(among=(self._tier, DRAM))
+            slot = self.eviction.victim(among=[(self._tier, DRAM), (self._flags, ON_SSD)])
+            if slot is None and not clean_only:
+                slot = self.eviction.victim(among=[(self._tier, DRAM)])
         if slot is None:
             return False
         if self._flags[slot] & ON_SSD:
@@ -422,7 +449,7 @@ class Engine:
     def demoted_to_ssd(self, slot: int) -> None:
         """The value is safely on SSD: let its DRAM copy go."""
         size = self._size[slot]
-        self.free_dram(self._offset[slot], size)
+        self.free_dram(self._dram_offset(slot), size)
         self._tier[slot] = SSD
         self._flags[slot] = ON_SSD
         self.tier_bytes[DRAM] -= size
@@ -433,13 +460,19 @@ class Engine:
     def stage(self, slot: int, extent: Extent) -> None:
         """Give an SSD/GPU value a temporary DRAM copy (freed by ``unstage``)."""
         extent.committed = True
-        self._offset[slot] = extent.offset
+        self._block[slot] = extent.offset >> BLOCK_SHIFT
+        self._flags[slot] |= STAGED
+
+    def stage_on_heap(self, slot: int, data: bytearray) -> None:
+        """Stage a copy outside the arena: DRAM is full of values that exist nowhere else."""
+        self._heap_staged[slot] = data
         self._flags[slot] |= STAGED
 
     def unstage(self, slot: int) -> None:
         if self._flags[slot] & STAGED:
             self._flags[slot] &= ~STAGED
-            self.free_dram(self._offset[slot], self._size[slot])
+            if self._heap_staged.pop(slot, None) is None:
+                self.free_dram(self._dram_offset(slot), self._size[slot])
 
     def promote_to_dram(self, slot: int, extent: Extent) -> None:
         """Make a fetched copy the value's home (the SSD copy stays as a clean backup)."""
@@ -447,7 +480,7 @@ class Engine:
         old_tier, size = self._tier[slot], self._size[slot]
         if old_tier == GPU:
             self.tiers.free_gpu(slot, size)
-        self._offset[slot] = extent.offset
+        self._block[slot] = extent.offset >> BLOCK_SHIFT
         self._flags[slot] = ON_SSD if old_tier == SSD else 0
         self._tier[slot] = DRAM
         self.tier_bytes[old_tier] -= size
@@ -456,7 +489,7 @@ class Engine:
     def moved_to_gpu(self, slot: int) -> None:
         """A hot DRAM value now lives in the GPU arena (its offset is the GPU tier's)."""
         size = self._size[slot]
-        self.free_dram(self._offset[slot], size)
+        self.free_dram(self._dram_offset(slot), size)
         self._tier[slot] = GPU
         self.tier_bytes[DRAM] -= size
         self.tier_bytes[GPU] += size
@@ -477,4 +510,4 @@ class Engine:
 
     def coldest(self, tier: int) -> int | None:
         """The next value to move out of ``tier`` (never a leased or pinned one)."""
-        return self.eviction.victim(among=(self._tier, tier))
+        return self.eviction.victim(among=[(self._tier, tier)])

@@ -3,11 +3,13 @@
 Why sampling: an exact LRU needs a linked list node per key (an OrderedDict
 costs ~100 bytes a key in Python), which alone would blow the metadata budget.
 Like Redis's evict.c we keep one access stamp per entry in a flat array and,
-when memory is needed, sample a handful of random entries and evict the
-oldest. Unlike Redis we look at the chain structure first: a block whose
+when memory is needed, sample a handful of random entries and take the
+oldest. Unlike Redis we then look at the chain structure: a block whose
 children are cached is worth more than a leaf (a child without its parent is
-useless to a prefix match), so among the sampled entries leaves go first and
-a parent goes only when no sampled entry is a leaf.
+useless to a prefix match), so when the oldest sampled entry has children we
+follow its chain down (one remembered child per entry) and evict the leaf.
+A cold prompt thus loses its blocks from the tail back, and what stays cached
+of it is always a prefix.
 
 Entries are small integer slot ids handed out by the caller (the engine's
 index, or the conductor's simulated node cache), so the policy knows nothing
@@ -21,6 +23,7 @@ from array import array
 import numpy as np
 
 NO_PARENT = -1
+CLOCK_LIMIT = 2**32 - 1
 
 
 class SampledLRU:
@@ -31,8 +34,8 @@ class SampledLRU:
     access), while ``victim`` still gets vectorised numpy views of them.
     """
 
-    _COLUMNS = (("_live", "b", 0), ("_stamp", "q", 0), ("_parent", "i", NO_PARENT),
-                ("_children", "i", 0), ("_pins", "i", 0), ("_soft", "b", 0))
+    _COLUMNS = (("_live", "b", 0), ("_stamp", "I", 0), ("_parent", "i", NO_PARENT),
+                ("_children", "i", 0), ("_pins", "i", 0), ("_soft", "b", 0), ("_child", "i", NO_PARENT))
 
     def __init__(self, capacity: int = 1024, samples: int = 16, seed: int = 0):
         self.samples = samples
@@ -65,14 +68,18 @@ class SampledLRU:
         if slot >= len(self._live):
             self.grow(slot + 1)
         self._clock += 1
+        if self._clock == CLOCK_LIMIT:
+            self._halve_stamps()
         self._live[slot] = 1
         self._stamp[slot] = self._clock
         self._children[slot] = 0
         self._pins[slot] = 0
         self._soft[slot] = 0
+        self._child[slot] = NO_PARENT
         if parent != NO_PARENT and self._live[parent]:
             self._parent[slot] = parent
             self._children[parent] += 1
+            self._child[parent] = slot
         else:
             self._parent[slot] = NO_PARENT
         if slot >= self._high:
@@ -82,13 +89,24 @@ class SampledLRU:
     def touch(self, slot: int) -> None:
         """Record an access: the entry becomes the most recently used."""
         self._clock += 1
+        if self._clock == CLOCK_LIMIT:
+            self._halve_stamps()
         self._stamp[slot] = self._clock
+
+    def _halve_stamps(self) -> None:
+        """Stamps are 32-bit: before they wrap, halve them all (order is kept)."""
+        stamps = np.frombuffer(self._stamp, dtype=np.uint32)
+        stamps >>= 1
+        del stamps
+        self._clock >>= 1
 
     def remove(self, slot: int) -> None:
         """Stop tracking ``slot`` and unlink it from its parent and children."""
         parent = self._parent[slot]
         if parent != NO_PARENT:
             self._children[parent] -= 1
+            if self._child[parent] == slot:
+                self._child[parent] = NO_PARENT
         if self._children[slot]:
             # Rare: a parent leaves before its children (DEL, expiry, or no
             # leaf was found). Orphan the children so a reused slot id is
@@ -102,6 +120,7 @@ class SampledLRU:
         self._children[slot] = 0
         self._pins[slot] = 0
         self._soft[slot] = 0
+        self._child[slot] = NO_PARENT
         self.count -= 1
 
     def pin(self, slot: int) -> None:
@@ -130,24 +149,42 @@ class SampledLRU:
     def is_leaf(self, slot: int) -> bool:
         return not self._children[slot]
 
-    def victim(self, among: tuple[array, int] | None = None) -> int | None:
+    def victim(self, among: list[tuple[array, int]] = ()) -> int | None:
         """The slot to evict next, or None when every live entry is pinned.
 
-        ``among=(column, value)`` limits the choice to slots whose entry in the
-        caller's per-slot ``column`` equals ``value`` (e.g. "values in DRAM").
+        Each ``(column, value)`` in ``among`` limits the choice to slots whose
+        entry in the caller's per-slot ``column`` equals ``value`` (e.g.
+        "values in DRAM"). When the oldest sampled entry still has cached
+        children, its chain is followed down and the leaf goes instead, so a
+        parent never leaves before its children.
         """
         if self.count == 0:
             return None
         cols = self._views()
-        mask = None
-        if among is not None:
-            mask = (np.frombuffer(among[0], dtype=np.dtype(among[0].typecode))[: self._high], among[1])
+        masks = [(np.frombuffer(col, dtype=np.dtype(col.typecode))[: self._high], value)
+                 for col, value in among]
+        picked = None
         for _ in range(4):
-            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), mask)
+            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), masks)
             if picked is not None:
-                return picked
-        # The sampled slots were all free, pinned or elsewhere: look at everything once.
-        return self._pick(cols, np.arange(self._high), mask)
+                break
+        if picked is None:
+            # The sampled slots were all free, pinned or elsewhere: look at everything once.
+            picked = self._pick(cols, np.arange(self._high), masks)
+        return None if picked is None else self._leaf_below(picked, cols, masks)
+
+    def _leaf_below(self, slot: int, cols: tuple[np.ndarray, ...], masks: list) -> int:
+        """Follow ``slot``'s chain down to a leaf that may be evicted (or stay at ``slot``)."""
+        node = slot
+        while self._children[node]:
+            child = self._child[node]
+            if child == NO_PARENT or self._parent[child] != node:
+                child = int(np.flatnonzero(cols[2] == node)[0])   # rare: a branch lost its pointer
+                self._child[node] = child
+            if self._pins[child] or any(m[0][child] != v for m, v in masks):
+                return node      # the child is leased or elsewhere: best we can do
+            node = child
+        return node
 
     def _views(self) -> tuple[np.ndarray, ...]:
         high = self._high
@@ -155,15 +192,15 @@ class SampledLRU:
                      for name, code, _ in self._COLUMNS)
 
     @staticmethod
-    def _pick(cols: tuple[np.ndarray, ...], cand: np.ndarray, mask) -> int | None:
-        live, stamp, _, children, pins, soft = cols
+    def _pick(cols: tuple[np.ndarray, ...], cand: np.ndarray, masks: list) -> int | None:
+        live, stamp, _, children, pins, soft, _ = cols
         keep = (live[cand] != 0) & (pins[cand] == 0)
-        if mask is not None:
-            keep &= mask[0][cand] == mask[1]
+        for column, value in masks:
+            keep &= column[cand] == value
         cand = cand[keep]
         if cand.size == 0:
             return None
-        for preferred in (soft[cand] == 0, children[cand] == 0):
-            if preferred.any():
-                cand = cand[preferred]
+        unpinned = soft[cand] == 0                # soft-pinned entries go last
+        if unpinned.any():
+            cand = cand[unpinned]
         return int(cand[np.argmin(stamp[cand])])

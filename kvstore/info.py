@@ -88,11 +88,17 @@ def kvcache_section(server) -> dict:
 
 
 def _tier_stats(server, tier: int) -> dict:
-    tiers = server.engine.tiers
+    """Hits and misses per tier: a read misses a tier when it has to go below it."""
+    engine = server.engine
+    tiers = engine.tiers
     if tiers is None:
-        return {"hits": server.engine.stats.hits, "misses": server.engine.stats.misses} if tier == DRAM else {}
+        return {"hits": engine.stats.hits, "misses": engine.stats.misses} if tier == DRAM else {}
+    lower = tiers.stats[SSD].hits + tiers.stats[GPU].hits
     st = tiers.stats[tier]
-    return {"hits": st.hits, "misses": st.misses, "promotions": st.promotions, "demotions": st.demotions,
+    hits, misses = st.hits, st.misses + engine.stats.misses
+    if tier == DRAM:
+        hits, misses = engine.stats.hits - lower, engine.stats.misses + lower
+    return {"hits": hits, "misses": misses, "promotions": st.promotions, "demotions": st.demotions,
             "evictions": st.evictions, "checksum_failures": st.checksum_failures, "errors": st.errors}
 
 

@@ -43,10 +43,13 @@ class Geometry:
     def slot_offset(self, layer: int) -> int:
         return fp.HEADER_SIZE + layer * self.layer_bytes
 
-    def check_range(self, start: int, stop: int) -> None:
+    def resolve(self, start: int, stop: int) -> tuple[int, int]:
+        """The range with stop -1 read as "to the last layer"; LayerError when out of range."""
+        stop = self.n_layers if stop == -1 else stop
         if not 0 <= start < stop <= self.n_layers:
             raise LayerError(f"layer range [{start}, {stop}) is out of range for a block of "
                                f"{self.n_layers} layers")
+        return start, stop
 
 
 def parse_header(header: bytes | memoryview) -> Geometry:

@@ -92,41 +92,49 @@ class TierManager:
         engine = self.engine
         jobs = []
         for key, slot in items:
+            size = engine.size_of(slot)
             try:
-                extent = engine.reserve(engine.size_of(slot))
-            except OutOfMemory as exc:
-                jobs.append((key, slot, None, _failed(exc)))
-                continue
-            jobs.append((key, slot, extent, self._copy_in(key, slot, extent)))
+                dest = engine.reserve(size, clean_only=True)
+                view = dest.view
+            except OutOfMemory:
+                # Room only by dropping values that exist nowhere else: read into
+                # the heap instead, for this command only.
+                dest = bytearray(size)
+                view = memoryview(dest)
+            jobs.append((key, slot, dest, self._copy_in(key, slot, view)))
         results = await asyncio.gather(*(job[3] for job in jobs), return_exceptions=True)
         return [(key, slot, extent, result) for (key, slot, extent, _), result in zip(jobs, results)]
 
-    def _copy_in(self, key: bytes, slot: int, extent):
+    def _copy_in(self, key: bytes, slot: int, view: memoryview):
         if self.engine.tier_code(slot) == GPU:
             loop = asyncio.get_running_loop()
             return loop.run_in_executor(self._copies, self.gpu.read_into, self._gpu_offset[slot],
-                                        extent.size, extent.view)
-        return self.worker.submit(self.ssd.get_into, key, extent.view)
+                                        len(view), view)
+        return self.worker.submit(self.ssd.get_into, key, view)
 
     def install(self, fetched: list[tuple]) -> list[int]:
         """Put fetched copies in place; returns the slots staged for one command."""
         engine, staged = self.engine, []
-        for key, slot, extent, result in fetched:
+        for key, slot, dest, result in fetched:
             current = engine.index.get(key) == slot and engine.tier_code(slot) != DRAM
+            on_heap = isinstance(dest, bytearray)
             if isinstance(result, BaseException) or result is None or not current:
-                if extent is not None:
-                    engine.release(extent)
+                if not on_heap:
+                    engine.release(dest)
                 if current:
                     self._lost(key, slot, result)
                 continue
             tier = engine.tier_code(slot)
             self.stats[tier].hits += 1
-            if self._is_hot(slot):
-                self._gpu_offset.pop(slot, None) if tier == GPU else None
-                engine.promote_to_dram(slot, extent)
+            if on_heap:
+                engine.stage_on_heap(slot, dest)
+                staged.append(slot)
+            elif self._is_hot(slot):
+                self._gpu_offset.pop(slot, None)
+                engine.promote_to_dram(slot, dest)
                 self.stats[tier].promotions += 1
             else:
-                engine.stage(slot, extent)
+                engine.stage(slot, dest)
                 staged.append(slot)
         return staged
 
@@ -283,15 +291,17 @@ class TierManager:
 
     async def _move_down_from_gpu(self, items: list[tuple[bytes, int]]) -> None:
         fetched = await self.fetch(items)
-        for key, slot, extent, result in fetched:
+        for key, slot, dest, result in fetched:
             self._writing.discard(slot)
-            if extent is not None and not isinstance(result, BaseException) \
-                    and self.engine.index.get(key) == slot and self.engine.tier_code(slot) == GPU:
+            if isinstance(dest, bytearray):
+                continue                        # DRAM is full: the value stays on the GPU
+            if not isinstance(result, BaseException) and self.engine.index.get(key) == slot \
+                    and self.engine.tier_code(slot) == GPU:
                 self._gpu_offset.pop(slot, None)
-                self.engine.promote_to_dram(slot, extent)
+                self.engine.promote_to_dram(slot, dest)
                 self.stats[GPU].demotions += 1
-            elif extent is not None:
-                self.engine.release(extent)
+            else:
+                self.engine.release(dest)
 
     def note_dram_hit(self, slot: int) -> None:
         """A DRAM hit: a hot value moves up to the GPU tier."""
@@ -384,12 +394,6 @@ def open_tiers(engine: Engine, config) -> TierManager | None:
     cfg = TieringConfig(config.high_watermark, config.low_watermark, config.promote_hits,
                         config.promote_window_ms / 1000, config.ssd_write_policy == "write-through")
     return TierManager(engine, cfg, worker, gpu)
-
-
-def _failed(exc: BaseException) -> asyncio.Future:
-    future = asyncio.get_running_loop().create_future()
-    future.set_exception(exc)
-    return future
 
 
 def _log_failure(future: asyncio.Future) -> None:

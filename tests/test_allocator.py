@@ -174,7 +174,6 @@ def test_fresh_arena_is_not_fragmented():
     assert alloc.external_fragmentation() == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="largest_free() ignores that quick-listed blocks merge on demand")
 def test_freed_small_blocks_do_not_count_as_fragmentation():
     """Every block freed: one allocation can take the whole arena, so the figure must say so."""
     alloc = BuddyAllocator(1 * KiB)

@@ -228,8 +228,6 @@ def surviving_prefix(engine: Engine, keys: list[bytes]) -> tuple[int, int]:
     return prefix, sum(present)
 
 
-@pytest.mark.xfail(strict=True, reason="SampledLRU.victim takes the oldest parent when its random "
-                   "sample holds no leaf, so a chain can lose blocks in its middle")
 def test_eviction_keeps_chains_as_prefixes(make_engine):
     """After every chain put, each older chain's cached blocks are a prefix of it."""
     engine = make_engine(2 * MiB)                # 32 blocks

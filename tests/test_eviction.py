@@ -82,8 +82,6 @@ def test_the_only_leaf_goes_first_even_when_touched_last():
     assert policy.victim() == chain[-1]
 
 
-@pytest.mark.xfail(strict=True, reason="SampledLRU.victim takes the oldest parent when its random "
-                   "sample holds no leaf, so a parent goes while its children stay cached")
 @pytest.mark.parametrize("seed", range(5))
 def test_a_chain_is_evicted_from_its_leaf_back(seed):
     policy = SampledLRU(seed=seed)
@@ -94,8 +92,6 @@ def test_a_chain_is_evicted_from_its_leaf_back(seed):
     assert evict(policy) == chain[::-1]
 
 
-@pytest.mark.xfail(strict=True, reason="SampledLRU.victim takes the oldest parent when its random "
-                   "sample holds no leaf, so a parent goes while its children stay cached")
 def test_no_parent_goes_while_one_of_its_children_is_cached():
     policy = SampledLRU(capacity=1024, seed=3)
     for chain in range(100):

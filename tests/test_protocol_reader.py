@@ -251,7 +251,6 @@ def test_inline_split_as_redis(line, expected):
     assert parse_all(line + b"\r\n") == [expected]
 
 
-@pytest.mark.xfail(strict=True, reason="split_inline ignores the \\' escape inside single quotes")
 @pytest.mark.parametrize("line, expected", [
     (b"ECHO 'it\\'s'", [b"ECHO", b"it's"]),
     (b"ECHO 'a\\'", ProtocolError),

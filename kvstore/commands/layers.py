@@ -4,7 +4,9 @@
     KV.PUTLAYER key layer data                    -> layers written so far (the last one commits)
     KV.LAYERDONE key layer                        -> the same, for a layer the client wrote into the arena
     KV.GETLAYERS key start stop [WAIT ms]         -> [header, bytes of layers start..stop-1] or nil
-    KV.LEASELAYERS ttl key start stop [WAIT ms]   -> [lease id, offset, nbytes, header] or nil
+    KV.LEASELAYERS token ttl key start stop [WAIT ms] -> [lease id, offset, nbytes, header] or nil
+
+A stop of -1 means "to the last layer" (a whole tensor value is one layer).
 
 The header (proto/fastpath.py) declares the geometry, so a writer needs no
 other metadata and a reader of a finished block needs none at all. With WAIT
@@ -15,7 +17,7 @@ error). Without WAIT a missing block is nil and missing layers are an error.
 """
 from __future__ import annotations
 
-from kvstore.commands.fastpath import parse_ttl
+from kvstore.commands.fastpath import check_token, parse_ttl
 from kvstore.commands.table import SYNTAX, CommandError, command, first_key, parse_int
 from kvstore.engine import Extent
 from kvstore.layers import LayerError, PartialBlock, blocks_for, parse_header
@@ -87,8 +89,7 @@ def _find(conn, key: bytes, start: int, stop: int):
     PENDING when the block is open but the range is not in yet, or None."""
     block = blocks_for(conn.server).blocks.get(key)
     if block is not None:
-        block.geometry.check_range(start, stop)
-        return block if block.has(start, stop) else PENDING
+        return block if block.has(*block.geometry.resolve(start, stop)) else PENDING
     return conn.engine.lookup(key)
 
 
@@ -130,7 +131,7 @@ def _source(conn, found, start: int, stop: int) -> tuple[memoryview, memoryview,
     value = found.extent.view if isinstance(found, PartialBlock) else conn.engine.view(found)
     header = value[:fp.HEADER_SIZE]
     geometry = parse_header(header)
-    geometry.check_range(start, stop)
+    start, stop = geometry.resolve(start, stop)
     first, last = geometry.slot_offset(start), geometry.slot_offset(stop)
     return header, value[first:last], first
 
@@ -148,12 +149,13 @@ def kv_getlayers(conn, args):
     return _read_layers(conn, args, 1, reply)
 
 
-@command(fp.KV_LEASELAYERS, -5, "readonly", "layers",
+@command(fp.KV_LEASELAYERS, -6, "readonly", "layers",
          "Leases a range of layers for a direct read: [lease id, offset, nbytes, header]; WAIT ms waits.",
-         keys=(2, 2, 1), reads=lambda conn, args: [args[2]])
+         keys=(3, 3, 1), reads=lambda conn, args: [args[3]])
 @_layer_errors
 def kv_leaselayers(conn, args):
-    ttl = parse_ttl(args[1])
+    check_token(conn, args[1])
+    ttl = parse_ttl(args[2])
 
     def reply(found, start, stop):
         if found is None:
@@ -170,4 +172,4 @@ def kv_leaselayers(conn, args):
         lease = table_for(conn.server).grant(conn, len(data), ttl, unpin)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
                              writer.bulk(bytes(header))])
-    return _read_layers(conn, args, 2, reply)
+    return _read_layers(conn, args, 3, reply)

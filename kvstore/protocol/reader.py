@@ -82,6 +82,9 @@ def split_inline(line: bytes) -> list[bytes]:
                 elif c == b"\\" and quote == b'"' and i + 1 < n:
                     i += 1
                     cur += _ESCAPES.get(line[i:i + 1], line[i:i + 1])
+                elif c == b"\\" and quote == b"'" and line[i + 1:i + 2] == b"'":
+                    i += 1
+                    cur += b"'"
                 elif c == quote:
                     if i + 1 < n and not line[i + 1:i + 2].isspace():
                         raise ProtocolError("unbalanced quotes in request")
