@@ -119,8 +119,8 @@ def test_values_survive_a_clean_restart(tmp_path):
 
     tier = SSDTier.open(path, GIB)
     try:
-        assert (tier.count, tier.used_bytes) == (49, used)
         records = {r.key: r for r in tier.scan_index()}
+        assert tier.accounted.wait(30) and (tier.count, tier.used_bytes) == (49, used)
         assert b"key7" not in records and len(records) == 49
         assert records[b"key3"] == IndexRecord(b"key3", stored[3], 64 * 1024, b"key2")
         assert records[b"key0"].parent is None
@@ -152,7 +152,7 @@ def test_corrupted_payload_is_reported_once_and_dropped(tmp_path):
 
     tier = SSDTier.open(path, GIB)
     try:
-        assert tier.count == 2
+        assert tier.accounted.wait(30) and tier.count == 2
         with pytest.raises(CorruptValue, match="bad"):
             tier.get(b"bad")
         assert tier.checksum_failures == 1
@@ -175,12 +175,13 @@ def test_corrupted_compressed_payload_is_caught_by_get_into(tmp_path):
     try:
         with pytest.raises(CorruptValue):
             tier.get_into(b"text", bytearray(200_000))
-        assert tier.count == 0 and tier.used_bytes == 0
+        assert list(tier.scan_index()) == []
+        assert tier.accounted.wait(30) and tier.count == 0 and tier.used_bytes == 0
     finally:
         tier.close()
 
 
-def test_corrupted_header_is_dropped_at_open(tmp_path):
+def test_corrupted_header_is_dropped_after_open(tmp_path):
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, GIB)
     tier.put(b"a", b"x" * 100)
@@ -190,11 +191,51 @@ def test_corrupted_header_is_dropped_at_open(tmp_path):
 
     tier = SSDTier.open(path, GIB)
     try:
-        assert tier.checksum_failures == 1
         assert [r.key for r in tier.scan_index()] == [b"b"]
+        assert tier.accounted.wait(30) and tier.checksum_failures == 1
         assert tier.get(b"a") is None and tier.count == 1
     finally:
         tier.close()
+
+
+def totals(tier: SSDTier) -> tuple[int, int, float]:
+    return tier.count, tier.used_bytes, tier.compression_ratio
+
+
+def test_changes_while_opening_totals_are_summed_are_counted_once(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    for i in range(2000):
+        tier.put(b"k%04d" % i, value_for(i, 100 + i))
+    tier.close()
+
+    tier = SSDTier.open(path, GIB)
+    try:
+        tier.put(b"k0000", value_for(100, 5000))          # overwrite, likely before the sum is done
+        tier.delete(b"k0001")
+        tier.put(b"new", b"text " * 1000)
+        assert tier.accounted.wait(30)
+        tier.delete(b"k1999")                              # and after
+        expected = (tier.count, tier.used_bytes, tier.compression_ratio)
+        assert tier.count == 1999
+    finally:
+        tier.close()
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert tier.accounted.wait(30)
+        assert (tier.count, tier.used_bytes, tier.compression_ratio) == expected
+        assert sum(r.stored_size for r in tier.scan_index()) == tier.used_bytes
+    finally:
+        tier.close()
+
+
+def test_close_while_totals_are_summed(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    tier.put_batch([(b"k%05d" % i, b"v", None) for i in range(20_000)])
+    tier.close()
+    SSDTier.open(path, GIB).close()                        # stops the summing thread first
+    SSDTier.open(path, GIB).close()                        # and the directory is free again
 
 
 WRITER = """
@@ -238,7 +279,8 @@ def test_kill_9_during_heavy_writes_keeps_only_whole_values(tmp_path):
             expected = np.random.default_rng(index).bytes(16 * 1024 * (1 + index % 16))
             assert record.value_size == len(expected)
             assert tier.get(record.key) == expected  # whole and verified
-        assert tier.checksum_failures == 0
+        assert tier.accounted.wait(30)
+        assert tier.checksum_failures == 0 and tier.count == len(records)
     finally:
         tier.close()
 
