@@ -4,15 +4,19 @@
 
 The clients speak RESP2 to a store node over TCP or a Unix socket with their
 own zero-copy protocol code (`resp`), and never import the store's internals.
+On the node's host, gets and puts move through the node's shared-memory arena
+(`fastpath`); tensors and layer-wise blocks are in `tensors` and `layers`.
 """
 from client.async_client import AsyncKVClient
-from client.errors import (AuthenticationError, BufferTooSmall, ConnectionError, KVError,
-                           ProtocolError, ResponseError, TimeoutError)
+from client.errors import (AuthenticationError, BufferTooSmall, ConnectionError, FastPathUnavailable, KVError,
+                           LeaseExpired, ProtocolError, ResponseError, TimeoutError)
 from client.hashing import BlockHasher, Namespace
 from client.operations import Location
 from client.sync_client import KVClient
+from client.tensors import TensorMismatch
 
 __all__ = [
     "AsyncKVClient", "AuthenticationError", "BlockHasher", "BufferTooSmall", "ConnectionError",
-    "KVClient", "KVError", "Location", "Namespace", "ProtocolError", "ResponseError", "TimeoutError",
+    "FastPathUnavailable", "KVClient", "KVError", "LeaseExpired", "Location", "Namespace", "ProtocolError",
+    "ResponseError", "TensorMismatch", "TimeoutError",
 ]

@@ -21,7 +21,9 @@ from typing import Any, Sequence
 from client import operations as ops
 from client.buffers import Key
 from client.hashing import BlockHasher
+from client import tensors
 from client.fastpath import FastPath, FastTransport
+from client.layers import LayerIO
 from client.operations import Items, Location, Value
 from client.sockets import Endpoint
 from client.transport import WireTransport
@@ -41,6 +43,7 @@ class KVClient:
         wire = WireTransport(self.endpoint, password=password, timeout=timeout,
                              retries=retries, pool_size=pool_size)
         self._transport = wire if fast_path == "off" else FastTransport(wire, self.fast_path)
+        self._layers = LayerIO(wire, None if fast_path == "off" else self.fast_path)
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         """Store value under key (KV.PUT); False when the key existed and overwrite is False."""
@@ -80,6 +83,51 @@ class KVClient:
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
         """get_into() for many keys, one buffer each, in one round trip."""
         return self._transport.execute(ops.batch_get_into(keys, buffers))
+
+    # -------------------------------------------------------- tensors and layers
+
+    def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
+        """Store a numpy array, torch tensor or cupy array with its dtype and shape (put-once)."""
+        return self._layers.put(key, tensor, tensors.spec_of(tensor), 0, parent)
+
+    def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
+        """The tensor stored under key ("numpy", "torch" or "cupy"), or None when not cached."""
+        return self._layers.read(key, 0, -1, framework=framework)
+
+    def get_tensor_into(self, key: Key, tensor: Any) -> bool:
+        """Copy the stored tensor into ``tensor``; False when not cached.
+
+        Raises TensorMismatch when the dtype or shape differ (nothing is copied).
+        """
+        return self._layers.read(key, 0, -1, into=tensor) is not None
+
+    def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
+        pairs = list(items.items()) if isinstance(items, dict) else list(items)
+        links = parents or [None] * len(pairs)
+        return [self.put_tensor(k, t, parent=p) for (k, t), p in zip(pairs, links)]
+
+    def batch_get_tensors_into(self, keys: Sequence[Key], tensors_: Sequence[Any]) -> list[bool]:
+        return [self.get_tensor_into(k, t) for k, t in zip(keys, tensors_)]
+
+    def put_layer(self, key: Key, layer: int, data: Any, *, n_layers: int, parent: Key | None = None,
+                  timeout_ms: int | None = None) -> bool:
+        """Write layer ``layer`` of a block of ``n_layers`` equal layers shaped like ``data``.
+
+        The block becomes visible (GET, KV.MATCH) when its last layer is in; one left
+        unfinished for ``timeout_ms`` (30 s by default) after its last progress is dropped.
+        False when the block is already cached.
+        """
+        return self._layers.put(key, data, tensors.spec_of(data, n_layers, layered=True), layer, parent,
+                                timeout_ms)
+
+    def get_layers(self, key: Key, start: int = 0, stop: int | None = None, *, into: Any = None,
+                   wait: float | None = None, framework: str = "numpy") -> Any:
+        """Layers start..stop-1 of a block (shape (stop-start, *layer shape)), or None when absent.
+
+        ``into`` receives them (a tensor of that shape, or of one layer's shape for a
+        single layer); ``wait`` seconds waits for a writer still at work (an error on timeout).
+        """
+        return self._layers.read(key, start, -1 if stop is None else stop, into, wait, framework)
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are cached (KV.MATCH, one round trip)."""
