@@ -156,6 +156,28 @@ def test_mget_across_tiers_returns_every_value_and_loses_none(tmp_path):
         daemon.stop()
 
 
+def test_chains_spill_tail_first_and_read_back(tmp_path):
+    """8 chains of 8 blocks (16 MiB, KV.PUT ... PARENT): SSD takes their tails, DRAM keeps prefixes."""
+    daemon = start_tiered(tmp_path)
+    try:
+        r = client(daemon)
+        chains = [[b"c%d-b%d" % (c, b) for b in range(8)] for c in range(8)]
+        for c, chain in enumerate(chains):
+            for b, key in enumerate(chain):
+                parent = ["PARENT", chain[b - 1]] if b else []
+                assert r.execute_command(wire.KV_PUT, key, value_of(100 * c + b), *parent) == 1
+        wait_until(lambda: "ssd" in tiers(r, chains[0]), what="demotions")
+        for chain in chains:
+            located = tiers(r, chain)
+            assert located == sorted(located), located      # dram... then ssd...: no hole in a prefix
+        assert r.execute_command(wire.KV_MATCH, *chains[-1]) == 8
+        for c, chain in enumerate(chains):
+            for b, got in enumerate(r.mget(chain)):
+                assert digest(got) == digest(value_of(100 * c + b)), (c, b)
+    finally:
+        daemon.stop()
+
+
 def test_promotion_after_promote_hits_within_the_window(tmp_path):
     daemon = start_tiered(tmp_path, "--promote-hits", "3", "--promote-window-ms", "500")
     try:
