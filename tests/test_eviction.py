@@ -104,8 +104,7 @@ def test_no_parent_goes_while_one_of_its_children_is_cached():
     assert parents_taken == []
 
 
-def test_a_leaf_is_taken_whenever_the_sample_holds_one():
-    """With a sample far larger than the table, every victim is a leaf when chosen."""
+def test_every_victim_is_a_leaf_when_chosen():
     policy = SampledLRU(capacity=1024, samples=1024, seed=5)
     for chain in range(32):
         insert_chain(policy, chain * 4, 4)
@@ -113,6 +112,19 @@ def test_a_leaf_is_taken_whenever_the_sample_holds_one():
     victims = evict(policy, None, parents_taken)
     assert parents_taken == [] and len(victims) == 128
     assert victims[:4] == [3, 2, 1, 0], "the oldest chain goes first, from its leaf back"
+
+
+def test_branches_of_a_shared_prefix_go_before_it():
+    """Two prompts share a root: both tails go before the root, whichever child is remembered."""
+    policy = SampledLRU(samples=512)
+    policy.insert(0)                          # the shared root, the oldest entry
+    policy.insert(1, 0)
+    policy.insert(2, 0)
+    policy.insert(3, 1)
+    policy.insert(4)                          # an unrelated, newer entry
+    victims = evict(policy)
+    assert victims.index(0) > max(victims.index(1), victims.index(2), victims.index(3))
+    assert victims.index(3) < victims.index(1)
 
 
 # ----------------------------------------------------------------- pins
@@ -148,6 +160,17 @@ def test_a_pinned_leaf_lets_its_parent_go():
     root, leaf = insert_chain(policy, 0, 2)
     policy.pin(leaf)
     assert policy.victim() == root
+
+
+def test_a_soft_pinned_child_is_not_taken_for_its_old_parent():
+    """The oldest entry's chain leads to a soft-pinned block: an unpinned leaf goes instead."""
+    policy = SampledLRU(samples=512)
+    policy.insert(0)
+    policy.insert(1, 0)
+    policy.soft_pin(1)
+    policy.insert(2)
+    policy.insert(3)
+    assert policy.victim() in (2, 3)
 
 
 def test_soft_pinned_entries_go_last():

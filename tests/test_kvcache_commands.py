@@ -257,18 +257,15 @@ def test_info_metadata_bytes_per_key_under_200(client):
 
 # ----------------------------------------------------------------- a small arena
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("small"), "--dram-size", "4mb")
-    yield daemon
-    daemon.stop()
-
-
 @pytest.fixture
-def small_client(small) -> redis.Redis:
-    with redis.Redis(host=small.host, port=small.port) as client:
-        client.flushall()
-        yield client
+def small_client(tmp_path) -> redis.Redis:
+    """A fresh daemon per test: eviction depends on the whole history of the arena."""
+    daemon = start_kvstore(tmp_path, "--dram-size", "4mb")
+    try:
+        with redis.Redis(host=daemon.host, port=daemon.port) as client:
+            yield client
+    finally:
+        daemon.stop()
 
 
 def cached_blocks(client: redis.Redis, keys: list[str]) -> int:
@@ -288,8 +285,6 @@ def test_full_arena_stays_within_its_size_and_keeps_values_intact(small_client):
             assert value is None or value == block(c * 16 + i, BLOCK), (c, i)
 
 
-@pytest.mark.xfail(strict=True, reason="SampledLRU.victim looks at a 16-draw sample only: the newest "
-                   "and the most recently used chains lose blocks while older chains keep theirs")
 def test_recent_chains_stay_whole(small_client):
     """A chain read after every other put, and the chain just put, keep all 16 blocks."""
     client = small_client
@@ -304,8 +299,6 @@ def test_recent_chains_stay_whole(small_client):
     assert matches == [(16, 16)] * 12, "(KV.MATCH of the used chain, of the newest chain)"
 
 
-@pytest.mark.xfail(strict=True, reason="SampledLRU.victim takes the oldest parent when its random "
-                   "sample holds no leaf, so older chains lose blocks in their middle")
 def test_older_chains_lose_their_leaves_first(small_client):
     """After every chain put, each chain's cached blocks are exactly its KV.MATCH prefix."""
     client = small_client
