@@ -3,10 +3,10 @@
     python -m loadtest.bench_ssd_raw [--quick] [--dir DIR] [--repeats N] [--no-wal]
                                      [--markdown] [--json FILE]
 
-What it prints (medians of ``--repeats`` runs, each in fresh RocksDB
-directories under ``--dir``; within a run the stores are open side by side
-and take turns on chunks of 4 values, so load from other processes on a
-shared host falls on all of them alike):
+What it prints (``--repeats`` runs, each in fresh RocksDB directories under
+``--dir``; within a run the stores are open side by side and take turns on
+chunks of 4 values, so load from other processes on a shared host falls on
+all of them alike; a ratio is the median of the per-run ratios):
 
 - put and get throughput (GB/s) of 256 KiB and 1 MiB incompressible values
   through ``SSDTier`` against raw rocksdict (``Rdict[key] = value``) with the
@@ -27,7 +27,6 @@ import asyncio
 import json
 import random
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -160,18 +159,12 @@ def throughput_rows(table: Table, root: str, settings: Settings) -> None:
         label = f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
         rows = {op: table.row(f"{op} {label}", "GB/s", Target(0.8)) for op in ("put", "get")}
         worker_row = table.row(f"put {label} via SSDWorker, {settings.in_flight} in flight", "GB/s")
-        paired: dict[str, list[float]] = {op: [] for op in rows}
         for _ in range(settings.repeats):
             figures = measure_round(root, size, settings)
             for op, row in rows.items():
                 for name in STORES:
                     row.add(name, figures[name][op])
-                paired[op].append(figures[TIER][op] / figures[RAW][op])
             worker_row.add(TIER, measure_worker(root, size, settings))
-        for op, ratios in paired.items():
-            table.notes.append(f"{op} {label}: {TIER}/{RAW} within each run "
-                               + " ".join(f"{r:.2f}" for r in ratios)
-                               + f", median {statistics.median(ratios):.2f}")
 
 
 def noise(kind: str, nbytes: int) -> np.ndarray:
@@ -229,7 +222,8 @@ def restart_note(root: str, settings: Settings) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small repeat (a smoke run)")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the databases go (the disk measured)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(),
+                        help="where the databases go (the disk measured)")
     parser.add_argument("--repeats", type=int, help="runs per figure (median reported)")
     parser.add_argument("--no-wal", action="store_true", help="both sides write without RocksDB's WAL")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")

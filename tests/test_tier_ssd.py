@@ -348,7 +348,8 @@ OPEN_AND_REPORT = """
 def test_read_only_directory(tmp_path):
     readonly = tmp_path / "ro"
     SSDTier.open(str(readonly / "ssd"), GIB).close()     # an existing tier, then remounted read-only
-    prefix = private_mount_prefix(f"mount --bind {readonly} {readonly} && mount -o remount,ro,bind {readonly}")
+    prefix = private_mount_prefix(f"mount --bind {readonly} {readonly} && "
+                                  f"mount -o remount,ro,bind {readonly}")
     result = run_python(OPEN_AND_REPORT, str(readonly / "ssd"), prefix=prefix)
     assert "TierError:" in result.stdout, result.stderr
     assert "not writable" in result.stdout, result.stdout
