@@ -78,8 +78,18 @@ def test_random_alloc_free_keeps_invariants(capacity, ops):
         else:
             model.free(sorted(model.live)[pick % len(model.live)])
         model.check()
+    assert_largest_free_is_allocatable(model)
     model.free_all()
     assert_whole_arena_allocatable(model.alloc)
+
+
+def assert_largest_free_is_allocatable(model: Model) -> None:
+    """INFO's largest free extent is what one allocation can really get, and no more."""
+    largest = model.alloc.largest_free()
+    if largest:
+        assert model.allocate(largest) is not None
+    if largest < model.alloc.capacity:
+        assert model.alloc.alloc(max(largest, 32) * 2) is None
 
 
 def assert_whole_arena_allocatable(alloc: BuddyAllocator) -> None:
