@@ -117,6 +117,8 @@ class KVClient:
         unfinished for ``timeout_ms`` (30 s by default) after its last progress is dropped.
         False when the block is already cached.
         """
+        if n_layers < 1 or not 0 <= layer < n_layers:
+            raise ValueError(f"layer index {layer} is out of range for a block of {n_layers} layers")
         return self._layers.put(key, data, tensors.spec_of(data, n_layers, layered=True), layer, parent,
                                 timeout_ms)
 
@@ -125,7 +127,8 @@ class KVClient:
         """Layers start..stop-1 of a block (shape (stop-start, *layer shape)), or None when absent.
 
         ``into`` receives them (a tensor of that shape, or of one layer's shape for a
-        single layer); ``wait`` seconds waits for a writer still at work (an error on timeout).
+        single layer); ``wait`` seconds waits for a writer still at work (an error on
+        timeout; keep it under the client's ``timeout``, which bounds every reply).
         """
         return self._layers.read(key, start, -1 if stop is None else stop, into, wait, framework)
 

@@ -1,0 +1,74 @@
+"""The tensor API against a real `kvstore serve` process, through the fast path and
+over the wire: dtype and shape travel with the value, mismatches are refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import start_kvstore
+
+from client import KVClient, ResponseError, TensorMismatch
+
+PATHS = ["auto", "off"]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    daemon = start_kvstore(tmp_path_factory.mktemp("tensors"))
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(params=PATHS)
+def kv(request, node):
+    with KVClient(unix_socket=node.unix_socket, fast_path=request.param) as client:
+        yield client
+        client.execute("FLUSHALL")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.int64, np.bool_])
+def test_numpy_round_trip_keeps_dtype_and_shape(kv, dtype):
+    array = (np.random.default_rng(0).random((3, 5, 7)) * 100).astype(dtype)
+    assert kv.put_tensor("t", array) is True
+    assert kv.put_tensor("t", array) is False
+    got = kv.get_tensor("t")
+    assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array)
+    into = np.empty_like(array)
+    assert kv.get_tensor_into("t", into) is True
+    assert np.array_equal(into, array)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_round_trip_including_bf16(kv, dtype):
+    tensor = torch.randn(4, 64, 32).to(dtype)
+    kv.put_tensor("t", tensor)
+    got = kv.get_tensor("t", framework="torch")
+    assert got.dtype == dtype and got.shape == tensor.shape and torch.equal(got, tensor)
+    into = torch.empty_like(tensor)
+    assert kv.get_tensor_into("t", into) and torch.equal(into, tensor)
+
+
+def test_mismatches_are_clear_errors_and_copy_nothing(kv):
+    kv.put_tensor("t", torch.ones(4, 8, dtype=torch.bfloat16))
+    into = torch.zeros(4, 8, dtype=torch.float16)
+    with pytest.raises(TensorMismatch, match=r"bfloat16\[4, 8\].*float16\[4, 8\]"):
+        kv.get_tensor_into("t", into)
+    assert not into.any()
+    with pytest.raises(TensorMismatch, match="shape|8"):
+        kv.get_tensor_into("t", torch.zeros(8, 4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        kv.get_tensor("t")                           # numpy has no bfloat16
+    with pytest.raises(TypeError, match="contiguous"):
+        kv.put_tensor("u", torch.zeros(4, 8).t())
+    kv.execute("SET", "plain", b"not a tensor" * 20)
+    with pytest.raises(ResponseError, match="not a tensor"):
+        kv.get_tensor("plain")
+
+
+def test_missing_tensor_and_tensor_read_as_plain_bytes(kv):
+    assert kv.get_tensor("absent") is None
+    assert kv.get_tensor_into("absent", np.zeros(3)) is False
+    array = np.arange(10, dtype=np.int32)
+    kv.put_tensor("t", array)
+    raw = kv.get("t")
+    assert len(raw) == 128 + array.nbytes and bytes(raw[128:]) == array.tobytes()
