@@ -21,7 +21,9 @@ system-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
 
+# torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 install-test: $(VENV)/bin/python system-deps
+	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
 
 test: install-test
