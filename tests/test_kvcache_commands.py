@@ -324,7 +324,7 @@ def test_memory_stays_bounded_under_many_small_chains(small_client):
 
 # ----------------------------------------------------------------- noeviction
 
-@pytest.mark.parametrize("size", [1000, BLOCK])
+@pytest.mark.parametrize("size", [4000, BLOCK])
 def test_noeviction_answers_oom_and_keeps_serving(tmp_path, size):
     daemon = start_kvstore(tmp_path, "--dram-size", "4mb", "--maxmemory-policy", "noeviction")
     try:
