@@ -23,6 +23,7 @@ from client.buffers import Key
 from client.hashing import BlockHasher
 from client import tensors
 from client.fastpath import FastPath, FastTransport
+from client.gpu import GPUPath
 from client.layers import LayerIO
 from client.operations import Items, Location, Value
 from client.sockets import Endpoint
@@ -44,6 +45,7 @@ class KVClient:
                              retries=retries, pool_size=pool_size)
         self._transport = wire if fast_path == "off" else FastTransport(wire, self.fast_path)
         self._layers = LayerIO(wire, None if fast_path == "off" else self.fast_path)
+        self._gpu: GPUPath | None | bool = False         # False: not looked for yet
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         """Store value under key (KV.PUT); False when the key existed and overwrite is False."""
@@ -99,7 +101,17 @@ class KVClient:
 
         Raises TensorMismatch when the dtype or shape differ (nothing is copied).
         """
+        gpu = self._gpu_path() if tensors.is_cuda(tensor) else None
+        if gpu is not None:
+            return gpu.read_into(self._layers.wire, self.fast_path, key, tensor)
         return self._layers.read(key, 0, -1, into=tensor) is not None
+
+    def _gpu_path(self) -> GPUPath | None:
+        """The node's GPU arena over CUDA IPC, opened on first use (None without one)."""
+        if self._gpu is False:
+            local = self.fast_path.mode != "off" and self.fast_path.arena() is not None
+            self._gpu = GPUPath.open(self._layers.wire, self.fast_path) if local else None
+        return self._gpu
 
     def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
@@ -158,6 +170,8 @@ class KVClient:
 
     def close(self) -> None:
         """Close the pooled connections; the client cannot be used afterwards."""
+        if self._gpu:
+            self._gpu.close()
         self._transport.close()
 
     def __enter__(self) -> KVClient:
