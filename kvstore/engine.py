@@ -125,9 +125,7 @@ class Engine:
         """Publish ``extent`` as the value of ``key``, replacing any old value."""
         extent.committed = True
         extent.view.release()
-        old = self.index.get(key)
-        if old is not None:
-            self._drop(old, keep_ttl=keep_ttl)
+        old = self.index.pop(key, None)
         slot = self._new_slot(key)
         self._block[slot] = extent.offset >> BLOCK_SHIFT
         self._size[slot] = extent.size
@@ -138,6 +136,12 @@ class Engine:
         self.index[key] = slot
         parent_slot = self.index.get(parent, NO_PARENT) if parent is not None else NO_PARENT
         self.eviction.insert(slot, parent_slot)
+        if old is not None:
+            # Links are by key: the new value keeps the old one's cached children.
+            self.eviction.adopt_children(old, slot)
+            self.index[key] = old
+            self._drop(old, keep_ttl=keep_ttl)
+            self.index[key] = slot
         if self.tiers is not None:
             self.tiers.on_commit(key, slot)
 
@@ -146,11 +150,15 @@ class Engine:
         src = memoryview(data).cast("B")
         size = src.nbytes
         slot = self.index.get(key)
-        if slot is not None and self._overwrite_in_place(slot, src, size, keep_ttl):
+        if slot is not None and self._same_parent(slot, parent) \
+                and self._overwrite_in_place(slot, src, size, keep_ttl):
             return
         extent = self.reserve(size)
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
+
+    def _same_parent(self, slot: int, parent: bytes | None) -> bool:
+        return parent is None or self.eviction.parent_of(slot) == self.index.get(parent, NO_PARENT)
 
     def _overwrite_in_place(self, slot: int, src: memoryview, size: int, keep_ttl: bool) -> bool:
         """Reuse the old block when the new value needs a block of the same size.

@@ -123,6 +123,20 @@ class SampledLRU:
         self._child[slot] = NO_PARENT
         self.count -= 1
 
+    def adopt_children(self, old: int, new: int) -> None:
+        """Move ``old``'s children to ``new`` (a key's value replaced by a new slot)."""
+        if not self._children[old]:
+            return
+        parents = np.frombuffer(self._parent, dtype=np.int32)[: self._high]
+        kids = np.flatnonzero(parents == old).tolist()
+        del parents
+        for child in kids:
+            self._parent[child] = new
+        self._children[new] += len(kids)
+        self._children[old] = 0
+        self._child[new] = kids[-1]
+        self._child[old] = NO_PARENT
+
     def pin(self, slot: int) -> None:
         self._pins[slot] += 1
 
@@ -163,27 +177,25 @@ class SampledLRU:
         cols = self._views()
         masks = [(np.frombuffer(col, dtype=np.dtype(col.typecode))[: self._high], value)
                  for col, value in among]
-        picked = None
         for _ in range(4):
             picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), masks)
             if picked is not None:
-                break
-        if picked is None:
-            # The sampled slots were all free, pinned or elsewhere: look at everything once.
-            picked = self._pick(cols, np.arange(self._high), masks)
-        return None if picked is None else self._leaf_below(picked, cols, masks)
+                return picked
+        # The sampled slots were all free, pinned or elsewhere: look at everything once.
+        return self._pick(cols, np.arange(self._high), masks)
 
-    def _leaf_below(self, slot: int, cols: tuple[np.ndarray, ...], masks: list) -> int:
-        """Follow ``slot``'s chain down to a leaf that may be evicted (or stay at ``slot``)."""
+    def _leaf_below(self, slot: int, cols: tuple[np.ndarray, ...], masks: list) -> int | None:
+        """The leaf at the end of ``slot``'s chain, or None when that leaf may not go."""
         node = slot
         while self._children[node]:
             child = self._child[node]
             if child == NO_PARENT or self._parent[child] != node:
                 child = int(np.flatnonzero(cols[2] == node)[0])   # rare: a branch lost its pointer
                 self._child[node] = child
-            if self._pins[child] or any(m[0][child] != v for m, v in masks):
-                return node      # the child is leased or elsewhere: best we can do
             node = child
+        if self._pins[node] or self._soft[node] and not self._soft[slot] \
+                or any(m[0][node] != v for m, v in masks):
+            return None
         return node
 
     def _views(self) -> tuple[np.ndarray, ...]:
@@ -191,16 +203,19 @@ class SampledLRU:
         return tuple(np.frombuffer(getattr(self, name), dtype=np.dtype(code))[:high]
                      for name, code, _ in self._COLUMNS)
 
-    @staticmethod
-    def _pick(cols: tuple[np.ndarray, ...], cand: np.ndarray, masks: list) -> int | None:
+    def _pick(self, cols: tuple[np.ndarray, ...], cand: np.ndarray, masks: list) -> int | None:
+        """Oldest first among ``cand``: the leaf below it, else the next oldest."""
         live, stamp, _, children, pins, soft, _ = cols
         keep = (live[cand] != 0) & (pins[cand] == 0)
         for column, value in masks:
             keep &= column[cand] == value
-        cand = cand[keep]
+        cand = np.unique(cand[keep])
         if cand.size == 0:
             return None
-        unpinned = soft[cand] == 0                # soft-pinned entries go last
-        if unpinned.any():
-            cand = cand[unpinned]
-        return int(cand[np.argmin(stamp[cand])])
+        # Soft-pinned entries go last: order by (pinned, stamp).
+        order = cand[np.lexsort((stamp[cand], soft[cand]))]
+        for slot in order.tolist():
+            leaf = self._leaf_below(slot, cols, masks)
+            if leaf is not None:
+                return leaf
+        return int(order[0])      # every chain below ends leased or elsewhere: progress first

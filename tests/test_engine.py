@@ -241,7 +241,6 @@ def test_eviction_keeps_chains_as_prefixes(make_engine):
     assert holes == [], "(after chain, chain, cached prefix, cached blocks)"
 
 
-@pytest.mark.xfail(strict=True, reason="Engine._overwrite_in_place ignores the parent passed to put")
 def test_an_overwrite_in_place_records_a_new_parent(make_engine):
     """KV.PUT k v PARENT p over an existing k of the same block size links k to p."""
     engine = make_engine()
@@ -252,8 +251,6 @@ def test_an_overwrite_in_place_records_a_new_parent(make_engine):
     assert not engine.eviction.is_leaf(engine.lookup(b"p"))
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.commit drops the old slot, and SampledLRU.remove "
-                   "orphans its children; the new slot has none")
 def test_overwriting_a_parent_keeps_its_children_linked(make_engine):
     """A parent re-put with another size is still its children's parent."""
     engine = make_engine()

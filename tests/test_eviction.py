@@ -162,8 +162,6 @@ def test_a_pinned_leaf_lets_its_parent_go():
     assert policy.victim() == root
 
 
-@pytest.mark.xfail(strict=True, reason="SampledLRU._leaf_below follows the chain into soft-pinned "
-                   "children (it checks hard pins only)")
 def test_a_soft_pinned_child_is_not_taken_for_its_old_parent():
     """The oldest entry's chain leads to a soft-pinned block: an unpinned leaf goes instead."""
     policy = SampledLRU(samples=512)
