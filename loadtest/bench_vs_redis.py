@@ -34,17 +34,19 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from functools import partial
 
 import redis
 
 from loadtest.procs import (DEFAULT_KVSTORE_CMD, ProcessGroup, Server, start_kvstore, start_mooncake,
                             start_redis)
-from loadtest.report import Row, Table, Target, machine_info
+from loadtest.report import Table, Target, log, machine_info, one_line, record, turns
 
 KVSTORE, REDIS, MOONCAKE = "kvstore", "redis", "mooncake"
 KIB, MIB = 1 << 10, 1 << 20
 GB = 1e9
+# What a measurement may raise when a server misbehaves: noted in the table, the run goes on.
+MEASUREMENT_ERRORS = (OSError, redis.RedisError, RuntimeError, subprocess.SubprocessError, ValueError)
 WARMUP_ROUNDS = 3  # untimed round trips before a one-client loop: connection set-up and first-touch page faults
 
 
@@ -84,40 +86,6 @@ def parse_size(text: str) -> int:
     return int(lowered)
 
 
-def one_line(exc: BaseException, limit: int = 160) -> str:
-    """An exception as one short printable line (server errors may echo binary arguments)."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in text)[:limit]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def turns(columns: dict, repeats: int):
-    """(column, target) pairs for every repeat, rotating which column goes first."""
-    names = list(columns)
-    for rep in range(repeats):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            yield name, columns[name]
-
-
-def record(rows: list[Row], column: str, measure: Callable[[], list[float]]) -> None:
-    """Add one sample per row from measure(); on failure, note the reason in every row instead."""
-    try:
-        values = measure()
-    except (OSError, redis.RedisError, RuntimeError, subprocess.SubprocessError, ValueError) as exc:
-        reason = one_line(exc)
-        for row in rows:
-            row.fail(column, reason)
-        log(f"  {column}: {reason}")
-        return
-    for row, value in zip(rows, values):
-        row.add(column, value)
-    log(f"  {column}: " + ", ".join(f"{row.name} = {value:.4g} {row.unit}" for row, value in zip(rows, values)))
-
-
 # --- redis-benchmark -------------------------------------------------------------------------------
 
 def redis_benchmark(server: Server, *, size: int, requests: int, clients: int, pipeline: int = 1,
@@ -142,7 +110,7 @@ def bench_large(table: Table, servers: dict[str, Server], settings: Settings) ->
             def measure(server=server) -> list[float]:
                 rates = redis_benchmark(server, size=size, requests=requests, clients=settings.large_clients)
                 return [rates["SET"] * size / GB, rates["GET"] * size / GB]
-            record(rows, name, measure)
+            record(rows, name, measure, MEASUREMENT_ERRORS)
 
 
 def bench_small(table: Table, servers: dict[str, Server], settings: Settings) -> None:
@@ -154,7 +122,7 @@ def bench_small(table: Table, servers: dict[str, Server], settings: Settings) ->
             def measure(server=server) -> list[float]:
                 rates = redis_benchmark(server, size=100, requests=requests, clients=50, pipeline=pipeline)
                 return [rates["SET"], rates["GET"]]
-            record(rows, name, measure)
+            record(rows, name, measure, MEASUREMENT_ERRORS)
 
 
 # --- redis-py and Mooncake: one client, a SET loop then a GET loop ---------------------------------
@@ -265,10 +233,10 @@ def bench_redispy(table: Table, servers: dict[str, Server], settings: Settings, 
             log(f"redis-py SET/GET {size_label(size)} x {iterations}")
             for name, target in turns(columns, settings.repeats):
                 if name == MOONCAKE:
-                    if size >= MIB:
-                        record(rows, name, lambda: mooncake.put_get(size, iterations))
+                    measure = partial(mooncake.put_get, size, iterations)
                 else:
-                    record(rows, name, lambda target=target: redispy_set_get(target, size, iterations))
+                    measure = partial(redispy_set_get, target, size, iterations)
+                record(rows, name, measure, MEASUREMENT_ERRORS)
     finally:
         if isinstance(mooncake, MooncakeClient):
             mooncake.close()
@@ -396,7 +364,7 @@ def bench_match(table: Table, servers: dict[str, Server], settings: Settings) ->
                 conn.close()
             p50s = [statistics.median(results[length][0]) for length in CHAIN_LENGTHS]
             return [*p50s, percentile(results[256][0], 0.99), max(cost for _, cost in results.values())]
-        record([*rows.values(), p99, per_call], name, measure)
+        record([*rows.values(), p99, per_call], name, measure, MEASUREMENT_ERRORS)
     table.notes.append("KV.MATCH rows: the redis column times EXISTS k1..kN in one command, the closest "
                        "one-round-trip question Redis can answer (it counts keys, not a prefix).")
 

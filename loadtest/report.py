@@ -7,11 +7,13 @@ repeated runs. The table reports the median of each cell and the ratio
 subject/reference, which is the figure targets are set on. The benchmarks run
 the columns back to back within each repeat, so the ratio is the median of the
 per-repeat ratios: on a shared, noisy host a slow spell then hits both sides
-of a pair and cancels out, where a ratio of two medians would keep it. A cell that could not be measured keeps its reason instead of
-a number, so a partial run still prints everything it learned.
+of a pair and cancels out, where a ratio of two medians would keep it. A
+cell that could not be measured keeps its reason instead of a number, so a
+partial run still prints everything it learned.
 
 The same table renders as plain text (terminal), Markdown (docs, with the
-date and machine) and JSON (every sample, for later comparison).
+date and machine) and JSON (every sample, for later comparison). `turns` and
+`record` are the loop every benchmark runs to fill it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 from dataclasses import dataclass, field
+from typing import Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,42 @@ class Table:
             })
         return {"title": self.title, "machine": machine, "subject": self.subject, "reference": self.reference,
                 "rows": rows, "notes": self.notes}
+
+
+def turns(columns: dict[str, T], repeats: int) -> Iterator[tuple[str, T]]:
+    """(column, what to measure it on) for every repeat, rotating which column goes first."""
+    names = list(columns)
+    for rep in range(repeats):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            yield name, columns[name]
+
+
+def record(rows: list[Row], column: str, measure: Callable[[], list[float]],
+           errors: tuple[type[BaseException], ...]) -> None:
+    """Add one sample per row from measure(); when it raises one of `errors`, note the reason
+    in every row instead, so one failing server does not end the run. Progress goes to stderr."""
+    try:
+        values = measure()
+    except errors as exc:
+        reason = one_line(exc)
+        for row in rows:
+            row.fail(column, reason)
+        log(f"  {column}: {reason}")
+        return
+    for row, value in zip(rows, values):
+        row.add(column, value)
+    log(f"  {column}: " + ", ".join(f"{row.name} = {value:.4g} {row.unit}" for row, value in zip(rows, values)))
+
+
+def one_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception as one short printable line (server errors may echo binary arguments)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in text)[:limit]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _describe(machine: dict[str, str]) -> str:
