@@ -47,6 +47,7 @@ KIB, MIB = 1 << 10, 1 << 20
 GB = 1e9
 # What a measurement may raise when a server misbehaves: noted in the table, the run goes on.
 MEASUREMENT_ERRORS = (OSError, redis.RedisError, RuntimeError, subprocess.SubprocessError, ValueError)
+GROUPS = ("large", "redis-py", "small", "match")   # in the order they run
 WARMUP_ROUNDS = 3  # untimed round trips before a one-client loop: connection set-up and first-touch page faults
 
 
@@ -62,7 +63,7 @@ class Settings:
     redispy_bytes: int = 512 * MIB      # bytes one redis-py SET (or GET) loop moves
     small_requests: int = 200_000       # per test at -P 1; -P 16 runs five times as many
     match_calls: int = 2000             # timed calls per chain length
-    groups: tuple[str, ...] = ("large", "redis-py", "small", "match")
+    groups: tuple[str, ...] = GROUPS
     mooncake: bool = True
     kvstore_cmd: str = DEFAULT_KVSTORE_CMD
 
@@ -100,7 +101,7 @@ def redis_benchmark(server: Server, *, size: int, requests: int, clients: int, p
     return rates
 
 
-def bench_large(table: Table, servers: dict[str, Server], settings: Settings) -> None:
+def bench_large(table: Table, servers: dict[str, Server], settings: Settings, group: ProcessGroup) -> None:
     for size in settings.sizes:
         rows = [table.row(f"redis-benchmark {op} {size_label(size)} -c {settings.large_clients}", "GB/s",
                           Target(1.0)) for op in ("SET", "GET")]
@@ -113,7 +114,7 @@ def bench_large(table: Table, servers: dict[str, Server], settings: Settings) ->
             record(rows, name, measure, MEASUREMENT_ERRORS)
 
 
-def bench_small(table: Table, servers: dict[str, Server], settings: Settings) -> None:
+def bench_small(table: Table, servers: dict[str, Server], settings: Settings, group: ProcessGroup) -> None:
     for pipeline, target, requests in ((1, 0.9, settings.small_requests), (16, 0.3, 5 * settings.small_requests)):
         rows = [table.row(f"redis-benchmark {op} 100 B -c 50 -P {pipeline}", "ops/s", Target(target))
                 for op in ("SET", "GET")]
@@ -345,7 +346,7 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(int(fraction * len(ordered)), len(ordered) - 1)]
 
 
-def bench_match(table: Table, servers: dict[str, Server], settings: Settings) -> None:
+def bench_match(table: Table, servers: dict[str, Server], settings: Settings, group: ProcessGroup) -> None:
     rows = {length: table.row(f"KV.MATCH {length}-key chain p50 (Redis: EXISTS of the keys)", "ms",
                               Target(0.5, "value") if length == 256 else None) for length in CHAIN_LENGTHS}
     p99 = table.row("KV.MATCH 256-key chain p99 (Redis: EXISTS of the keys)", "ms")
@@ -371,7 +372,7 @@ def bench_match(table: Table, servers: dict[str, Server], settings: Settings) ->
 
 # --- the run ---------------------------------------------------------------------------------------
 
-GROUPS = ("large", "redis-py", "small", "match")
+BENCHES = {"large": bench_large, "redis-py": bench_redispy, "small": bench_small, "match": bench_match}
 
 
 def run(settings: Settings, group: ProcessGroup) -> Table:
@@ -385,16 +386,8 @@ def run(settings: Settings, group: ProcessGroup) -> Table:
     table.notes.append(f"{KVSTORE}/{REDIS}: median of the per-run ratios, the servers running back to back "
                        "in each run and taking turns to go first.")
     for name in GROUPS:
-        if name not in settings.groups:
-            continue
-        if name == "large":
-            bench_large(table, servers, settings)
-        elif name == "redis-py":
-            bench_redispy(table, servers, settings, group)
-        elif name == "small":
-            bench_small(table, servers, settings)
-        else:
-            bench_match(table, servers, settings)
+        if name in settings.groups:
+            BENCHES[name](table, servers, settings, group)
     table.notes.append(f"Both servers hold at most {settings.memory}; redis-server "
                        f"{redis_version()} with persistence off.")
     return table
