@@ -26,7 +26,7 @@ from conftest import Daemon, free_port, start_kvstore, wait_ready
 from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import VALUE_CF
 from test_tier_ssd import flip_byte
-from test_tiering import (KIB, MIB, client, digest, key_of, restart, start_tiered, value_of,
+from test_tiering import (KIB, LEAF_BUG, MIB, client, digest, key_of, restart, start_tiered, value_of,
                           wait_until, write_values)
 
 RECOVERED = re.compile(r"Recovered (\d+) values from the SSD tier in ([\d.]+) s \(([\d.]+) values/s\)")
@@ -94,6 +94,7 @@ def test_ssd_dir_that_cannot_be_a_directory(tmp_path):
         daemon.stop()
 
 
+@LEAF_BUG
 def test_ssd_dir_locked_by_another_kvstore(tmp_path):
     first = start_tiered(tmp_path)
     second = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"))
