@@ -194,7 +194,7 @@ class SampledLRU:
                 self._child[node] = child
             node = child
         if self._pins[node] or self._soft[node] and not self._soft[slot] \
-                or any(m[0][node] != v for m, v in masks):
+                or any(column[node] != value for column, value in masks):
             return None
         return node
 
