@@ -129,6 +129,20 @@ def test_values_survive_a_clean_restart(tmp_path):
         tier.close()
 
 
+@pytest.mark.parametrize("options", [{"sync": True}, {"wal": False}, {"shuffle": False, "compression": "off"}])
+def test_write_options_keep_values_across_a_clean_restart(tmp_path, options):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB, **options)
+    tier.put_batch([(b"a", value_for(1), None), (b"b", bf16_noise(10_000), b"a")])
+    tier.close()
+    tier = SSDTier.open(path, GIB, **options)
+    try:
+        assert tier.get(b"a") == value_for(1) and tier.get(b"b") == bf16_noise(10_000)
+        assert [r.parent for r in tier.scan_index()] == [None, b"a"]
+    finally:
+        tier.close()
+
+
 def flip_byte(path: str, family: str, key: bytes, position: int) -> None:
     """Damage one stored byte through RocksDB itself, as silent corruption would."""
     families = {META_CF: Options(raw_mode=True), VALUE_CF: Options(raw_mode=True)}
