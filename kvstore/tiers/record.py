@@ -17,8 +17,9 @@ Header layout, little-endian (``HEADER``)::
     parent    plen bytes       the chain parent's key
 
 The checksum covers the payload exactly as stored, so a read verifies before
-it spends any time decompressing, and a flipped bit anywhere in the payload
-(or in the checksum, or in a size) is caught.
+it spends any time decompressing. A flipped bit in the payload, the checksum
+or either size is caught (a size by the length check, the decompressor or the
+header's own consistency rules); only the parent key is not covered.
 
 Why compression is per value and guarded: KV tensors in fp16/bf16 are close
 to noise and lz4 saves nothing on them (ratio 1.00), while some values
@@ -29,8 +30,8 @@ only when it is smaller than ``KEEP_RATIO`` of the value. Incompressible
 values thus cost one small probe, not a full pass.
 
 Byte-shuffle groups the low bytes of every 2-byte element, then the high
-bytes (sign and exponent of fp16/bf16, which repeat a lot). It is one numpy
-transpose each way, and applies only to values of even length.
+bytes (sign and exponent of fp16/bf16, which repeat a lot). It is a strided
+numpy copy each way, and applies only to values of even length.
 """
 from __future__ import annotations
 
