@@ -24,7 +24,7 @@ from itertools import islice
 
 from kvstore.commands import CommandError, lookup
 from kvstore.commands.transactions import QUEUE_ANYWAY
-from kvstore.engine import Extent, OutOfMemory
+from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
 from kvstore.protocol import writer
 from kvstore.protocol.reader import ProtocolError, RequestReader
 
@@ -171,8 +171,11 @@ class Connection:
         cmd = lookup(args[0]) if args else None
         if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
                 and self.authenticated:
-            extent = self.engine.reserve(size)
-            return extent.view, extent
+            try:
+                extent = self.engine.reserve(size)
+                return extent.view, extent
+            except NeedsDemotion:
+                pass            # receive it on the heap; the command waits for room when it runs
         buf = bytearray(size)
         return memoryview(buf), buf
 
@@ -211,6 +214,12 @@ class Connection:
             reply = cmd.handler(self, args)
             if reply is not None:
                 self.wbuf += reply
+            if tiers is not None and tiers.has_unacked():
+                self.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ignore)
+        except NeedsDemotion as exc:
+            deferred = True
+            self.defer(self.engine.tiers.make_room(exc.size),
+                       lambda _: self.execute(args, None, has_holders))
         except CommandError as exc:
             self._fail(writer.error(str(exc), exc.code))
         except OutOfMemory:
@@ -269,8 +278,8 @@ class Connection:
         self.wbuf = bytearray(b"\r\n")
 
     def flush(self) -> None:
-        if self.closed:
-            return
+        if self.closed or self.waiting is not None:
+            return                  # replies go out in order, after what we wait for
         if self.wbuf:
             self.out.append((self.wbuf, None))
             self.wbuf = bytearray()
@@ -373,6 +382,10 @@ class Connection:
         self.close_callbacks.clear()
         self.sock.close()
         self.server.forget(self)
+
+
+def _ignore(result) -> None:
+    """Resume after a wait whose only purpose was ordering (the reply is already queued)."""
 
 
 def _unknown_command(args: list) -> str:

@@ -45,6 +45,18 @@ class OutOfMemory(Exception):
     """No room for a value: the store is full and may not evict, or the value is too big."""
 
 
+class NeedsDemotion(OutOfMemory):
+    """DRAM is full of values that exist nowhere else; demoting them to SSD will make room.
+
+    The caller waits for ``TierManager.make_room(size)`` and tries again, instead
+    of dropping values that were never written to SSD.
+    """
+
+    def __init__(self, size: int):
+        super().__init__(f"waiting for the SSD tier to take {size} bytes")
+        self.size = size
+
+
 @dataclass(slots=True)
 class Extent:
     """A piece of the arena: reserved for an incoming value, or holding one."""
@@ -111,7 +123,14 @@ class Engine:
             if not alloc.fits(size) or size > self.limit:
                 self.stats.oom_rejections += 1
                 raise OutOfMemory(f"value of {size} bytes is larger than the DRAM tier")
-            if self.policy == "noeviction" or not self._evict_one(clean_only):
+            if self.policy == "noeviction":
+                self.stats.oom_rejections += 1
+                raise OutOfMemory("no room in the DRAM tier")
+            if self._evict_one(clean_only=True):
+                continue
+            if self.tiers is not None and self.tiers.can_demote():
+                raise NeedsDemotion(size)
+            if clean_only or not self._evict_one():
                 self.stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
 

@@ -37,7 +37,7 @@ class SampledLRU:
     _COLUMNS = (("_live", "b", 0), ("_stamp", "I", 0), ("_parent", "i", NO_PARENT),
                 ("_children", "i", 0), ("_pins", "i", 0), ("_soft", "b", 0), ("_child", "i", NO_PARENT))
 
-    def __init__(self, capacity: int = 1024, samples: int = 16, seed: int = 0):
+    def __init__(self, capacity: int = 1024, samples: int = 64, seed: int = 0):
         self.samples = samples
         self._rng = np.random.default_rng(seed)
         self._clock = 0
@@ -185,16 +185,19 @@ class SampledLRU:
         return self._pick(cols, np.arange(self._high), masks)
 
     def _leaf_below(self, slot: int, cols: tuple[np.ndarray, ...], masks: list) -> int | None:
-        """The leaf at the end of ``slot``'s chain, or None when that leaf may not go."""
+        """The end of ``slot``'s chain within the masked set (e.g. the last block still
+        in DRAM), or None when that block may not go (leased, or soft-pinned below
+        an unpinned ``slot``)."""
         node = slot
         while self._children[node]:
             child = self._child[node]
             if child == NO_PARENT or self._parent[child] != node:
                 child = int(np.flatnonzero(cols[2] == node)[0])   # rare: a branch lost its pointer
                 self._child[node] = child
+            if any(column[child] != value for column, value in masks):
+                break                       # the rest of the chain is elsewhere (a lower tier)
             node = child
-        if self._pins[node] or self._soft[node] and not self._soft[slot] \
-                or any(column[node] != value for column, value in masks):
+        if self._pins[node] or self._soft[node] and not self._soft[slot]:
             return None
         return node
 

@@ -73,6 +73,8 @@ class TierManager:
         self._writing: set[int] = set()                   # slots with an SSD write in flight
         self._inflight = 0
         self._ssd_trouble_until = 0.0
+        self._stalled = False              # demotion found nothing to move: writes may evict
+        self._unacked: list[asyncio.Future] = []
         self._copies = ThreadPoolExecutor(2, thread_name_prefix="tier-copy") if gpu is not None else None
         engine.tiers = self
 
@@ -201,6 +203,7 @@ class TierManager:
             return
         if same:
             engine.mark_on_ssd(slot)
+            self._stalled = False
             if demote:
                 engine.demoted_to_ssd(slot)
             return
@@ -222,9 +225,41 @@ class TierManager:
         return self.worker is not None and time.monotonic() >= self._ssd_trouble_until
 
     def forget_on_ssd(self, key: bytes) -> None:
-        """Delete the SSD record of ``key`` (after any put of it already queued)."""
+        """Delete the SSD record of ``key`` (after any put of it already queued).
+
+        The connection holds the reply of the command that caused it until
+        the delete has landed (`take_unacked`), so an acknowledged DEL or
+        overwrite never comes back after a crash.
+        """
         if self.worker is not None:
-            self.worker.delete(key).add_done_callback(_log_failure)
+            future = self.worker.delete(key)
+            future.add_done_callback(_log_failure)
+            self._unacked.append(future)
+
+    def has_unacked(self) -> bool:
+        return bool(self._unacked)
+
+    def take_unacked(self) -> list[asyncio.Future]:
+        unacked, self._unacked = self._unacked, []
+        return unacked
+
+    # ------------------------------------------------------------ write pressure
+
+    def can_demote(self) -> bool:
+        """Whether waiting for demotions can free DRAM (so dropping a value is not needed)."""
+        return self._ssd_usable() and not self._stalled
+
+    async def make_room(self, size: int) -> None:
+        """Demote at least ``size`` bytes and wait for the writes; the caller retries.
+
+        When nothing is left to demote, eviction may drop values again
+        (``can_demote`` turns False until a demotion lands).
+        """
+        if not self._demote(size) and not self._inflight:
+            self._stalled = True
+            return
+        while self._inflight:
+            await asyncio.sleep(0.001)
 
     def free_gpu(self, slot: int, size: int) -> None:
         offset = self._gpu_offset.pop(slot, None)
@@ -251,16 +286,21 @@ class TierManager:
 
     def _demote_dram(self) -> None:
         engine = self.engine
-        excess = self._over(engine.allocator.used, engine.limit) - self._inflight
-        while excess > 0 and self._ssd_usable() and self._inflight < MAX_INFLIGHT_BYTES:
+        self._demote(self._over(engine.allocator.used, engine.limit) - self._inflight)
+
+    def _demote(self, nbytes: int) -> int:
+        """Move the coldest DRAM values (about ``nbytes``) to SSD; returns bytes started."""
+        engine, started = self.engine, 0
+        while started < nbytes and self._ssd_usable() and self._inflight < MAX_INFLIGHT_BYTES:
             slot = engine.coldest(DRAM)
             if slot is None:
-                return
-            excess -= engine.size_of(slot)
+                break
+            started += engine.size_of(slot)
             if engine.flags_of(slot) & ON_SSD:
                 engine.demoted_to_ssd(slot)
             else:
                 self._write_to_ssd(engine.key_of(slot), slot, demote=True)
+        return started
 
     def _trim_ssd(self) -> None:
         if self.ssd is None:

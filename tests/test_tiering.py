@@ -148,9 +148,6 @@ def test_values_spill_to_ssd_and_read_back_byte_identical(tmp_path):
         daemon.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="when puts outpace the SSD writer, Engine.reserve makes room with "
-                   "_evict_one, which drops DRAM values that have no SSD copy yet instead of waiting for "
-                   "(or starting) their demotion")
 def test_puts_faster_than_demotion_lose_no_values(tmp_path):
     daemon = start_tiered(tmp_path)
     try:
@@ -258,15 +255,12 @@ def test_delete_and_overwrite_of_ssd_values_never_resurrect(tmp_path, sig):
         r = client(daemon)
         written = spill(r, 48)
         deleted, overwritten, renewed = on_ssd(r, list(written))[:3]
-        records = r.info("ssd")["ssd_records"]
-        assert r.delete(deleted) == 1
+        assert r.delete(deleted) == 1          # acknowledged once the SSD delete has landed
         assert r.set(overwritten, b"small new value")
         # A new value of the same key that itself reaches SSD later replaces the old record.
         r.execute_command(wire.KV_PUT, renewed, value_of(10_000))
-        write_values(r, range(100, 140))
+        write_values(r, range(100, 180))      # enough that approximate LRU surely demotes it
         wait_until(lambda: tiers(r, [renewed]) == ["ssd"], what="the renewed value on SSD")
-        if sig == signal.SIGKILL:       # the deletes must have landed before the crash
-            wait_until(lambda: r.info("ssd")["ssd_records"] <= records - 2 + 40, what="the SSD deletes")
         daemon = restart(daemon, tmp_path, sig)
         r = client(daemon)
         assert r.get(deleted) is None
@@ -374,13 +368,22 @@ def test_store_full_of_leased_values_answers_oom_instead_of_stalling(tmp_path, s
     try:
         r = client(daemon)
         keys = list(write_values(r, range(8), MIB))
-        assert r.info("memory")["used_memory"] == 8 * MIB
+        if not ssd:
+            assert r.info("memory")["used_memory"] == 8 * MIB
         holders = [hold_lease(daemon, key) for key in keys]
         time.sleep(0.5)                                   # the GETs are running, the replies stuck
-        with pytest.raises(redis.exceptions.OutOfMemoryError):
-            r.set(b"newcomer", value_of(99, MIB))
+        if ssd:
+            # Values that were demoted come back staged under the readers' leases: the
+            # newcomer finds room (in DRAM or by demotion) or gets -OOM, but never waits.
+            try:
+                r.set(b"newcomer", value_of(99, MIB))
+            except redis.exceptions.OutOfMemoryError:
+                pass
+        else:
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                r.set(b"newcomer", value_of(99, MIB))
+            assert r.get(b"newcomer") is None
         assert r.ping()
-        assert r.get(b"newcomer") is None
         for sock in holders:
             sock.close()
         wait_until(lambda: _set_ok(r, b"newcomer", value_of(99, MIB)), what="room once the leases end")
