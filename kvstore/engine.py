@@ -101,6 +101,7 @@ class Engine:
         self._flags = array("b")
         self.tier_bytes = {DRAM: 0, SSD: 0, GPU: 0}
         self.tiers = None              # kvstore.tiering.TierManager when SSD/GPU tiers exist
+        self.drop_listeners: list = []  # fn(slot, key) when a value leaves the index (cached leases)
         self._free_slots: list[int] = []
         self._leases: dict[int, int] = {}       # offset -> readers in flight
         self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
@@ -413,6 +414,8 @@ class Engine:
 
     def _drop(self, slot: int, keep_ttl: bool = False) -> None:
         key = self._keys[slot]
+        for listener in self.drop_listeners:
+            listener(slot, key)
         del self.index[key]
         if not keep_ttl:
             self.expires.pop(key, None)
