@@ -33,6 +33,7 @@ log = logging.getLogger("kvstore")
 BIG_REPLY = 64 * 1024      # values at least this big are sent from the arena, not copied
 IOV_MAX = 512
 READS_PER_EVENT = 64
+PREFETCH_COMMANDS = 16     # pipelined commands whose SSD values are fetched together
 OOM_ERROR = writer.error("command not allowed when used memory > 'maxmemory'.", "OOM")
 NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
 
@@ -66,6 +67,7 @@ class Connection:
         self.multi_dirty = False
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
         self.backlog: deque = deque()       # parsed commands not run yet
+        self.prefetched: list[int] = []     # slots staged for commands still in the backlog
         self.waiting: asyncio.Future | None = None
         self.protocol_error: ProtocolError | None = None
         self.pending_fds: list[int] = []    # sent with the next reply bytes (SCM_RIGHTS)
@@ -138,6 +140,9 @@ class Connection:
         backlog = self.backlog
         while backlog and self.waiting is None and not self.close_after_reply:
             self.execute(*backlog.popleft())
+        if self.prefetched and not backlog and self.waiting is None:
+            self.engine.tiers.unstage(self.prefetched)
+            self.prefetched = []
         if not backlog and self.waiting is None and self.protocol_error is not None \
                 and not self.close_after_reply:
             log.info("Protocol error (%s) from client id=%d addr=%s", self.protocol_error, self.id, self.addr)
@@ -208,7 +213,9 @@ class Connection:
                 pending = tiers.pending_fetch(cmd.reads(self, args))
                 if pending:
                     deferred = True
-                    self.defer(tiers.fetch(pending), lambda fetched: self._run_fetched(fetched, args, has_holders))
+                    ahead = [p for p in tiers.pending_fetch(self._reads_ahead()) if p not in pending]
+                    self.defer(tiers.fetch(pending + ahead),
+                               lambda fetched: self._run_fetched(fetched, args, has_holders, len(pending)))
                     return
             self.last_command = cmd.name
             reply = cmd.handler(self, args)
@@ -233,10 +240,25 @@ class Connection:
             if not deferred:
                 self.server.stats.commands += 1
 
-    def _run_fetched(self, fetched: list, args: list, has_holders: bool) -> None:
-        """Run a command whose SSD/GPU values have just been copied into DRAM."""
+    def _reads_ahead(self) -> list[bytes]:
+        """Keys the next pipelined commands will read: fetched with the current one,
+        so SSD reads overlap instead of running one command at a time."""
+        keys = []
+        for queued_args, _, _ in islice(self.backlog, 0, PREFETCH_COMMANDS):
+            cmd = lookup(queued_args[0])
+            if cmd is not None and cmd.reads is not None and cmd.arity_ok(len(queued_args)):
+                keys += cmd.reads(self, queued_args)
+        return keys
+
+    def _run_fetched(self, fetched: list, args: list, has_holders: bool, own: int) -> None:
+        """Run a command whose SSD/GPU values have just been copied into DRAM.
+
+        The first ``own`` fetched values are this command's; the others were
+        read ahead for commands behind it and stay staged until the backlog drains.
+        """
         tiers = self.engine.tiers
-        staged = tiers.install(fetched)
+        staged = tiers.install(fetched[:own])
+        self.prefetched += tiers.install(fetched[own:])
         try:
             self.execute(args, None, has_holders)
         finally:
@@ -370,6 +392,9 @@ class Connection:
                 self.engine.release(holder)
         if self.multi:
             self.release_queued(self.multi)
+        if self.prefetched:
+            self.engine.tiers.unstage(self.prefetched)
+            self.prefetched = []
         for _, lease in self.out:
             if lease is not None:
                 self.engine.unlease(*lease)

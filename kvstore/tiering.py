@@ -34,6 +34,7 @@ log = logging.getLogger("kvstore")
 
 MAX_INFLIGHT_BYTES = 256 * 1024 * 1024    # demotion writes queued at once
 LOAD_CHUNK = 5000
+SSD_READERS = 4                           # RocksDB reads in flight (they release the GIL)
 
 
 @dataclass
@@ -420,7 +421,8 @@ def open_tiers(engine: Engine, config) -> TierManager | None:
     worker = gpu = None
     if config.ssd_dir:
         try:
-            worker = SSDWorker(SSDTier.open(config.ssd_dir, config.ssd_size, compression=config.ssd_compression))
+            worker = SSDWorker(SSDTier.open(config.ssd_dir, config.ssd_size, compression=config.ssd_compression),
+                               readers=SSD_READERS)
             log.info("SSD tier: %s (%d bytes)", config.ssd_dir, config.ssd_size)
         except TierError as exc:
             log.error("SSD tier disabled: %s", exc)
