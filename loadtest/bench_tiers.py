@@ -225,6 +225,10 @@ def raw_ssd_round(root: str, size: int, settings: Settings) -> dict[str, float]:
         start = time.perf_counter()
         store.run("put", keys, pool)
         put_s = time.perf_counter() - start
+        # Reopen before reading, as the daemon side restarts its node: reads come
+        # from SST files (page cache), not from the memtable of the writes.
+        store.close()
+        store = Store(RAW, store.path, wal=True)
         order = random.Random(size).sample(keys, len(keys))
         start = time.perf_counter()
         store.run("get", order, pool)
