@@ -102,14 +102,19 @@ def _tier_stats(server, tier: int) -> dict:
             "evictions": st.evictions, "checksum_failures": st.checksum_failures, "errors": st.errors}
 
 
+def _tier_section(server, prefix: str, tier: int, fields: dict) -> dict:
+    """A tier's own fields, then its movement counters, all named ``<prefix>_<field>``."""
+    fields = {**fields, "values": server.engine.tier_counts()[tier], **_tier_stats(server, tier)}
+    return {f"{prefix}_{k}": v for k, v in fields.items()}
+
+
 def dram_section(server) -> dict:
     engine = server.engine
-    fields = {"capacity": engine.limit, "used": engine.allocator.used, "values": engine.tier_counts()[DRAM],
-              "value_bytes": engine.tier_bytes[DRAM]}
-    fields.update(_tier_stats(server, DRAM))
+    section = _tier_section(server, "dram", DRAM, {"capacity": engine.limit, "used": engine.allocator.used,
+                                                   "value_bytes": engine.tier_bytes[DRAM]})
     if engine.tiers is None:
-        fields["evictions"] = engine.stats.evictions
-    return {f"dram_{k}": v for k, v in fields.items()}
+        section["dram_evictions"] = engine.stats.evictions
+    return section
 
 
 def ssd_section(server) -> dict:
@@ -117,12 +122,10 @@ def ssd_section(server) -> dict:
     if tiers is None or tiers.ssd is None:
         return {"ssd_enabled": 0}
     ssd = tiers.ssd
-    fields = {"enabled": 1, "capacity": ssd.capacity_bytes, "used": ssd.used_bytes,
-              "values": server.engine.tier_counts()[SSD], "records": ssd.count,
-              "compression_ratio": f"{ssd.compression_ratio:.3f}", "recovered": tiers.recovered,
-              "loading": int(tiers.loading)}
-    fields.update(_tier_stats(server, SSD))
-    return {f"ssd_{k}": v for k, v in fields.items()}
+    return _tier_section(server, "ssd", SSD, {
+        "enabled": 1, "capacity": ssd.capacity_bytes, "used": ssd.used_bytes, "records": ssd.count,
+        "compression_ratio": f"{ssd.compression_ratio:.3f}", "recovered": tiers.recovered,
+        "loading": int(tiers.loading)})
 
 
 def gpu_section(server) -> dict:
@@ -130,10 +133,8 @@ def gpu_section(server) -> dict:
     if tiers is None or tiers.gpu is None:
         return {"gpu_enabled": 0}
     gpu = tiers.gpu
-    fields = {"enabled": 1, "device": gpu.device_id, "capacity": gpu.capacity_bytes, "used": gpu.used_bytes,
-              "values": server.engine.tier_counts()[GPU]}
-    fields.update(_tier_stats(server, GPU))
-    return {f"gpu_{k}": v for k, v in fields.items()}
+    return _tier_section(server, "gpu", GPU, {"enabled": 1, "device": gpu.device_id,
+                                              "capacity": gpu.capacity_bytes, "used": gpu.used_bytes})
 
 
 SECTIONS = {"server": server_section, "clients": clients_section, "memory": memory_section,
