@@ -20,20 +20,81 @@ connection and a deadline:
   may belong to another value by then, so the client refuses to start a copy
   into a reservation with less than half of its life left.
 
+Validity words: a client may keep a lease after its copy and copy again
+from the same extent later (a cached lease), with no round trip, because each
+lease also owns one 8-byte word in a small shared control area
+(`ValidityWords`: a second memfd the client maps read-only, as it maps the
+arena). The word holds the lease's tag while the lease is live and is set to
+0 *before* the lease's bytes are let go, in every way a lease ends: released,
+expired, its owner connection closed, or its value leaving the index
+(deleted, overwritten, evicted, expired or flushed: the engine's drop
+listener, `on_drop`). A leased DRAM value is never moved or rewritten in
+place meanwhile (the engine pins it: no eviction, no demotion, no in-place
+overwrite), so while the word holds the tag the bytes at the lease's offset
+are the key's current value.
+
+The client copies first and reads the word after. On x86 (TSO) loads are not
+reordered with older loads, and stores are seen by every core in the order
+they were made. The node's stores go: clear the word, then (only after that)
+free the extent, which a later writer may fill. So a copy that read any byte
+written after the clear is followed by a word load that sees the clear, and
+a word that still holds the tag after the copy proves every byte copied
+belonged to the leased value. Tags come from a counter, never reused, so a
+word recycled for a new lease never matches an old one. When the node runs
+out of words a lease gets word -1 and the client falls back to asking (a
+release answers whether the lease was still valid).
+
 Ids are random 63-bit integers, so one client cannot release another's lease
 by guessing. One table exists per server (`table_for`); it registers its
-expiry job with the server's cron on first use and counts what happened for
-KV.LEASES and INFO.
+expiry job with the server's cron and its drop listener with the engine on
+first use, and counts what happened for KV.LEASES and INFO.
 """
 from __future__ import annotations
 
+import itertools
+import mmap
+import os
 import secrets
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from kvstore.engine import Extent
+from proto.fastpath import VALIDITY_WORDS
+
+
+class ValidityWords:
+    """The control area: one 8-byte word per live lease, in a memfd local clients map read-only."""
+
+    def __init__(self, count: int = VALIDITY_WORDS):
+        self.count = count
+        self.fd = os.memfd_create("kvstore-leases", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, count * 8)
+        self._map = mmap.mmap(self.fd, count * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.words = np.frombuffer(self._map, dtype=np.uint64)
+        self._free = list(range(count - 1, -1, -1))
+        self._tags = itertools.count(1)
+
+    def take(self) -> tuple[int, int]:
+        """A free word set to a fresh tag: (index, tag); (-1, 0) when every word is in use."""
+        if not self._free:
+            return -1, 0
+        index, tag = self._free.pop(), next(self._tags)
+        self.words[index] = tag
+        return index, tag
+
+    def clear(self, index: int) -> None:
+        """Mark the lease of word ``index`` ended: done before its bytes are let go."""
+        if index >= 0:
+            self.words[index] = 0
+            self._free.append(index)
+
+    @property
+    def in_use(self) -> int:
+        return self.count - len(self._free)
 
 
 @dataclass(slots=True)
@@ -44,6 +105,9 @@ class Lease:
     nbytes: int
     unpin: Callable[[], None]
     still_valid: Callable[[], bool] | None = None    # a further check (GPU values) made at release
+    slot: int | None = None                          # ended when this engine slot is dropped
+    word: int = -1                                   # its validity word, -1 when none was free
+    tag: int = 0
 
 
 @dataclass(slots=True)
@@ -61,6 +125,7 @@ class LeaseStats:
     leases_expired: int = 0
     leases_reclaimed: int = 0
     leases_invalid_at_release: int = 0
+    leases_invalidated: int = 0                      # ended because their value left the index
     reservations_granted: int = 0
     reservations_published: int = 0
     reservations_cancelled: int = 0
@@ -73,37 +138,48 @@ class LeaseTable:
     """Every lease and reservation of one node, by id and by owner connection."""
 
     engine: object
+    words: ValidityWords = field(default_factory=ValidityWords)
     leases: dict[int, Lease] = field(default_factory=dict)
     reservations: dict[int, Reservation] = field(default_factory=dict)
     stats: LeaseStats = field(default_factory=LeaseStats)
     identity: tuple[int, bytes] | None = None        # (offset, token) proving a mapping is ours
     _by_owner: dict[int, set[int]] = field(default_factory=dict)
     _watched: set[int] = field(default_factory=set)
+    _by_slot: dict[int, set[int]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ leases
 
     def grant(self, conn, nbytes: int, ttl_ms: int, unpin: Callable[[], None],
-              still_valid: Callable[[], bool] | None = None) -> Lease:
+              still_valid: Callable[[], bool] | None = None, slot: int | None = None) -> Lease:
+        """A lease with a validity word; with ``slot`` it also ends when that slot is dropped."""
+        word, tag = self.words.take()
         lease = Lease(self._new_id(), self._watch(conn), time.monotonic() + ttl_ms / 1000, nbytes,
-                      unpin, still_valid)
+                      unpin, still_valid, slot, word, tag)
         self.leases[lease.id] = lease
         self._by_owner[lease.owner].add(lease.id)
+        if slot is not None:
+            self._by_slot.setdefault(slot, set()).add(lease.id)
         self.stats.leases_granted += 1
         return lease
 
     def release(self, lease_id: int) -> bool:
         """End a lease; True when it was valid until now (the copy made under it is whole)."""
-        lease = self.leases.pop(lease_id, None)
+        lease = self.leases.get(lease_id)
         if lease is None:
             self.stats.leases_invalid_at_release += 1
             return False
-        self._forget(lease.owner, lease_id)
         valid = time.monotonic() < lease.deadline and (lease.still_valid is None or lease.still_valid())
-        lease.unpin()
+        self._drop_lease(lease)
         self.stats.leases_released += 1
         if not valid:
             self.stats.leases_invalid_at_release += 1
         return valid
+
+    def on_drop(self, slot: int, key: bytes) -> None:
+        """Engine drop listener: the value of ``slot`` is leaving the index; end its leases."""
+        for lease_id in self._by_slot.pop(slot, ()):
+            self._drop_lease(self.leases[lease_id])
+            self.stats.leases_invalidated += 1
 
     # ------------------------------------------------------------ reservations
 
@@ -156,7 +232,7 @@ class LeaseTable:
         self._watched.discard(conn.id)
         for item_id in self._by_owner.pop(conn.id, ()):
             if item_id in self.leases:
-                self.leases.pop(item_id).unpin()
+                self._drop_lease(self.leases[item_id])
                 self.stats.leases_reclaimed += 1
             elif item_id in self.reservations:
                 self.engine.release(self.reservations.pop(item_id).extent)
@@ -166,6 +242,7 @@ class LeaseTable:
         """Counters for KV.LEASES and INFO."""
         return {"leases_active": len(self.leases),
                 "leased_bytes": sum(x.nbytes for x in self.leases.values()),
+                "lease_words_in_use": self.words.in_use,
                 "reservations_active": len(self.reservations),
                 "reserved_bytes": sum(r.extent.size for r in self.reservations.values()),
                 **vars(self.stats)}
@@ -173,8 +250,16 @@ class LeaseTable:
     # ------------------------------------------------------------ internals
 
     def _drop_lease(self, lease: Lease) -> None:
+        """End a lease: its word is cleared before its bytes are let go (see the module comment)."""
         del self.leases[lease.id]
         self._forget(lease.owner, lease.id)
+        if lease.slot is not None:
+            on_slot = self._by_slot.get(lease.slot)
+            if on_slot is not None:
+                on_slot.discard(lease.id)
+                if not on_slot:
+                    del self._by_slot[lease.slot]
+        self.words.clear(lease.word)
         lease.unpin()
 
     def _drop_reservation(self, reservation: Reservation) -> None:
@@ -206,9 +291,11 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def table_for(server) -> LeaseTable:
-    """The lease table of ``server``, made (and its expiry put on the cron) on first use."""
+    """The lease table of ``server``, made (its expiry put on the cron, its drop listener on the
+    engine) on first use."""
     table = _TABLES.get(server)
     if table is None:
         table = _TABLES[server] = LeaseTable(server.engine)
         server.add_cron(table.expire)
+        server.engine.drop_listeners.append(table.on_drop)
     return table

@@ -417,7 +417,8 @@ def open_tiers(engine: Engine, config) -> TierManager | None:
     an explicit --gpu-size without a usable GPU is an error (TierError).
     """
     from kvstore.tiers.gpu import GPUTier, gpu_available
-    from kvstore.tiers.ssd import SSDTier, SSDWorker
+    from kvstore.tiers.ssd import SSDTier
+    from kvstore.tiers.ssd_worker import SSDWorker
     worker = gpu = None
     if config.ssd_dir:
         try:
@@ -430,7 +431,8 @@ def open_tiers(engine: Engine, config) -> TierManager | None:
         gpu = GPUTier.open(config.gpu_size, config.gpu_device)
         log.info("GPU tier: device %d, %d bytes", config.gpu_device, config.gpu_size)
     else:
-        log.info("GPU tier: off (%s)", gpu_available()[1] if not gpu_available()[0] else "no --gpu-size")
+        usable, reason = gpu_available()
+        log.info("GPU tier: off (%s)", "no --gpu-size" if usable else reason)
     if worker is None and gpu is None:
         return None
     cfg = TieringConfig(config.high_watermark, config.low_watermark, config.promote_hits,

@@ -36,7 +36,8 @@ import numpy as np
 from rocksdict import DBCompressionType, Options, Rdict, WriteOptions
 
 from kvstore.tiers.record import decode, encode
-from kvstore.tiers.ssd import SSDTier, SSDWorker
+from kvstore.tiers.ssd import SSDTier
+from kvstore.tiers.ssd_worker import SSDWorker
 from loadtest.report import Table, Target, machine_info
 
 TIER, RAW, RAW_DEFAULTS = "SSDTier", "rocksdict", "rocksdict defaults"

@@ -23,7 +23,8 @@ import pytest
 from rocksdict import Options, Rdict
 
 from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
-from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier, SSDWorker
+from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier
+from kvstore.tiers.ssd_worker import SSDWorker
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

@@ -4,8 +4,9 @@ The socket carries only these small control messages; the bytes move through
 the client's own mapping of the DRAM arena (see kvstore/leases.py for why
 everything a client holds has an id, an owner and a deadline).
 
-    KV.ARENA                             -> [size, pid, fd, id offset, id token, fd passed]
-    KV.LEASE token ttl_ms key [key ...]  -> per key: [lease id, offset, size] or nil
+    KV.ARENA                             -> [size, pid, fd, id offset, id token, fds passed,
+                                             validity words fd, number of words]
+    KV.LEASE token ttl_ms key [key ...]  -> per key: [lease id, offset, size, word, tag] or nil
     KV.RELEASE id [id ...]               -> per lease: 1 if it was valid until released, else 0
     KV.RESERVE token ttl_ms size [...]   -> per size: [reservation id, offset]
     KV.PUBLISH id key [PARENT p] [NX]    -> 1 stored, 0 key existed under NX (extent given back)
@@ -15,8 +16,10 @@ everything a client holds has an id, an owner and a deadline).
     KV.LEASEGPU token ttl_ms key [...]   -> per key: [lease id, tier, offset, size] or nil
 
 How a client maps the arena: over the Unix socket the arena's memfd comes
-with the KV.ARENA reply (SCM_RIGHTS); over TCP a client on the same host
-opens ``/proc/<pid>/fd/<fd>`` (same user). Either way it then checks the
+with the KV.ARENA reply (SCM_RIGHTS), and the lease table's validity words
+with it (kvstore/leases.py: a lease is valid while its word holds its tag);
+over TCP a client on the same host opens ``/proc/<pid>/fd/<fd>`` for each
+(same user). Either way it then checks the
 16-byte token written at the id offset, so a client that reached a node on
 another host (where the pid means nothing) finds no match and stays on the
 wire.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from dataclasses import dataclass
 
 from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
 from kvstore.engine import GPU, SSD, STAGED
@@ -74,13 +78,14 @@ def _arena_identity(conn) -> tuple[int, bytes]:
 @command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
          "passes its fd over a Unix socket.", keys=(0, 0, 0))
 def kv_arena(conn, args):
-    arena = conn.engine.arena
+    arena, words = conn.engine.arena, table_for(conn.server).words
     offset, token = _arena_identity(conn)
     passed = conn.sock.family == socket.AF_UNIX
     if passed:
-        conn.attach_fds([arena.fd])
+        conn.attach_fds([arena.fd, words.fd])
     return writer.array([writer.integer(arena.size), writer.integer(os.getpid()), writer.integer(arena.fd),
-                         writer.integer(offset), writer.bulk(token), writer.integer(int(passed))])
+                         writer.integer(offset), writer.bulk(token), writer.integer(int(passed)),
+                         writer.integer(words.fd), writer.integer(words.count)])
 
 
 def _lease_reads(conn, args: list) -> list[bytes]:
@@ -88,7 +93,7 @@ def _lease_reads(conn, args: list) -> list[bytes]:
 
 
 @command(fp.KV_LEASE, -4, "readonly fast", "fastpath",
-         "Pins values for a direct read from the arena; per key [lease id, offset, size] or nil.",
+         "Pins values for a direct read from the arena; per key [lease id, offset, size, word, tag] or nil.",
          keys=(3, -1, 1), reads=_lease_reads)
 def kv_lease(conn, args):
     check_token(conn, args[1])
@@ -97,20 +102,30 @@ def kv_lease(conn, args):
     for key in args[3:]:
         lease = dram_lease(conn, table, key, ttl)
         items.append(conn.enc.null if lease is None else writer.array(
-            [writer.integer(lease[0]), writer.integer(lease[1]), writer.integer(lease[2])]))
+            [writer.integer(lease.id), writer.integer(lease.offset), writer.integer(lease.nbytes),
+             writer.integer(lease.word), writer.integer(lease.tag)]))
     return writer.array(items)
 
 
-def dram_lease(conn, table, key: bytes, ttl_ms: int) -> tuple[int, int, int] | None:
-    """Lease the DRAM copy of ``key``: (lease id, offset, size), or None when absent."""
+@dataclass(slots=True)
+class DramLease:
+    id: int
+    offset: int
+    nbytes: int
+    word: int
+    tag: int
+
+
+def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
+    """Lease the DRAM copy of ``key`` (ended early if the value leaves the index), or None when absent."""
     engine = conn.engine
     slot = engine.get_slot(key)
     if slot is None:
         return None
     size = engine.size_of(slot)
     token = engine.lease(slot)
-    lease = table.grant(conn, size, ttl_ms, lambda: engine.unlease(token, slot, key))
-    return lease.id, token, size
+    lease = table.grant(conn, size, ttl_ms, lambda: engine.unlease(token, slot, key), slot=slot)
+    return DramLease(lease.id, token, size, lease.word, lease.tag)
 
 
 @command(fp.KV_RELEASE, -2, "fast", "fastpath",
@@ -219,7 +234,7 @@ def kv_leasegpu(conn, args):
             if lease is None:
                 items.append(conn.enc.null)
                 continue
-            (lease_id, offset, size), tier = lease, b"dram"
+            lease_id, offset, size, tier = lease.id, lease.offset, lease.nbytes, b"dram"
         items.append(writer.array([writer.integer(lease_id), writer.bulk(tier), writer.integer(offset),
                                    writer.integer(size)]))
     return writer.array(items)

@@ -4,7 +4,7 @@
     KV.PUTLAYER key layer data                    -> layers written so far (the last one commits)
     KV.LAYERDONE key layer                        -> the same, for a layer the client wrote into the arena
     KV.GETLAYERS key start stop [WAIT ms]         -> [header, bytes of layers start..stop-1] or nil
-    KV.LEASELAYERS token ttl key start stop [WAIT ms] -> [lease id, offset, nbytes, header] or nil
+    KV.LEASELAYERS token ttl key start stop [WAIT ms] -> [lease id, offset, nbytes, header, word, tag] or nil
 
 A stop of -1 means "to the last layer" (a whole tensor value is one layer).
 
@@ -150,7 +150,8 @@ def kv_getlayers(conn, args):
 
 
 @command(fp.KV_LEASELAYERS, -6, "readonly", "layers",
-         "Leases a range of layers for a direct read: [lease id, offset, nbytes, header]; WAIT ms waits.",
+         "Leases a range of layers for a direct read: [lease id, offset, nbytes, header, word, tag]; "
+         "WAIT ms waits.",
          keys=(3, 3, 1), reads=lambda conn, args: [args[3]])
 @_layer_errors
 def kv_leaselayers(conn, args):
@@ -163,13 +164,13 @@ def kv_leaselayers(conn, args):
         header, data, first = _source(conn, found, start, stop)
         engine = conn.engine
         if isinstance(found, PartialBlock):
-            base, unpin = found.extent.offset, blocks_for(conn.server).pin(found)
+            base, unpin, slot = found.extent.offset, blocks_for(conn.server).pin(found), None
         else:
-            key = engine.key_of(found)
+            key, slot = engine.key_of(found), found
             engine.get_slot(key)
             base = engine.lease(found)         # the token is the value's arena offset
             unpin = lambda: engine.unlease(base, found, key)    # noqa: E731
-        lease = table_for(conn.server).grant(conn, len(data), ttl, unpin)
+        lease = table_for(conn.server).grant(conn, len(data), ttl, unpin, slot=slot)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
-                             writer.bulk(bytes(header))])
+                             writer.bulk(bytes(header)), writer.integer(lease.word), writer.integer(lease.tag)])
     return _read_layers(conn, args, 3, reply)

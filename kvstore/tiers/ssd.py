@@ -32,18 +32,15 @@ Capacity. ``capacity_bytes`` is a hard limit on header + payload bytes; the
 engine keeps the tier under its watermarks by evicting ahead of time, and a
 put that would pass the limit raises :class:`TierFull` and writes nothing.
 
-Threads. RocksDB releases the GIL during I/O, so ``SSDWorker`` runs the tier
+Threads. RocksDB releases the GIL during I/O, so ``SSDWorker`` (ssd_worker.py) runs the tier
 on threads: reads on a small pool, puts on one writer thread that drains the
 queue into a single WriteBatch (group commit: one WAL append for many puts).
 """
 from __future__ import annotations
 
-import asyncio
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -333,102 +330,6 @@ class SSDTier:
                 raise _describe_failure(self.path, "close", errors[0]) from errors[0]
 
 
-class SSDWorker:
-    """Runs an SSDTier off the event loop; queued puts share one WriteBatch.
-
-    Reads and deletes go to a small thread pool (``submit``). Puts go to one
-    writer thread that takes everything queued, up to ``max_batch_bytes``,
-    and stores it with one ``put_batch``; if the batch as a whole fails, the
-    items are retried one by one so each caller gets its own result or error.
-    A put's value buffer must stay unchanged until its future is done.
-    """
-
-    def __init__(self, tier: SSDTier, *, readers: int = 2, max_batch_bytes: int = 16 << 20):
-        self.tier = tier
-        self.max_batch_bytes = max_batch_bytes
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="ssd-read")
-        self._queue: queue.SimpleQueue[_PendingPut | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="ssd-write", daemon=True)
-        self._writer.start()
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Run ``fn(*args)`` on a reader thread; await the result."""
-        return asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
-
-    def put(self, key: bytes, value, parent: bytes | None = None) -> asyncio.Future[int]:
-        """Queue a put; the future gives the bytes stored or the tier's error."""
-        loop = asyncio.get_running_loop()
-        pending = _PendingPut(key, value, parent, loop, loop.create_future())
-        self._queue.put(pending)
-        return pending.future
-
-    def delete(self, key: bytes) -> asyncio.Future[bool]:
-        """Queue a delete behind every put already queued (so it never undoes a later put)."""
-        loop = asyncio.get_running_loop()
-        pending = _PendingPut(key, None, None, loop, loop.create_future())
-        self._queue.put(pending)
-        return pending.future
-
-    def _write_loop(self) -> None:
-        held: _PendingPut | None = None
-        while (first := held or self._queue.get()) is not None:
-            held = None
-            if first.value is None:
-                first.settle(self.tier.delete, first.key)
-                continue
-            batch, size = [first], len(memoryview(first.value).cast("B"))
-            while size < self.max_batch_bytes:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)       # finish this batch, then stop
-                    break
-                if item.value is None:
-                    held = item                 # a delete: after this batch, in order
-                    break
-                batch.append(item)
-                size += len(memoryview(item.value).cast("B"))
-            self._store(batch)
-
-    def _store(self, batch: list[_PendingPut]) -> None:
-        try:
-            sizes = self.tier.put_batch([(p.key, p.value, p.parent) for p in batch])
-        except Exception:
-            for pending in batch:
-                pending.settle(self.tier.put, pending.key, pending.value, pending.parent)
-            return
-        for pending, stored in zip(batch, sizes):
-            pending.resolve(stored, None)
-
-    def close(self) -> None:
-        """Finish queued puts and stop the threads (the tier stays open)."""
-        self._queue.put(None)
-        self._writer.join()
-        self._readers.shutdown(wait=True)
-
-
-@dataclass(slots=True)
-class _PendingPut:
-    """A queued write: a put, or a delete when ``value`` is None."""
-
-    key: bytes
-    value: Any
-    parent: bytes | None
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-    def settle(self, fn: Callable[..., int], *args: Any) -> None:
-        try:
-            self.resolve(fn(*args), None)
-        except Exception as exc:
-            self.resolve(None, exc)
-
-    def resolve(self, result: int | None, error: BaseException | None) -> None:
-        self.loop.call_soon_threadsafe(_set_future, self.future, result, error)
-
-
 def _parse_header(raw: bytes | None) -> RecordHeader | None:
     if raw is None:
         return None
@@ -436,15 +337,6 @@ def _parse_header(raw: bytes | None) -> RecordHeader | None:
         return RecordHeader.unpack(raw)
     except CorruptValue:
         return None
-
-
-def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():        # the caller gave up waiting
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 def _describe_failure(path: str, action: str, exc: Exception) -> TierError:
