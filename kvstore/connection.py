@@ -109,13 +109,16 @@ class Connection:
         reader = self.reader
         try:
             for _ in range(READS_PER_EVENT):
-                buf = reader.recv_buffer()
-                n = self.sock.recv_into(buf)
+                bufs = reader.recv_buffers()
+                if len(bufs) == 1:
+                    n, room = self.sock.recv_into(bufs[0]), len(bufs[0])
+                else:
+                    n, room = self.sock.recvmsg_into(bufs)[0], sum(len(b) for b in bufs)
                 if n == 0:
                     self.close()
                     return
                 reader.received(n)
-                if n < len(buf) or (reader.big is None and not reader.discarding):
+                if n < room or (reader.big is None and not reader.discarding):
                     break
         except (BlockingIOError, InterruptedError):
             pass

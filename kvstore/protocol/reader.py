@@ -136,17 +136,31 @@ class RequestReader:
             self._make_room()
         return self.mv[self.end:]
 
+    def recv_buffers(self) -> list[memoryview]:
+        """Where the next bytes go, for one ``recvmsg_into``: while a big bulk is
+        being received, its rest and then the request buffer, so the bulk's
+        trailing CRLF and the next command arrive in the same call."""
+        head = self.recv_buffer()
+        if (self.big is None and not self.discarding) or self.start != self.end:
+            return [head]
+        self.start = self.end = 0
+        return [head, self.mv]
+
     def received(self, n: int) -> None:
+        """``n`` bytes arrived in the buffers ``recv_buffer(s)`` handed out, in order."""
         if self.big is not None:
-            self.big_got += n
+            take = min(n, len(self.big) - self.big_got)
+            self.big_got += take
+            n -= take
             if self.big_got == len(self.big):
                 self._finish_big(self.big_holder)
         elif self.discarding:
-            self.discarding -= n
+            take = min(n, self.discarding)
+            self.discarding -= take
+            n -= take
             if not self.discarding:
                 self._finish_big(None)
-        else:
-            self.end += n
+        self.end += n
 
     def _make_room(self) -> None:
         live = self.end - self.start
