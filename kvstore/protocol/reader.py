@@ -203,6 +203,9 @@ class RequestReader:
                 self.skip -= take
                 if self.skip:
                     break
+            if self.args is None and self.authenticated and self.end - self.start > 4 \
+                    and buf[self.start] == 42:
+                self._split_small_commands(out)
             if self.args is None and not self._begin_command(out):
                 break
             if self.args is not None:
@@ -210,6 +213,35 @@ class RequestReader:
                     break
                 out.append((self.args, self.failure, self.has_holders))
                 self.args = None
+
+    def _split_small_commands(self, out: list) -> None:
+        """Fast path for pipelined batches of small commands: one C-level split of
+        the buffer on CRLF, then each argument is checked against its ``$len``
+        header. Anything unusual (a value holding CRLF, a big bulk, a malformed
+        header, an incomplete command) stops it; the exact parser takes over
+        from there, so both paths accept and reject exactly the same input."""
+        parts = self.mv[self.start:self.end].tobytes().split(b"\r\n")
+        complete, i, used = len(parts) - 1, 0, 0
+        while i < complete:
+            head = parts[i]
+            count = head[1:]
+            if head[:1] != b"*" or not count.isdigit() or count[:1] == b"0" or len(count) > 4:
+                break
+            argc = int(count)
+            stop = i + 1 + 2 * argc
+            if stop > complete:
+                break
+            args = parts[i + 2:stop:2]
+            size = len(head) + 2
+            for header, arg in zip(parts[i + 1:stop:2], args):
+                if len(arg) >= BIG_BULK or header != b"$%d" % len(arg):
+                    self.start += used
+                    return
+                size += len(header) + len(arg) + 4
+            out.append((args, None, False))
+            used += size
+            i = stop
+        self.start += used
 
     def _begin_command(self, out: list) -> bool:
         buf, pos, end = self.buf, self.start, self.end
