@@ -1,27 +1,29 @@
 """The local fast path: gets and puts through the node's shared-memory arena.
 
 A client on the same host as the node maps the node's DRAM arena once
-(`attach`: over the Unix socket the arena's memfd arrives with the KV.ARENA
-reply; over TCP the client opens /proc/<pid>/fd/<fd>; either way a token the
-node wrote into the arena proves the mapping is that node's, so a remote node
-is detected and the wire is used). After that the socket carries only small
-control messages and the bytes move with one memcpy:
+(`client.arena`). After that the socket carries only small control messages
+and the bytes move with one memcpy:
 
-- get: ``KV.LEASE`` pins the values and says where they are; the client copies
-  them into the caller's buffers; the leases are released.
-- put: ``KV.RESERVE`` hands out extents; the client copies the values in;
-  ``KV.PUBLISH`` commits them under their keys (puts smaller than
-  `FAST_PUT_MIN` in all go over the wire, where one round trip is cheaper).
+- get: ``KV.LEASE`` pins the values and says where they are and which
+  validity word vouches for each lease; the client copies them into the
+  caller's buffers and then reads the words. A word that still holds its
+  lease's tag proves the copy whole and current (kvstore/leases.py); any
+  other value means the lease ended during the copy (the value changed, or
+  the lease expired) and the get is retried.
+- repeated get: the client keeps the lease (`lease_cache`), so the next get
+  of the key is a memcpy and a word check, with no round trip at all; a word
+  that no longer holds the tag (the value was overwritten, deleted or
+  evicted, or the lease ended) sends the get to the node.
+- put: a spare extent reserved ahead for this size (`reservation_pool`), or
+  else ``KV.RESERVE``; the client copies the values in; ``KV.PUBLISH``
+  commits them under their keys, and the same round trip reserves the spares
+  for the next put (puts smaller than `FAST_PUT_MIN` in all go over the wire,
+  where one round trip is cheaper).
 
-Why a get costs one round trip, not two: a lease is only ever ended early by
-its deadline or by its owner connection closing. The client notes the time
-before it asks for the leases; if its copy is finished before that time plus
-the TTL (less a margin) and the connection it holds has not been closed by
-the node, no lease can have ended during the copy, so the data is whole and
-the release can wait: it rides along with the next request (or is sent at
-close, or expires). Otherwise the client releases at once, and the release
-reply says whether every lease was still valid; if one was not, the copy may
-be torn and the read is retried (`LeaseExpired` after `LEASE_RETRIES`).
+Lease releases and given-up reservations ride along with the next request
+(or are left to the node, which reclaims everything a closed connection
+held). A lease that got no validity word (the node ran out) is released at
+once, and the release reply says whether it was still valid.
 
 The transport wraps a wire transport: calls that are not gets or puts, and
 every call when the arena cannot be mapped (``fast_path="auto"``), go over
@@ -30,89 +32,28 @@ the wire; ``"required"`` raises `FastPathUnavailable` instead.
 from __future__ import annotations
 
 import asyncio
-import mmap
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
-from client.connection import Connection
-from client.errors import (BufferTooSmall, ConnectionError, FastPathUnavailable, KVError, LeaseExpired,
-                           TimeoutError)
+from client.arena import Arena, attach
+from client.errors import BufferTooSmall, ConnectionError, FastPathUnavailable, KVError, LeaseExpired, TimeoutError
+from client.lease_cache import HeldLease, LeaseCache, cache_key
 from client.operations import Call, LocalRead, LocalWrite
+from client.reservation_pool import ReservationPool, Spare
 from client.sockets import Endpoint
 from proto import fastpath as fp
 
 FAST_PATH_MODES = ("auto", "off", "required")
 FAST_PUT_MIN = 256 * 1024        # a put of fewer bytes in all goes over the wire
-PROOF_MARGIN_S = 0.002           # clock slack kept when proving a lease outlived the copy
 LEASE_RETRIES = 3
-MAX_DEFERRED = 1024              # releases held back at most before they are sent anyway
 THREAD_COPY_MIN = 1 << 20        # the asyncio transport copies at least this much off the loop
-
-
-class Arena:
-    """This process's mapping of a node's DRAM arena.
-
-    The node faulted the pages in, but this process's page tables start
-    empty, and a first touch costs ~2 us a page (a 4 MiB put into a fresh
-    extent would spend 2 ms faulting): MAP_POPULATE maps them all at once.
-    """
-
-    def __init__(self, fd: int, size: int, token: bytes):
-        self.token = token
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.size = size
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-
-    def read_into(self, offset: int, size: int, dest: memoryview) -> None:
-        np.copyto(np.frombuffer(dest, np.uint8, size), self.array[offset:offset + size])
-
-    def write(self, offset: int, src: memoryview) -> None:
-        np.copyto(self.array[offset:offset + src.nbytes], np.frombuffer(src, np.uint8))
-
-    def view(self, offset: int, size: int) -> np.ndarray:
-        return self.array[offset:offset + size]
-
-
-def attach(endpoint: Endpoint, password: str | None, timeout: float | None) -> Arena:
-    """Map the arena of the node at ``endpoint``; FastPathUnavailable says why not."""
-    conn = Connection(endpoint, timeout, password)
-    try:
-        replies, fds = conn.round_trip_fds([(fp.KV_ARENA,)])
-    finally:
-        conn.close()
-    reply = replies[0]
-    if isinstance(reply, KVError):
-        for fd in fds:
-            os.close(fd)
-        raise FastPathUnavailable(f"{endpoint} has no fast path: {reply}")
-    try:
-        size, pid, fd_number, token_offset, token, _ = reply
-    except (TypeError, ValueError):
-        raise FastPathUnavailable(f"{endpoint} answered {fp.KV_ARENA} with {reply!r:.80}") from None
-    fd = fds[0] if fds else _open_proc_fd(pid, fd_number, endpoint)
-    try:
-        arena = Arena(fd, size, bytes(token))
-    except (OSError, ValueError) as exc:
-        raise FastPathUnavailable(f"cannot map the arena of {endpoint}: {exc}") from exc
-    finally:
-        for extra in (fds or [fd]):
-            os.close(extra)
-    if bytes(arena.view(token_offset, len(token))) != bytes(token):
-        raise FastPathUnavailable(f"{endpoint} is not on this host (its arena token does not match)")
-    return arena
-
-
-def _open_proc_fd(pid: int, fd_number: int, endpoint: Endpoint) -> int:
-    try:
-        return os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDWR)
-    except OSError as exc:
-        raise FastPathUnavailable(f"cannot open the arena of {endpoint} through /proc: {exc}") from exc
+CACHE_ENTRIES = 256              # leases held at most after gets
+CACHE_ARENA_SHARE = 8            # ... on at most 1/8 of the arena
+POOL_PER_SIZE = 2                # spare reservations per recently put size
+POOL_SIZES = 4                   # sizes with spares
+POOL_ARENA_SHARE = 16            # spares take at most 1/16 of the arena
 
 
 @dataclass
@@ -122,12 +63,14 @@ class FastPathStats:
     reads: int = 0
     writes: int = 0
     wire_calls: int = 0
+    cached_reads: int = 0        # values copied under a lease held from an earlier get
+    pooled_writes: int = 0       # values copied into a spare reserved by an earlier put
     releases_deferred: int = 0
     lease_retries: int = 0
 
 
 class FastPath:
-    """The mode, the mapping and the per-client state both transports share."""
+    """The mode, the mapping, the held leases and spare reservations both transports share."""
 
     def __init__(self, endpoint: Endpoint, password: str | None, timeout: float | None, mode: str,
                  lease_ttl_ms: int = fp.LEASE_TTL_MS, reservation_ttl_ms: int = fp.RESERVATION_TTL_MS):
@@ -142,6 +85,9 @@ class FastPath:
         self._arena: Arena | None = None
         self._lock = threading.Lock()
         self._deferred: list[int] = []
+        self.cache_entries = CACHE_ENTRIES           # 0: keep no lease (every get asks the node)
+        self.leases = LeaseCache(0, 0)
+        self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, 0)
 
     def arena(self) -> Arena | None:
         """The mapping, made on first use; None when the wire must be used."""
@@ -155,14 +101,21 @@ class FastPath:
         """Map the arena; in "auto" mode a node without a fast path means the wire from now
         on, and a node that cannot be reached now means the wire for this call."""
         try:
-            self._arena = attach(self._endpoint, self._password, self._timeout)
+            arena = attach(self._endpoint, self._password, self._timeout)
         except FastPathUnavailable as exc:
             if self.mode == "required":
                 raise
             self.unavailable = str(exc)
+            return
         except (ConnectionError, TimeoutError):
             if self.mode == "required":
                 raise
+            return
+        # Held leases and spares of an earlier mapping belonged to a node that is gone.
+        self.leases = LeaseCache(self.cache_entries, arena.size // CACHE_ARENA_SHARE)
+        self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, arena.size // POOL_ARENA_SHARE)
+        self._deferred = []
+        self._arena = arena
 
     @property
     def needs_mapping(self) -> bool:
@@ -185,70 +138,158 @@ class FastPath:
             return True
         return False
 
+    def housekeeping(self) -> list[tuple]:
+        """Releases of given-up leases and reservations, to send ahead of the next request."""
+        with self._lock:
+            leases, self._deferred = self._deferred, []
+            reservations = self.spares.given_up()
+        return [*([(fp.KV_RELEASE, *leases)] if leases else []),
+                *([(fp.KV_UNRESERVE, *reservations)] if reservations else [])]
+
+    def release_later(self, lease_ids: list[int]) -> None:
+        """Release leases with the next request (their copies are already proven whole)."""
+        with self._lock:
+            self._give_up(lease_ids)
+
+    def _give_up(self, lease_ids: list[int]) -> None:
+        self._deferred.extend(lease_ids)
+        self.stats.releases_deferred += len(lease_ids)
+
     # ------------------------------------------------------------ reads
 
-    def lease_requests(self, keys: list) -> list[tuple]:
-        return [*self.release_requests(), (fp.KV_LEASE, self._arena.token, self.lease_ttl_ms, *keys)]
-
-    def release_requests(self) -> list[tuple]:
-        """The deferred releases, to send ahead of the next request."""
-        with self._lock:
-            ids, self._deferred = self._deferred, []
-        return [(fp.KV_RELEASE, *ids)] if ids else []
-
-    def copy_out(self, local: LocalRead, entries: list) -> tuple[list[Any], list[int]]:
-        """Copy leased values to their destinations: (results shaped as wire replies, lease ids)."""
-        results, leases = [], []
-        for key, entry, view in zip(local.keys, entries, local.views):
-            if entry is None:
-                results.append(None)
-                continue
-            lease_id, offset, size = entry
-            leases.append(lease_id)
-            if view is None:
-                out = bytearray(size)
-                self._arena.read_into(offset, size, memoryview(out))
-                results.append(out)
-            elif size > view.nbytes:
-                results.append(BufferTooSmall(key, size, view.nbytes))
-            else:
-                self._arena.read_into(offset, size, view)
-                results.append(size)
+    def read_held(self, local: LocalRead) -> tuple[list[Any], list[int]]:
+        """Serve what held leases can: the results so far and the indices still to lease."""
+        arena, results, misses = self._arena, [None] * len(local.keys), []
         self.stats.reads += 1
-        return results, leases
-
-    def proven(self, started: float) -> bool:
-        """True when every lease granted after ``started`` is certainly still valid now."""
-        return time.monotonic() < started + self.lease_ttl_ms / 1000 - PROOF_MARGIN_S
-
-    def defer(self, leases: list[int]) -> None:
         with self._lock:
-            self._deferred.extend(leases)
-            self.stats.releases_deferred += len(leases)
+            self._give_up(self.leases.due(time.monotonic()))
+            held = [self.leases.lookup(cache_key(key)) for key in local.keys]
+        for i, lease in enumerate(held):
+            if lease is None:
+                misses.append(i)
+                continue
+            results[i] = self._copy(arena, local, i, lease.offset, lease.size)
+            if arena.still_valid(lease.word, lease.tag):
+                self.stats.cached_reads += 1
+                continue
+            with self._lock:
+                self.leases.forget(cache_key(local.keys[i]), lease)
+            misses.append(i)
+        return results, misses
 
-    def has_too_many_deferred(self) -> bool:
-        return len(self._deferred) >= MAX_DEFERRED
+    def held_bytes(self, local: LocalRead) -> int:
+        with self._lock:
+            return sum(held.size for key in local.keys if (held := self.leases.lookup(cache_key(key))))
+
+    def lease_requests(self, keys: list) -> list[tuple]:
+        return [*self.housekeeping(), (fp.KV_LEASE, self._arena.token, self.lease_ttl_ms, *keys)]
+
+    def copy_leased(self, local: LocalRead, indices: list[int], entries: list, results: list[Any],
+                    started: float) -> tuple[list[int], list[tuple[int, int]]]:
+        """Copy freshly leased values into ``results``; the indices whose lease ended during the
+        copy (to lease again), and (index, lease id) pairs without a word (to release and check)."""
+        arena, retry, unchecked, keep = self._arena, [], [], []
+        use_until = started + self.lease_ttl_ms / 2000
+        for i, entry in zip(indices, entries):
+            if entry is None:
+                results[i] = None
+                continue
+            lease_id, offset, size, word, tag = entry
+            results[i] = self._copy(arena, local, i, offset, size)
+            if word < 0:
+                unchecked.append((i, lease_id))
+            elif arena.still_valid(word, tag):
+                keep.append((cache_key(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until)))
+            else:
+                retry.append(i)
+        with self._lock:
+            for key, held in keep:
+                self._give_up(self.leases.keep(key, held))
+        return retry, unchecked
+
+    @staticmethod
+    def _copy(arena: Arena, local: LocalRead, i: int, offset: int, size: int) -> Any:
+        view = local.views[i]
+        if view is None:
+            out = bytearray(size)
+            arena.read_into(offset, size, memoryview(out))
+            return out
+        if size > view.nbytes:
+            return BufferTooSmall(local.keys[i], size, view.nbytes)
+        arena.read_into(offset, size, view)
+        return size
 
     # ------------------------------------------------------------ writes
 
-    def reserve_requests(self, local: LocalWrite) -> list[tuple]:
-        return [*self.release_requests(),
-                (fp.KV_RESERVE, self._arena.token, self.reservation_ttl_ms, *(v.nbytes for v in local.views))]
+    def take_spares(self, local: LocalWrite, owner: Any) -> list[Spare | None]:
+        """A spare reservation for each value where the pool has one reserved on ``owner``."""
+        now = time.monotonic()
+        with self._lock:
+            spares = [self.spares.take(view.nbytes, now, owner) for view in local.views]
+        self.stats.pooled_writes += sum(spare is not None for spare in spares)
+        return spares
 
-    def copy_in(self, local: LocalWrite, entries: list, started: float) -> list[tuple] | None:
-        """Copy the values into their reservations; the KV.PUBLISH requests, or None when
-        the reservations are too old to write into safely (the caller gives them back)."""
-        half_life = started + self.reservation_ttl_ms / 2000
-        for (_, offset), view in zip(entries, local.views):
-            if time.monotonic() > half_life:
+    def reserve_request(self, sizes: list[int]) -> tuple:
+        return (fp.KV_RESERVE, self._arena.token, self.reservation_ttl_ms, *sizes)
+
+    def fill_spares(self, spares: list[Spare | None], local: LocalWrite, reply: list, started: float,
+                    owner: Any) -> None:
+        """Put the extents of a KV.RESERVE reply where ``spares`` has none."""
+        missing = [i for i, spare in enumerate(spares) if spare is None]
+        fresh = self._spares_of(reply, [local.views[i].nbytes for i in missing], started, owner)
+        for i, spare in zip(missing, fresh):
+            spares[i] = spare
+
+    def _spares_of(self, reply: list, sizes: list[int], started: float, owner: Any) -> list[Spare]:
+        use_until = started + self.reservation_ttl_ms / 2000
+        return [Spare(rid, offset, size, use_until, owner) for (rid, offset), size in zip(reply, sizes)]
+
+    def publish_round(self, local: LocalWrite, spares: list[Spare], owner: Any) -> PublishRound | None:
+        """Copy the values into their reservations and make the round trip that publishes them
+        and reserves the next put's spares; None when a reservation is too old to write into
+        safely (the caller gives them back)."""
+        for spare, view in zip(spares, local.views):
+            if time.monotonic() > spare.use_until:
                 return None
-            self._arena.write(offset, view)
+            self._arena.write(spare.offset, view)
         self.stats.writes += 1
-        return [_publish_args(rid, key, parent, local.overwrite)
-                for (rid, _), key, parent in zip(entries, local.keys, local.parents)]
+        before = self.housekeeping()
+        publish = [_publish_args(spare.reservation_id, key, parent, local.overwrite)
+                   for spare, key, parent in zip(spares, local.keys, local.parents)]
+        with self._lock:
+            ahead = self.spares.wanted([view.nbytes for view in local.views], owner)
+        requests = [*before, *publish, *([self.reserve_request(ahead)] if ahead else [])]
+        return PublishRound(requests, len(before), len(publish), ahead, time.monotonic())
+
+    def publish_done(self, sent: PublishRound, replies: list, owner: Any) -> list:
+        """Keep the spares reserved ahead; the publish replies."""
+        if sent.ahead and not isinstance(replies[-1], KVError):
+            with self._lock:
+                self.spares.add(self._spares_of(replies[-1], sent.ahead, sent.started, owner))
+        return replies[sent.first:sent.first + sent.count]
 
     def close(self) -> None:
+        """Forget the mapping; what it held ends with the connections (the node reclaims it)."""
+        with self._lock:
+            self.leases.clear()
+            self.spares.clear()
+            self._deferred = []
         self._arena = None
+
+
+@dataclass
+class PublishRound:
+    """The requests that publish a put (after any releases riding along) and reserve ahead."""
+
+    requests: list[tuple]
+    first: int                   # index of the first KV.PUBLISH
+    count: int
+    ahead: list[int]             # sizes reserved ahead by the last request, if any
+    started: float
+
+
+def _unreserve(spares: list[Spare]) -> list[tuple]:
+    return [(fp.KV_UNRESERVE, *(spare.reservation_id for spare in spares))]
 
 
 def _publish_args(reservation_id: int, key, parent, overwrite: bool) -> tuple:
@@ -273,8 +314,20 @@ def _raise(error: KVError) -> Callable[[], Any]:
     return fail
 
 
+def _leases_kept_expiring() -> LeaseExpired:
+    return LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row")
+
+
 def _reservations_too_old() -> TimeoutError:
     return TimeoutError("the copy into reserved extents took longer than half their lifetime")
+
+
+def _release_check(unchecked: list[tuple[int, int]]) -> list[tuple]:
+    return [(fp.KV_RELEASE, *(lease_id for _, lease_id in unchecked))] if unchecked else []
+
+
+def _failed_checks(unchecked: list[tuple[int, int]], replies: list) -> list[int]:
+    return [i for (i, _), valid in zip(unchecked, replies[0] if replies else []) if not valid]
 
 
 class FastTransport:
@@ -291,48 +344,53 @@ class FastTransport:
                 self.fast.stats.wire_calls += 1
                 return self.wire.execute(call)
             if isinstance(call.local, LocalRead):
-                result = self.wire.run(lambda conn: self._read(conn, call), True)
+                results, misses = self.fast.read_held(call.local)
+                if not misses:
+                    return call.finish(results)
+                result = self.wire.run(lambda conn: self._read(conn, call, results, misses), True)
             else:
                 result = self.wire.run(lambda conn: self._write(conn, call), call.idempotent)
             if result is not REMAPPED:
                 return result
         return self.wire.execute(call)
 
-    def _read(self, conn, call: Call) -> Callable[[], Any]:
+    def _read(self, conn, call: Call, results: list, misses: list[int]) -> Callable[[], Any]:
         fast = self.fast
         for _ in range(LEASE_RETRIES):
             started = time.monotonic()
-            entries = conn.round_trip(fast.lease_requests(call.local.keys))[-1]
+            entries = conn.round_trip(fast.lease_requests([call.local.keys[i] for i in misses]))[-1]
             if fast.remap_if_stale(entries):
                 return _remapped
             if isinstance(entries, KVError):
                 return _raise(entries)
-            results, leases = fast.copy_out(call.local, entries)
-            if fast.proven(started) and not conn.is_stale() and not fast.has_too_many_deferred():
-                fast.defer(leases)
-                return lambda: call.finish(results)
-            if not leases or all(conn.round_trip([(fp.KV_RELEASE, *leases)])[0]):
+            misses, unchecked = fast.copy_leased(call.local, misses, entries, results, started)
+            misses += _failed_checks(unchecked, conn.round_trip(_release_check(unchecked)))
+            if not misses:
                 return lambda: call.finish(results)
             fast.stats.lease_retries += 1
-        return _raise(LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row"))
+        return _raise(_leases_kept_expiring())
 
     def _write(self, conn, call: Call) -> Callable[[], Any]:
-        fast = self.fast
-        started = time.monotonic()
-        entries = conn.round_trip(fast.reserve_requests(call.local))[-1]
-        if fast.remap_if_stale(entries):
-            return _remapped
-        if isinstance(entries, KVError):
-            return _raise(entries)
-        publish = fast.copy_in(call.local, entries, started)
-        if publish is None:
-            conn.round_trip([(fp.KV_UNRESERVE, *(rid for rid, _ in entries))])
+        fast, local = self.fast, call.local
+        spares = fast.take_spares(local, conn)
+        if None in spares:
+            started = time.monotonic()
+            sizes = [view.nbytes for view, spare in zip(local.views, spares) if spare is None]
+            reply = conn.round_trip([*fast.housekeeping(), fast.reserve_request(sizes)])[-1]
+            if fast.remap_if_stale(reply):
+                return _remapped
+            if isinstance(reply, KVError):
+                return _raise(reply)
+            fast.fill_spares(spares, local, reply, started, conn)
+        sent = fast.publish_round(local, spares, conn)
+        if sent is None:
+            conn.round_trip(_unreserve(spares))
             return _raise(_reservations_too_old())
-        replies = conn.round_trip(publish)
-        return lambda: call.finish(replies)
+        replies = conn.round_trip(sent.requests)
+        return lambda: call.finish(fast.publish_done(sent, replies, conn))
 
     def close(self) -> None:
-        """Close the connections: the node reclaims the leases still deferred with them."""
+        """Close the connections: the node reclaims the leases and spares held with them."""
         self.wire.close()
         self.fast.close()
 
@@ -355,45 +413,51 @@ class AsyncFastTransport:
                 fast.stats.wire_calls += 1
                 return await self.wire.execute(call)
             if isinstance(call.local, LocalRead):
-                result = await self.wire.run(lambda conn: self._read(conn, call), True)
+                results, misses = await _maybe_in_thread(fast.held_bytes(call.local), fast.read_held, call.local)
+                if not misses:
+                    return call.finish(results)
+                result = await self.wire.run(lambda conn: self._read(conn, call, results, misses), True)
             else:
                 result = await self.wire.run(lambda conn: self._write(conn, call), call.idempotent)
             if result is not REMAPPED:
                 return result
         return await self.wire.execute(call)
 
-    async def _read(self, conn, call: Call) -> Callable[[], Any]:
+    async def _read(self, conn, call: Call, results: list, misses: list[int]) -> Callable[[], Any]:
         fast = self.fast
         for _ in range(LEASE_RETRIES):
             started = time.monotonic()
-            entries = (await conn.round_trip(fast.lease_requests(call.local.keys)))[-1]
+            entries = (await conn.round_trip(fast.lease_requests([call.local.keys[i] for i in misses])))[-1]
             if fast.remap_if_stale(entries):
                 return _remapped
             if isinstance(entries, KVError):
                 return _raise(entries)
-            results, leases = await _maybe_in_thread(_nbytes(entries), fast.copy_out, call.local, entries)
-            if fast.proven(started) and not conn.is_stale() and not fast.has_too_many_deferred():
-                fast.defer(leases)
-                return lambda: call.finish(results)
-            if not leases or all((await conn.round_trip([(fp.KV_RELEASE, *leases)]))[0]):
+            misses, unchecked = await _maybe_in_thread(_nbytes(entries), fast.copy_leased, call.local, misses,
+                                                       entries, results, started)
+            misses += _failed_checks(unchecked, await conn.round_trip(_release_check(unchecked)))
+            if not misses:
                 return lambda: call.finish(results)
             fast.stats.lease_retries += 1
-        return _raise(LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row"))
+        return _raise(_leases_kept_expiring())
 
     async def _write(self, conn, call: Call) -> Callable[[], Any]:
-        fast = self.fast
-        started = time.monotonic()
-        entries = (await conn.round_trip(fast.reserve_requests(call.local)))[-1]
-        if fast.remap_if_stale(entries):
-            return _remapped
-        if isinstance(entries, KVError):
-            return _raise(entries)
-        publish = await _maybe_in_thread(call.local.nbytes, fast.copy_in, call.local, entries, started)
-        if publish is None:
-            await conn.round_trip([(fp.KV_UNRESERVE, *(rid for rid, _ in entries))])
+        fast, local = self.fast, call.local
+        spares = fast.take_spares(local, conn)
+        if None in spares:
+            started = time.monotonic()
+            sizes = [view.nbytes for view, spare in zip(local.views, spares) if spare is None]
+            reply = (await conn.round_trip([*fast.housekeeping(), fast.reserve_request(sizes)]))[-1]
+            if fast.remap_if_stale(reply):
+                return _remapped
+            if isinstance(reply, KVError):
+                return _raise(reply)
+            fast.fill_spares(spares, local, reply, started, conn)
+        sent = await _maybe_in_thread(local.nbytes, fast.publish_round, local, spares, conn)
+        if sent is None:
+            await conn.round_trip(_unreserve(spares))
             return _raise(_reservations_too_old())
-        replies = await conn.round_trip(publish)
-        return lambda: call.finish(replies)
+        replies = await conn.round_trip(sent.requests)
+        return lambda: call.finish(fast.publish_done(sent, replies, conn))
 
     def close(self) -> None:
         self.wire.close()

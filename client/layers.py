@@ -9,14 +9,15 @@ waiting for a writer that is still at work, and gets the header with them, so
 the dtype and shape are checked before a byte lands in the caller's tensor.
 
 Through the fast path a layer is one memcpy into the block's extent followed
-by KV.LAYERDONE, and a read is a lease (KV.LEASELAYERS) with one memcpy out;
+by KV.LAYERDONE, and a read is a lease (KV.LEASELAYERS) with one memcpy out,
+whole when the lease's validity word still holds its tag after the copy
+(the release rides along with the next request);
 over the wire the layer travels as a KV.PUTLAYER argument pipelined with
 KV.BLOCK, and a read is KV.GETLAYERS. CUDA tensors are staged through host
 memory here (the GPU fast path is `gpu`).
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -93,12 +94,11 @@ class LayerIO:
     def _direct_read(self, conn, arena, key, start, stop, wait, into, framework) -> Callable[[], Any]:
         fast = self.fast
         for _ in range(LEASE_RETRIES):
-            started = time.monotonic()
-            reply = conn.round_trip([*fast.release_requests(), (fp.KV_LEASELAYERS, arena.token, fast.lease_ttl_ms,
-                                                                key, start, stop, *wait)])[-1]
+            reply = conn.round_trip([*fast.housekeeping(), (fp.KV_LEASELAYERS, arena.token, fast.lease_ttl_ms,
+                                                            key, start, stop, *wait)])[-1]
             if isinstance(reply, KVError) or reply is None:
                 return _raise(reply) if reply is not None else (lambda: None)
-            lease_id, offset, nbytes, header = reply
+            lease_id, offset, nbytes, header, word, tag = reply
             spec = tensors.parse_header(header)
             layers = nbytes // spec.layer_bytes if spec.layer_bytes else 1
             if into is not None:
@@ -109,10 +109,10 @@ class LayerIO:
                 out = bytearray(nbytes)
                 arena.read_into(offset, nbytes, memoryview(out))
                 result = tensors.from_bytes(spec, out, framework, layers)
-            if fast.proven(started) and not conn.is_stale():
-                fast.defer([lease_id])
+            if arena.still_valid(word, tag):
+                fast.release_later([lease_id])
                 return lambda: result
-            if conn.round_trip([(fp.KV_RELEASE, lease_id)])[0] == [1]:
+            if word < 0 and conn.round_trip([(fp.KV_RELEASE, lease_id)])[0] == [1]:
                 return lambda: result
             fast.stats.lease_retries += 1
         return _raise(LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row"))

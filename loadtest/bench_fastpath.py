@@ -3,8 +3,14 @@
     python -m loadtest.bench_fastpath [--runs 5]
 
 - get_into of 1 MiB and 4 MiB through the arena vs numpy copyto of the same
-  size (target >= 0.7x) and vs redis-py GET from a real redis-server (>= 3x);
-- put through the arena vs copyto (>= 0.5x);
+  size (target >= 0.7x) and vs redis-py GET from a real redis-server (>= 3x),
+  twice: *cold*, a get of a key whose lease the client does not hold (a
+  client that keeps no lease: KV.LEASE round trip + copy + validity check,
+  the release riding on the next request), and *warm*, a repeated get of a
+  key whose lease the client holds (copy + validity check, no round trip);
+- put through the arena vs copyto (>= 0.5x): repeated puts of one size, so
+  each is a copy into a spare reserved by the previous put plus one round
+  trip (KV.PUBLISH and the next KV.RESERVE);
 - batch_get_into of 256 x 1 MiB vs 256 back-to-back copytos from 256 distinct
   buffers (time within 1.5x);
 - layer-wise: a writer process puts 32 layers while this process reads them
@@ -55,7 +61,7 @@ def median_seconds(fn, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def one_run(kv: KVClient, redis_client, sock: str, run: int) -> dict[str, float]:
+def one_run(kv: KVClient, cold: KVClient, redis_client, sock: str, run: int) -> dict[str, float]:
     out = {}
     for size in (MIB, 4 * MIB):
         name = f"{size // MIB}MiB"
@@ -63,13 +69,18 @@ def one_run(kv: KVClient, redis_client, sock: str, run: int) -> dict[str, float]
         copy = median_seconds(lambda: np.copyto(dst, src))
         kv.put(f"g{size}", src, overwrite=True)
         redis_client.set(f"g{size}", src.tobytes())
-        fast_get = median_seconds(lambda: kv.get_into(f"g{size}", dst))
+        cold_get = median_seconds(lambda: cold.get_into(f"g{size}", dst))
+        warm_get = median_seconds(lambda: kv.get_into(f"g{size}", dst))
         redis_get = median_seconds(lambda: redis_client.get(f"g{size}"), REPEATS // 4)
         fast_put = median_seconds(lambda: kv.put(f"p{size}", src, overwrite=True))
-        out[f"get_into {name} vs copyto"] = copy / fast_get
-        out[f"get_into {name} vs redis-py GET"] = redis_get / fast_get
+        out[f"get_into {name} cold vs copyto"] = copy / cold_get
+        out[f"get_into {name} warm vs copyto"] = copy / warm_get
+        out[f"get_into {name} cold vs redis-py GET"] = redis_get / cold_get
         out[f"put {name} vs copyto"] = copy / fast_put
-        out[f"get_into {name} us"] = fast_get * 1e6
+        out[f"copyto {name} us"] = copy * 1e6
+        out[f"get_into {name} cold us"] = cold_get * 1e6
+        out[f"get_into {name} warm us"] = warm_get * 1e6
+        out[f"put {name} us"] = fast_put * 1e6
     out.update(batch(kv))
     out.update(layerwise(kv, sock, run))
     return out
@@ -109,8 +120,9 @@ def layerwise(kv: KVClient, sock: str, run: int) -> dict[str, float]:
             "layer-wise first / whole": first / whole}
 
 
-TARGETS = {"get_into 1MiB vs copyto": (">=", 0.7), "get_into 4MiB vs copyto": (">=", 0.7),
-           "get_into 1MiB vs redis-py GET": (">=", 3.0), "get_into 4MiB vs redis-py GET": (">=", 3.0),
+TARGETS = {"get_into 1MiB cold vs copyto": (">=", 0.7), "get_into 4MiB cold vs copyto": (">=", 0.7),
+           "get_into 1MiB warm vs copyto": (">=", 0.7), "get_into 4MiB warm vs copyto": (">=", 0.7),
+           "get_into 1MiB cold vs redis-py GET": (">=", 3.0), "get_into 4MiB cold vs redis-py GET": (">=", 3.0),
            "put 1MiB vs copyto": (">=", 0.5), "put 4MiB vs copyto": (">=", 0.5),
            "batch_get_into 256x1MiB time / 256 memcpys": ("<=", 1.5)}
 
@@ -126,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
                              f"--unixsocket {sock}")
         reference = start_redis(group, "1gb")
         kv = KVClient(unix_socket=sock, fast_path="required", timeout=30)
+        cold = KVClient(unix_socket=sock, fast_path="required", timeout=30)
+        cold.fast_path.cache_entries = 0                  # keeps no lease: every get is a first get
         redis_client = redis.Redis(reference.host, reference.port)
-        runs = [one_run(kv, redis_client, sock, run) for run in range(args.runs)]
+        runs = [one_run(kv, cold, redis_client, sock, run) for run in range(args.runs)]
         kv.close()
+        cold.close()
     print(f"{'figure':48} {'median':>9}  target")
     for name in runs[0]:
         value = statistics.median(r[name] for r in runs)

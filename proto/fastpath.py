@@ -27,6 +27,7 @@ LEASE_TTL_MS = 5000              # default life of a read lease
 RESERVATION_TTL_MS = 30000       # default life of a write reservation
 PARTIAL_TIMEOUT_MS = 30000       # an unfinished block with no progress this long is dropped
 MAX_TTL_MS = 600000
+VALIDITY_WORDS = 65536           # live leases with a validity word per node (8 bytes each, shared)
 
 # The header that opens every tensor value and layer-wise block (128 bytes, little-endian):
 #   magic "KVT1", u32 n_layers, u64 bytes per layer, 16-byte dtype name (NUL padded),

@@ -1,0 +1,93 @@
+"""This process's mapping of a node's DRAM arena and of its lease validity words.
+
+A client on the same host as the node maps the node's arena once: over the
+Unix socket both memfds (the arena and the lease table's validity words)
+arrive with the KV.ARENA reply; over TCP the client opens
+/proc/<pid>/fd/<fd> for each. Either way a token the node wrote into the
+arena proves the mapping is that node's, so a node on another host (where
+the pid means nothing) is detected and the wire is used instead.
+
+The validity words are mapped read-only: the node alone writes them. A
+lease's word holds the lease's tag while the lease is live; a copy made under
+the lease is whole when the word, read *after* the copy, still holds the tag
+(kvstore/leases.py explains the ordering).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from client.connection import Connection
+from client.errors import FastPathUnavailable, KVError
+from client.sockets import Endpoint
+from proto import fastpath as fp
+
+
+class Arena:
+    """The node's arena and validity words, mapped here.
+
+    The node faulted the arena's pages in, but this process's page tables
+    start empty, and a first touch costs ~2 us a page (a 4 MiB put into a
+    fresh extent would spend 2 ms faulting): MAP_POPULATE maps them all at once.
+    """
+
+    def __init__(self, fd: int, size: int, token: bytes, words_fd: int, n_words: int):
+        self.token = token
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.size = size
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self._words_map = mmap.mmap(words_fd, n_words * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._words = np.frombuffer(self._words_map, dtype=np.uint64)
+
+    def read_into(self, offset: int, size: int, dest: memoryview) -> None:
+        np.copyto(np.frombuffer(dest, np.uint8, size), self.array[offset:offset + size])
+
+    def write(self, offset: int, src: memoryview) -> None:
+        np.copyto(self.array[offset:offset + src.nbytes], np.frombuffer(src, np.uint8))
+
+    def view(self, offset: int, size: int) -> np.ndarray:
+        return self.array[offset:offset + size]
+
+    def still_valid(self, word: int, tag: int) -> bool:
+        """Whether the lease of ``word``/``tag`` is live: read after the copy made under it."""
+        return word >= 0 and int(self._words[word]) == tag
+
+
+def attach(endpoint: Endpoint, password: str | None, timeout: float | None) -> Arena:
+    """Map the arena of the node at ``endpoint``; FastPathUnavailable says why not."""
+    conn = Connection(endpoint, timeout, password)
+    try:
+        replies, fds = conn.round_trip_fds([(fp.KV_ARENA,)])
+    finally:
+        conn.close()
+    reply = replies[0]
+    try:
+        if isinstance(reply, KVError):
+            raise FastPathUnavailable(f"{endpoint} has no fast path: {reply}")
+        try:
+            size, pid, fd_number, token_offset, token, _, words_fd_number, n_words = reply
+        except (TypeError, ValueError):
+            raise FastPathUnavailable(f"{endpoint} answered {fp.KV_ARENA} with {reply!r:.80}") from None
+        if not fds:
+            for number in (fd_number, words_fd_number):
+                fds.append(_open_proc_fd(pid, number, endpoint))
+        try:
+            arena = Arena(fds[0], size, bytes(token), fds[1], n_words)
+        except (OSError, ValueError) as exc:
+            raise FastPathUnavailable(f"cannot map the arena of {endpoint}: {exc}") from exc
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if bytes(arena.view(token_offset, len(token))) != bytes(token):
+        raise FastPathUnavailable(f"{endpoint} is not on this host (its arena token does not match)")
+    return arena
+
+
+def _open_proc_fd(pid: int, fd_number: int, endpoint: Endpoint) -> int:
+    try:
+        return os.open(f"/proc/{pid}/fd/{fd_number}", os.O_RDWR)
+    except OSError as exc:
+        raise FastPathUnavailable(f"cannot open the arena of {endpoint} through /proc: {exc}") from exc
