@@ -192,10 +192,12 @@ class Connection:
     def execute(self, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
         cmd = lookup(args[0])
         queued = deferred = False
+        tiers = self.engine.tiers
         try:
             if cmd is None:
                 raise CommandError(_unknown_command(args))
-            if not cmd.arity_ok(len(args)):
+            arity = cmd.arity
+            if (len(args) != arity) if arity > 0 else (len(args) < -arity):
                 raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
             if cmd.subcommands and len(args) > 1:
                 cmd.check_subcommand(args)
@@ -204,14 +206,13 @@ class Connection:
                 return
             if failure is not None:
                 raise failure
-            if self.server.loading and "loading" not in cmd.flags:
+            if tiers is not None and tiers.loading and "loading" not in cmd.flags:
                 raise CommandError("kvstore is loading the dataset in memory", "LOADING")
             if self.multi is not None and cmd.name.encode() not in QUEUE_ANYWAY:
                 self.multi.append((args, has_holders))
                 queued = True
                 self.wbuf += writer.QUEUED
                 return
-            tiers = self.engine.tiers
             if tiers is not None and cmd.reads is not None:
                 pending = tiers.pending_fetch(cmd.reads(self, args))
                 if pending:
