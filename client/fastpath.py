@@ -188,21 +188,24 @@ class FastPath:
                     started: float) -> tuple[list[int], list[tuple[int, int]]]:
         """Copy freshly leased values into ``results``; the indices whose lease ended during the
         copy (to lease again), and (index, lease id) pairs without a word (to release and check)."""
-        arena, retry, unchecked, keep = self._arena, [], [], []
-        use_until = started + self.lease_ttl_ms / 2000
+        arena, retry, unchecked, keep, done = self._arena, [], [], [], []
         for i, entry in zip(indices, entries):
             if entry is None:
                 results[i] = None
                 continue
-            lease_id, offset, size, word, tag = entry
+            lease_id, offset, size, word, tag, hold_ms = entry
             results[i] = self._copy(arena, local, i, offset, size)
             if word < 0:
                 unchecked.append((i, lease_id))
-            elif arena.still_valid(word, tag):
+            elif not arena.still_valid(word, tag):
+                retry.append(i)
+            elif hold_ms > 0:
+                use_until = started + hold_ms / 1000
                 keep.append((cache_key(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until)))
             else:
-                retry.append(i)
+                done.append(lease_id)
         with self._lock:
+            self._give_up(done)
             for key, held in keep:
                 self._give_up(self.leases.keep(key, held))
         return retry, unchecked

@@ -14,8 +14,9 @@ What this module decides is which leases to keep and for how long:
 - bounded in entries and in bytes (a cached lease pins its value against
   eviction and demotion, so the cache must stay a small part of the arena);
   the oldest lease goes first;
-- a lease is used until half its TTL has passed since it was asked for; then
-  it is handed back (released with the next request) and the next get of the
+- a lease is used for as long as the node said it may be held (half its TTL
+  since it was asked for; not at all for a key with an expiry time); then it
+  is handed back (released with the next request) and the next get of the
   key leases it afresh, which is the renewal: a hot key costs one round trip
   per half TTL, and no lease is ever relied on near its deadline;
 - everything the cache gives up is returned as lease ids for the caller to

@@ -6,7 +6,7 @@ everything a client holds has an id, an owner and a deadline).
 
     KV.ARENA                             -> [size, pid, fd, id offset, id token, fds passed,
                                              validity words fd, number of words]
-    KV.LEASE token ttl_ms key [key ...]  -> per key: [lease id, offset, size, word, tag] or nil
+    KV.LEASE token ttl_ms key [key ...]  -> per key: [lease id, offset, size, word, tag, hold ms] or nil
     KV.RELEASE id [id ...]               -> per lease: 1 if it was valid until released, else 0
     KV.RESERVE token ttl_ms size [...]   -> per size: [reservation id, offset]
     KV.PUBLISH id key [PARENT p] [NX]    -> 1 stored, 0 key existed under NX (extent given back)
@@ -93,7 +93,8 @@ def _lease_reads(conn, args: list) -> list[bytes]:
 
 
 @command(fp.KV_LEASE, -4, "readonly fast", "fastpath",
-         "Pins values for a direct read from the arena; per key [lease id, offset, size, word, tag] or nil.",
+         "Pins values for a direct read from the arena; per key [lease id, offset, size, word, tag, "
+         "hold ms] or nil.",
          keys=(3, -1, 1), reads=_lease_reads)
 def kv_lease(conn, args):
     check_token(conn, args[1])
@@ -103,8 +104,18 @@ def kv_lease(conn, args):
         lease = dram_lease(conn, table, key, ttl)
         items.append(conn.enc.null if lease is None else writer.array(
             [writer.integer(lease.id), writer.integer(lease.offset), writer.integer(lease.nbytes),
-             writer.integer(lease.word), writer.integer(lease.tag)]))
+             writer.integer(lease.word), writer.integer(lease.tag), writer.integer(hold_ms(conn, key, ttl))]))
     return writer.array(items)
+
+
+def hold_ms(conn, key: bytes, ttl_ms: int) -> int:
+    """How long a client may keep copying under a lease (a cached lease) after asking for it.
+
+    Half the lease's life, so it is renewed or given up well before its deadline; 0 (use it
+    for this read only) when the key has an expiry time: an expired key leaves the index
+    only when it is next looked up, and a cached lease would not look.
+    """
+    return 0 if key in conn.engine.expires else ttl_ms // 2
 
 
 @dataclass(slots=True)
