@@ -539,5 +539,6 @@ class Engine:
         self.eviction.insert(slot, parent_slot)
 
     def coldest(self, tier: int) -> int | None:
-        """The next value to move out of ``tier`` (never a leased or pinned one)."""
-        return self.eviction.victim(among=[(self._tier, tier)])
+        """The next value to move out of ``tier``: never a leased one, and never a
+        parent whose child is still in the tier (a demotion can wait for a lease)."""
+        return self.eviction.victim(among=[(self._tier, tier)], allow_parent=False)

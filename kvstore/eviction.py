@@ -163,7 +163,7 @@ class SampledLRU:
     def is_leaf(self, slot: int) -> bool:
         return not self._children[slot]
 
-    def victim(self, among: list[tuple[array, int]] = ()) -> int | None:
+    def victim(self, among: list[tuple[array, int]] = (), allow_parent: bool = True) -> int | None:
         """The slot to evict next, or None when every live entry is pinned.
 
         Each ``(column, value)`` in ``among`` limits the choice to slots whose
@@ -178,11 +178,11 @@ class SampledLRU:
         masks = [(np.frombuffer(col, dtype=np.dtype(col.typecode))[: self._high], value)
                  for col, value in among]
         for _ in range(4):
-            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), masks)
+            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), masks, allow_parent)
             if picked is not None:
                 return picked
         # The sampled slots were all free, pinned or elsewhere: look at everything once.
-        return self._pick(cols, np.arange(self._high), masks)
+        return self._pick(cols, np.arange(self._high), masks, allow_parent)
 
     def _leaf_below(self, slot: int, cols: tuple[np.ndarray, ...], masks: list) -> int | None:
         """The end of ``slot``'s chain within the masked set (e.g. the last block still
@@ -206,7 +206,8 @@ class SampledLRU:
         return tuple(np.frombuffer(getattr(self, name), dtype=np.dtype(code))[:high]
                      for name, code, _ in self._COLUMNS)
 
-    def _pick(self, cols: tuple[np.ndarray, ...], cand: np.ndarray, masks: list) -> int | None:
+    def _pick(self, cols: tuple[np.ndarray, ...], cand: np.ndarray, masks: list,
+              allow_parent: bool) -> int | None:
         """Oldest first among ``cand``: the leaf below it, else the next oldest."""
         live, stamp, _, children, pins, soft, _ = cols
         keep = (live[cand] != 0) & (pins[cand] == 0)
@@ -221,4 +222,6 @@ class SampledLRU:
             leaf = self._leaf_below(slot, cols, masks)
             if leaf is not None:
                 return leaf
-        return int(order[0])      # every chain below ends leased or elsewhere: progress first
+        # Every chain here ends in a leased block: take the oldest parent only when
+        # progress matters more than the chain (eviction, not a demotion that can wait).
+        return int(order[0]) if allow_parent else None
