@@ -109,10 +109,11 @@ class Connection:
         reader = self.reader
         try:
             for _ in range(READS_PER_EVENT):
-                bufs = reader.recv_buffers()
-                if len(bufs) == 1:
-                    n, room = self.sock.recv_into(bufs[0]), len(bufs[0])
+                if reader.big is None and not reader.discarding:
+                    buf = reader.recv_buffer()
+                    n, room = self.sock.recv_into(buf), len(buf)
                 else:
+                    bufs = reader.recv_buffers()
                     n, room = self.sock.recvmsg_into(bufs)[0], sum(len(b) for b in bufs)
                 if n == 0:
                     self.close()
@@ -306,6 +307,8 @@ class Connection:
     def flush(self) -> None:
         if self.closed or self.waiting is not None:
             return                  # replies go out in order, after what we wait for
+        if self.wbuf and not self.out and not self.pending_fds and self._send_small():
+            return
         if self.wbuf:
             self.out.append((self.wbuf, None))
             self.wbuf = bytearray()
@@ -326,6 +329,23 @@ class Connection:
             if not self._consume(sent):
                 break
         self._update_interest()
+
+    def _send_small(self) -> bool:
+        """The common case, one buffer of small replies: True when it all went out."""
+        try:
+            sent = self.sock.send(self.wbuf)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self.close()
+            return True
+        if sent < len(self.wbuf):
+            del self.wbuf[:sent]
+            return False
+        self.wbuf = bytearray()
+        if self.writing or not self.reading or self.close_after_reply:
+            self._update_interest()
+        return True
 
     def attach_fds(self, fds: list[int]) -> None:
         """Pass ``fds`` to the client with the next reply (Unix sockets only)."""

@@ -168,6 +168,8 @@ class Server:
         cfg = self.config
         values = {name: cfg.get(name) for name in cfg.names()}
         values["maxmemory"] = str(self.engine.limit)
+        values["save"] = ""             # nothing is persisted but the SSD tier (as Redis with save "")
+        values["appendonly"] = "no"
         values["requirepass"] = cfg.requirepass or ""
         return values
 

@@ -23,6 +23,7 @@ MAX_MULTIBULK = 2**31 - 1     # Redis's INT_MAX
 UNAUTH_MULTIBULK = 10
 UNAUTH_BULK = 16384
 INITIAL_BUFFER = 16 * 1024
+SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per pass
 
 _DISCARD = memoryview(bytearray(1024 * 1024))
 
@@ -220,7 +221,7 @@ class RequestReader:
         header. Anything unusual (a value holding CRLF, a big bulk, a malformed
         header, an incomplete command) stops it; the exact parser takes over
         from there, so both paths accept and reject exactly the same input."""
-        parts = self.mv[self.start:self.end].tobytes().split(b"\r\n")
+        parts = self.mv[self.start:min(self.end, self.start + SPLIT_WINDOW)].tobytes().split(b"\r\n")
         complete, i, used = len(parts) - 1, 0, 0
         while i < complete:
             head = parts[i]
