@@ -29,7 +29,11 @@ install-test: $(VENV)/bin/python system-deps
 test: install-test
 	$(PY) -m pytest -q tests
 
+# The Mooncake Store column needs its CPU wheel and Debian's libibverbs1; without
+# them the benchmark says why in one line and carries on.
 bench: install-test
+	-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+	-$(PIP) mooncake-transfer-engine-non-cuda
 	$(PY) -m loadtest.bench_vs_redis
 
 clean:
