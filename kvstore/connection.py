@@ -127,7 +127,13 @@ class Connection:
             self.close()
             return
         self.last_active = time.monotonic()
-        self._run_parsed()
+        try:
+            self._run_parsed()
+        except Exception:
+            # A bug must cost one client its connection, never the node.
+            log.exception("closing client id=%d after an internal error", self.id)
+            self.close()
+            return
         self.flush()
 
     def _run_parsed(self) -> None:
