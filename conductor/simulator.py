@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from conductor.admission import REJECT_TTFT, Admission, Slo
+from conductor.admission import Admission, Slo
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeInstance

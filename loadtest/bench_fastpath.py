@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with ProcessGroup() as group:
         sock = str(group.log_dir / "kv.sock")
-        node = start_kvstore(group, "1gb", "{python} -m kvstore serve --port {port} --dram-size {memory} "
-                             f"--unixsocket {sock}")
+        start_kvstore(group, "1gb", "{python} -m kvstore serve --port {port} --dram-size {memory} "
+                      f"--unixsocket {sock}")
         reference = start_redis(group, "1gb")
         kv = KVClient(unix_socket=sock, fast_path="required", timeout=30)
         cold = KVClient(unix_socket=sock, fast_path="required", timeout=30)
