@@ -218,6 +218,11 @@ class SampledLRU:
             return None
         # Soft-pinned entries go last: order by (pinned, stamp).
         order = cand[np.lexsort((stamp[cand], soft[cand]))]
+        if not allow_parent:
+            # A move that can wait looks only at the older part of the sample: the
+            # newest entries are likely a chain still being written, whose head
+            # must not go down before its tail exists.
+            order = order[: max(1, len(order) // 4)]
         for slot in order.tolist():
             leaf = self._leaf_below(slot, cols, masks)
             if leaf is not None:
