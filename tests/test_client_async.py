@@ -9,16 +9,16 @@ default loop and, where the transport differs, on uvloop too.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import pytest
 import uvloop
-from conftest import Daemon, start_kvstore
-from test_client_sync import payload, restart, scripted_server, silent_listener
+from conftest import start_kvstore
+from test_client_sync import daemon, payload, restart, scripted_server, server, silent_listener  # noqa: F401  (shared fixtures)
 
 from client import (AsyncKVClient, AuthenticationError, BlockHasher, BufferTooSmall, ConnectionError,
-                    KVClient, KVError, Location, Namespace, ResponseError, TimeoutError)
+                    KVError, Location, Namespace, ResponseError, TimeoutError)
 
 MiB = 1 << 20
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -28,22 +28,6 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
 def run(scenario: Awaitable[Any], loop: str = "asyncio") -> Any:
     with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
         return runner.run(scenario)
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[Daemon]:
-    """One kvstore daemon for the tests of this module that do not stop or reconfigure it."""
-    running = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def server(daemon) -> Daemon:
-    """The module's daemon, emptied (FLUSHALL) before each test."""
-    with KVClient(daemon.host, daemon.port) as kv:
-        kv.execute("FLUSHALL")
-    return daemon
 
 
 @pytest.fixture(params=["tcp", "unix"])

@@ -25,25 +25,10 @@ import redis
 import redis.asyncio
 from redis._parsers import _HiredisParser, _RESP2Parser, _RESP3Parser
 
-from conftest import Daemon, start_kvstore
-from test_redis_compat import RespConnection, encode_command
+from conftest import Daemon
+from test_redis_compat import RespConnection, encode_command, kv, target  # noqa: F401  (shared fixtures)
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def kv(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield daemon
-    daemon.stop()
-
-
-@pytest.fixture(params=["redis", "kvstore"])
-def target(request, kv) -> Daemon:
-    daemon = request.getfixturevalue("redis_server") if request.param == "redis" else kv
-    with RespConnection(daemon) as conn:
-        conn.call("FLUSHALL")
-    return daemon
 
 
 def pattern(size: int, seed: int) -> bytes:
