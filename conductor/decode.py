@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from conductor.costmodel import CostModel
 from conductor.outputs import OutputLengths
+from conductor.overtaking import RecentAdmissions
 from conductor.policy import DecodeLoad
 
 _EPS = 1e-9
@@ -70,6 +71,7 @@ class DecodeInstance(DecodeView):
         self.residents: dict[int, Resident] = {}
         # request -> (input length, when its KV is due): bound here, still in prefill
         self.inflight: dict[int, tuple[int, float]] = {}
+        self.recent = RecentAdmissions()
         self._leaves: list[tuple[float, int]] = []
         self._sum_input = 0
         self._sum_start = 0.0
@@ -99,6 +101,11 @@ class DecodeInstance(DecodeView):
         pending = sum(length for length, _ in self.inflight.values())
         return DecodeLoad(self.batch + len(self.inflight), self.kv_tokens() + pending)
 
+    def bind(self, request: int, input_length: int, now_s: float, due_s: float) -> None:
+        """A request admitted now whose KV is due here at ``due_s``."""
+        self.inflight[request] = (input_length, due_s)
+        self.recent.record(now_s, due_s - now_s, input_length)
+
     def predicted_load(self, at_s: float) -> DecodeLoad:
         """Load expected at ``at_s``, when a request admitted now would reach decode.
 
@@ -106,12 +113,13 @@ class DecodeInstance(DecodeView):
         that finished (`OutputLengths`). Each resident, having made m tokens,
         is still there after the k more it has time for (at the current step
         time) with probability P(out > m + k | out > m), and counts that much
-        of its batch slot and KV; every request already bound here and still
-        in prefill or transfer counts in full, since it will reach decode
-        about when this one does and stay for most of its stay.
+        of its batch slot and KV. A request already bound here whose KV is
+        due by then counts by its chance of still decoding at ``at_s``.
+        Requests not yet admitted that will get here first are estimated
+        from recent admissions (`overtaking`).
         """
         ahead = max(0.0, at_s - self.clock_s) / self.step_s
-        batch, kv = 0.0, 0.0
+        batch, kv = self.recent.overtaking(self.clock_s, at_s - self.clock_s)
         for r in self.residents.values():
             made = self.generated - r.start_count
             p = self.outputs.still_running(made, made + ahead)

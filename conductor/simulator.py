@@ -145,8 +145,8 @@ class Simulator:
         self.out.reused_tokens[rid] = min(p.reused_blocks * self.cfg.block_tokens,
                                           req.input_length - 1)
         self._inflight[rid] = _Inflight(p, j, held)
-        self.decodes[j].inflight[rid] = (req.input_length,
-                                         finish + self.cost.transfer_s(req.input_length))
+        self.decodes[j].bind(rid, req.input_length, now,
+                             finish + self.cost.transfer_s(req.input_length))
         self._push(finish, _PREFILL_DONE, rid)
 
     def _prefill_done(self, rid: int, now: float) -> None:

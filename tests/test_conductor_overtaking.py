@@ -1,0 +1,58 @@
+"""The estimate of KV that later admissions bring to decode first, computed by hand."""
+import pytest
+
+from conductor.decode import DecodeInstance
+from conductor.outputs import OutputLengths
+from conductor.overtaking import MIN_HISTORY, RecentAdmissions
+from tests.test_conductor_outputs import COST
+
+
+def steady(horizons: list[float], tokens: int = 1000, every_s: float = 1.0) -> RecentAdmissions:
+    """One admission per ``every_s`` seconds from t=0, cycling through ``horizons``."""
+    r = RecentAdmissions()
+    for i in range(16):
+        r.record(i * every_s, horizons[i % len(horizons)], tokens)
+    return r
+
+
+def test_nothing_is_estimated_before_enough_history():
+    r = RecentAdmissions()
+    for i in range(MIN_HISTORY - 1):
+        r.record(float(i), 0.0, 1000)
+    assert r.overtaking(100.0, 50.0) == (0.0, 0.0)
+
+
+def test_rate_times_expected_lead():
+    # 16 admissions of 1000 tokens over 16 s (t=0..15, asked at t=16): rate
+    # 1 request/s, 1000 tokens/s. Horizons alternate 2 s and 6 s; asked for a
+    # horizon of 5 s, leads are (5-2)+ = 3 and (5-6)+ = 0: mean 1.5 s.
+    batch, kv = steady([2.0, 6.0]).overtaking(16.0, 5.0)
+    assert batch == pytest.approx(1.5)
+    assert kv == pytest.approx(1500.0)
+
+
+def test_the_shortest_horizon_is_not_overtaken():
+    assert steady([2.0, 6.0]).overtaking(16.0, 2.0) == (0.0, 0.0)
+
+
+def test_the_ring_forgets_old_admissions():
+    r = RecentAdmissions(window=MIN_HISTORY)
+    for i in range(MIN_HISTORY):
+        r.record(float(i), 0.0, 10_000)          # an old burst of big requests
+    for i in range(MIN_HISTORY):
+        r.record(100.0 + i, 0.0, 100)            # then one small request per second
+    _, kv = r.overtaking(108.0, 1.0)
+    assert kv == pytest.approx(100.0)            # 100 tokens/s x 1 s lead
+
+
+def test_prediction_adds_overtakers_to_residents():
+    d = DecodeInstance(0, COST, OutputLengths(prior_tokens=10_000))
+    for i in range(16):                          # admitted at 0..15 s, due 1 s later
+        d.bind(100 + i, 500, float(i), float(i) + 1.0)
+        d.inflight.pop(100 + i)                  # ... and since joined and left
+    d.advance(16.0)
+    # nothing resident or in flight; 500 tokens/s with horizon 1 s, so a
+    # request due 3 s ahead expects (3 - 1) x 500 tokens to get there first
+    load = d.predicted_load(19.0)
+    assert load.kv_tokens == pytest.approx(1000.0)
+    assert load.batch == pytest.approx(2.0)
