@@ -3,22 +3,28 @@
 Figure 5: mean TTFT of the four scheduling policies on the conversation
 trace, 16 instances split 8 prefill + 8 decode, no admission control.
 Table 3: rejections under overload for baseline, early and predictive
-admission, on a split where both pools saturate (14P+2D, 5x) and on the
+admission, on a split where decode memory binds (15P+1D, 3x) and on the
 paper's 8P+8D at 2x, where our decode pool never fills. Prints our numbers
-beside the paper's and writes the plots.
+beside the paper's and writes the plots. `--sweep` replays every split from
+15P+1D to 8P+8D at 2x to 6x and prints where the paper's order holds.
 
-    python -m loadtest.bench_conductor [TRACE] [--out DIR]
+    python -m loadtest.bench_conductor [TRACE] [--out DIR] [--sweep]
 """
 from __future__ import annotations
 
 import argparse
+import os
+from functools import partial
+from multiprocessing import Pool
 from pathlib import Path
+
+import numpy as np
 
 from conductor.admission import Slo
 from conductor.costmodel import CostModel
 from conductor.metrics import SERVED
-from conductor.plot import plot_runs
-from conductor.simulator import SimConfig, replay
+from conductor.plot import binned, plot_runs
+from conductor.simulator import SimConfig, Simulator, replay
 from conductor.trace import load_trace
 
 TRACE = "/work/shared/data/conversation_trace.jsonl"
@@ -48,30 +54,102 @@ def table3(trace, cost, out: Path | None, prefill: int, decode: int, speed: floa
           f"SLO TTFT 30 s / TBT 0.1 s")
     print(f"{'admission':12}{'paper rej.':>11}{'ours rej.':>10}{'at arrival':>11}"
           f"{'at decode':>10}{'goodput':>9}{'wasted prefill (s)':>20}"
-          f"{'served mean input':>19}")
+          f"{'served mean input':>19}{'queue swing (s)':>17}")
     for (s, o), (mode, paper) in zip(runs, PAPER_TABLE3.items()):
         served = o.input_tokens[o.status == SERVED]
         print(f"{mode:12}{paper:>11}{s.rejected:>10}{s.rejected_at_arrival:>11}"
               f"{s.rejected_at_decode:>10}{s.completed_in_slo:>9}{s.wasted_prefill_s:>20.0f}"
-              f"{served.mean():>19.0f}")
+              f"{served.mean():>19.0f}{np.std(binned(o.load_time_s, o.prefill_load)[1]):>17.2f}")
     if out is not None:
         plot_runs(runs[1:], str(out / "conductor_table3_load.png"),
                   f"early vs predictive admission ({prefill}P+{decode}D, {speed:g}x)")
+
+
+class _ProbedSimulator(Simulator):
+    """Records, per admitted request, the decode KV predicted at its arrival
+    for the moment it would reach decode, and the KV it found there."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.predicted: dict[int, tuple[float, float]] = {}
+        self.samples: list[tuple[float, float, float]] = []   # horizon, predicted, actual
+
+    def _start_prefill(self, rid, req, now, p, j):
+        at_s = now + p.ttft_s
+        self.predicted[rid] = (now, self.decodes[j].predicted_load(at_s).kv_tokens)
+        super()._start_prefill(rid, req, now, p, j)
+
+    def _decode_join(self, rid, now):
+        decode = self.decodes[self._inflight[rid].decode]
+        decode.advance(now)
+        admitted_s, kv = self.predicted.pop(rid)
+        self.samples.append((now - admitted_s, kv, decode.kv_tokens()))
+        super()._decode_join(rid, now)
+
+
+def prediction_error(trace, cost, prefill: int, decode: int, speed: float) -> None:
+    """How far predictive admission's decode-KV forecast is from what a request finds."""
+    sim = _ProbedSimulator(trace, SimConfig(prefill=prefill, decode=decode,
+                                            admission="predictive", speed=speed), cost)
+    sim.run()
+    h, predicted, actual = np.array(sim.samples).T
+    err = (predicted - actual) / cost.decode_capacity_tokens
+    print(f"\nPredicted minus actual decode KV at join, share of a node "
+          f"({prefill}P+{decode}D, {speed:g}x, predictive)")
+    print(f"{'reaches decode in':>18}{'requests':>10}{'mean':>8}{'std':>8}")
+    for lo, hi in ((0, 0.5), (0.5, 1), (1, 2), (2, 5), (5, 10), (10, 60)):
+        m = (h >= lo) & (h < hi)
+        if m.any():
+            print(f"{f'{lo:g}-{hi:g} s':>18}{m.sum():>10}{err[m].mean():>8.3f}{err[m].std():>8.3f}")
+
+
+SWEEP_SPLITS = ((15, 1), (14, 2), (13, 3), (12, 4), (10, 6), (8, 8))
+SWEEP_SPEEDS = (2.0, 3.0, 4.0, 5.0, 6.0)
+
+
+def _rejections(trace, cost, point: tuple[int, int, float, str]) -> tuple[int, int]:
+    p, d, speed, mode = point
+    s, _ = replay(trace, SimConfig(prefill=p, decode=d, admission=mode, speed=speed), cost)
+    return s.rejected, s.completed_in_slo
+
+
+def sweep(trace, cost) -> None:
+    """Every split and speed under the three modes, two processes at a time."""
+    modes = tuple(PAPER_TABLE3)
+    points = [(p, d, x, m) for p, d in SWEEP_SPLITS for x in SWEEP_SPEEDS for m in modes]
+    with Pool(min(4, os.cpu_count() or 1)) as pool:
+        results = pool.map(partial(_rejections, trace, cost), points, chunksize=1)
+    print("\n| split | speed | baseline rejected / goodput | early | predictive "
+          "| baseline rejects | paper's order |")
+    print("|---|---|---|---|---|---|---|")
+    n = len(trace)
+    for i in range(0, len(points), len(modes)):
+        p, d, x, _ = points[i]
+        (rb, gb), (re_, ge), (rp, gp) = results[i:i + len(modes)]
+        holds = rb > re_ > rp and gp >= max(gb, ge)
+        print(f"| {p}P+{d}D | {x:g}x | {rb} / {gb} | {re_} / {ge} | {rp} / {gp} "
+              f"| {rb / n:.0%} | {'yes' if holds else 'no'} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench_conductor")
     ap.add_argument("trace", nargs="?", default=TRACE)
     ap.add_argument("--out", default="docs", help="folder for the PNGs (default docs)")
-    ap.add_argument("--overload", default="14:2:5", metavar="P:D:SPEED",
-                    help="cluster and speed of the plotted Table 3 run (default 14:2:5); "
+    ap.add_argument("--overload", default="15:1:3", metavar="P:D:SPEED",
+                    help="cluster and speed of the plotted Table 3 run (default 15:1:3); "
                          "the paper's 8:8:2 runs too")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only the sweep of splits and speeds (a few minutes)")
     args = ap.parse_args()
     trace, cost, out = load_trace(args.trace), CostModel.from_testbed(), Path(args.out)
+    if args.sweep:
+        sweep(trace, cost)
+        return
     out.mkdir(parents=True, exist_ok=True)
     figure5(trace, cost, out)
     p, d, speed = args.overload.split(":")
     table3(trace, cost, out, int(p), int(d), float(speed))
+    prediction_error(trace, cost, int(p), int(d), float(speed))
     table3(trace, cost, None, 8, 8, 2.0)
 
 
