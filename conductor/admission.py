@@ -18,8 +18,9 @@ arrival check knows:
 - `predictive`: the arrival check uses the decode load predicted for the time
   the request would reach decode: residents and requests whose KV arrives
   before then count by the chance that they are still decoding, judged from
-  the output lengths of finished requests (never the request's own), which
-  damps the oscillation.
+  the output lengths of finished requests (never the request's own), plus the
+  requests admitted later that will get there first (`overtaking`). This
+  damps the oscillation and wastes the least prefill.
 
 The decode-stage check stays in every mode but `none`: memory is physical.
 """
