@@ -68,12 +68,30 @@ def wait_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 20
     raise RuntimeError("server did not answer PING in time")
 
 
-def start_kvstore(tmp_path, *extra: str, password: str | None = None) -> Daemon:
-    """Start `kvstore serve` with a small arena; extra flags go through as given."""
+def eventually(predicate, timeout: float = 10.0) -> bool:
+    """Whether ``predicate()`` became true within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    if not eventually(predicate, timeout):
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_kvstore(tmp_path, *extra: str, password: str | None = None,
+                  prefix: tuple[str, ...] | list[str] = ()) -> Daemon:
+    """Start `kvstore serve` with a small arena; extra flags go through as given
+    (a later `--dram-size` wins). ``prefix`` runs it through another command,
+    e.g. a private mount namespace."""
     port = free_port()
     sock_path = str(tmp_path / f"kv-{port}.sock")
     log_path = str(tmp_path / f"kv-{port}.log")
-    args = [sys.executable, "-m", "kvstore", "serve", "--port", str(port),
+    args = [*prefix, sys.executable, "-m", "kvstore", "serve", "--port", str(port),
             "--unixsocket", sock_path, "--dram-size", "64mb", *extra]
     if password:
         args += ["--requirepass", password]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from client import KVClient
-from conftest import start_kvstore
-from test_fastpath_faults import ROOT, counters, wait_for
+from conftest import eventually, start_kvstore
+from test_fastpath_faults import ROOT, counters
 
 MIB = 1 << 20
 
@@ -63,7 +63,7 @@ def test_repeated_gets_hold_the_lease_until_it_is_given_up(server):
         held = counters(kv)
         assert held["leases_active"] == 1 and held["lease_words_in_use"] == 1
     with KVClient(unix_socket=server.unix_socket, fast_path="off") as other:
-        assert wait_for(lambda: counters(other)["leases_active"] == 0)   # closing released it
+        assert eventually(lambda: counters(other)["leases_active"] == 0)   # closing released it
         assert counters(other)["lease_words_in_use"] == 0
 
 
@@ -147,7 +147,7 @@ def test_a_killed_client_leaks_no_spare_or_held_lease(server):
             holder.wait(10)
         finally:
             holder.kill()
-        reclaimed = wait_for(lambda: (lambda c: c["leases_active"] == 0 and c["reservations_active"] == 0
+        reclaimed = eventually(lambda: (lambda c: c["leases_active"] == 0 and c["reservations_active"] == 0
                                       and c["lease_words_in_use"] == 0)(counters(kv)))
         after = counters(kv)
         assert reclaimed, f"not reclaimed: {after}"

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from client import KVClient, LeaseExpired
+from conftest import eventually
 
 ROOT = str(Path(__file__).resolve().parents[1])
 MIB = 1 << 20
@@ -26,15 +27,6 @@ def counters(kv: KVClient) -> dict[str, int]:
     info = kv.execute("INFO", "kvcache").decode()
     fields["dram_used"] = int(info.split("dram_used:")[1].split()[0])
     return fields
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_lease_that_expires_mid_copy_never_returns_torn_data(server):
@@ -108,7 +100,7 @@ def test_a_killed_client_leaks_no_lease_reservation_or_partial_block(server):
             holder.wait(10)
         finally:
             holder.kill()
-        reclaimed = wait_for(lambda: (lambda c: c["leases_active"] == 0 and c["reservations_active"] == 0
+        reclaimed = eventually(lambda: (lambda c: c["leases_active"] == 0 and c["reservations_active"] == 0
                                       and c["partial_blocks"] == 0
                                       and c["dram_used"] == baseline["dram_used"])(counters(kv)))
         after = counters(kv)

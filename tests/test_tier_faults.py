@@ -11,53 +11,22 @@ values they recovered and how long it took.
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import redis
 
-from conftest import Daemon, free_port, start_kvstore, wait_ready
+from conftest import free_port, start_kvstore, wait_until
 from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import VALUE_CF
-from test_tier_ssd import flip_byte
+from test_tier_ssd import flip_byte, private_mount_prefix
 from test_tiering import (KIB, LEAF_BUG, MIB, client, digest, key_of, restart, start_tiered, value_of,
-                          wait_until, write_values)
+                          write_values)
 
 RECOVERED = re.compile(r"Recovered (\d+) values from the SSD tier in ([\d.]+) s \(([\d.]+) values/s\)")
-
-
-def launch(tmp_path: Path, prefix: list[str], *flags: str) -> Daemon:
-    """`kvstore serve` run through ``prefix`` (e.g. a private mount namespace)."""
-    port = free_port()
-    log_path = str(tmp_path / f"kv-{port}.log")
-    args = [*prefix, sys.executable, "-m", "kvstore", "serve", "--port", str(port),
-            "--unixsocket", str(tmp_path / f"kv-{port}.sock"), *flags]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    daemon = Daemon(proc, "127.0.0.1", port, str(tmp_path / f"kv-{port}.sock"), None, log_path, args)
-    try:
-        wait_ready(daemon.host, port, proc)
-    except Exception:
-        daemon.stop(signal.SIGKILL)
-        raise RuntimeError("kvstore did not start:\n" + daemon.log())
-    return daemon
-
-
-def in_private_mount(setup: str) -> list[str]:
-    """A command prefix that runs ``setup`` in a private mount namespace first, or skip."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("unshare(1) is not installed")
-    probe = subprocess.run([unshare, "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True, text=True)
-    if probe.returncode:
-        pytest.skip(f"cannot make a private mount namespace here: {probe.stderr.strip()}")
-    return [unshare, "-m", "sh", "-c", setup + ' && exec "$0" "$@"']
 
 
 def serves_from_dram(r: redis.Redis) -> None:
@@ -72,8 +41,9 @@ def serves_from_dram(r: redis.Redis) -> None:
 def test_unwritable_ssd_dir_is_logged_and_the_node_serves_from_dram(tmp_path):
     readonly = tmp_path / "ro"
     readonly.mkdir()
-    prefix = in_private_mount(f"mount --bind {readonly} {readonly} && mount -o remount,ro,bind {readonly}")
-    daemon = launch(tmp_path, prefix, "--dram-size", "8mb", "--ssd-dir", str(readonly / "ssd"))
+    prefix = private_mount_prefix(f"mount --bind {readonly} {readonly} && mount -o remount,ro,bind {readonly}")
+    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(readonly / "ssd"),
+                           prefix=prefix)
     try:
         assert "SSD tier disabled" in daemon.log()
         assert "cannot be created" in daemon.log() or "not writable" in daemon.log(), daemon.log()
@@ -164,9 +134,10 @@ def test_value_larger_than_dram_is_refused_with_oom(tmp_path):
 def test_full_disk_is_logged_and_values_stay_readable(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
-    prefix = in_private_mount(f"mount -t tmpfs -o size=6m tmpfs {small}")
-    daemon = launch(tmp_path, prefix, "--dram-size", "64mb", "--ssd-dir", str(small / "ssd"),
-                    "--ssd-size", "1gb", "--ssd-write-policy", "write-through")
+    prefix = private_mount_prefix(f"mount -t tmpfs -o size=6m tmpfs {small}")
+    daemon = start_kvstore(tmp_path, "--dram-size", "64mb", "--ssd-dir", str(small / "ssd"),
+                           "--ssd-size", "1gb", "--ssd-write-policy", "write-through",
+                           prefix=prefix)
     try:
         r = client(daemon)
         written = write_values(r, range(40))             # 10 MiB onto a 6 MiB disk

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import redis
 
-from conftest import Daemon, free_port, start_kvstore, wait_ready
+from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
 from kvstore.tiers.ssd import SSDTier
 from proto import wire
 
@@ -91,14 +91,6 @@ def restart(daemon: Daemon, tmp_path: Path, sig: int = signal.SIGTERM) -> Daemon
 
 def client(daemon: Daemon, **kwargs) -> redis.Redis:
     return redis.Redis(daemon.host, daemon.port, socket_timeout=10, **kwargs)
-
-
-def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def tiers(r: redis.Redis, keys: list[bytes]) -> list[str | None]:
