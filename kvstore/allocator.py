@@ -104,15 +104,7 @@ class BuddyAllocator:
             self._merge_into_tree(offset, order)
 
     def _merge_into_tree(self, offset: int, order: int) -> None:
-        while order < self.max_order:
-            buddy = offset ^ (1 << order)
-            peers = self._free[order]
-            if buddy not in peers:
-                break
-            peers.remove(buddy)
-            offset = min(offset, buddy)
-            order += 1
-        self._free[order].add(offset)
+        merge_into(self._free, offset, order, self.max_order)
 
     def _drain_quick(self) -> bool:
         """Merge every quick-listed block back into the tree; True if there were any."""
@@ -137,11 +129,7 @@ class BuddyAllocator:
         free = [set(blocks) for blocks in self._free]
         for order, blocks in enumerate(self._quick):
             for offset in blocks:
-                while order < self.max_order and (offset ^ (1 << order)) in free[order]:
-                    free[order].remove(offset ^ (1 << order))
-                    offset = min(offset, offset ^ (1 << order))
-                    order += 1
-                free[order].add(offset)
+                merge_into(free, offset, order, self.max_order)
         for order in range(self.max_order, -1, -1):
             if free[order]:
                 return 1 << order
@@ -155,3 +143,20 @@ class BuddyAllocator:
         """1 - largest free extent / free bytes: 0 when free space is one piece."""
         free = self.free_bytes
         return 1 - self.largest_free() / free if free else 0.0
+
+
+def merge_into(free: list[set[int]], offset: int, order: int, max_order: int) -> None:
+    """Add the free block (``offset``, ``order``) to ``free``, coalescing it with free buddies.
+
+    One function for the real tree and for the copy ``largest_free`` merges
+    into, so both climb the orders the same way.
+    """
+    while order < max_order:
+        buddy = offset ^ (1 << order)
+        peers = free[order]
+        if buddy not in peers:
+            break
+        peers.remove(buddy)
+        offset = min(offset, buddy)
+        order += 1
+    free[order].add(offset)

@@ -2,8 +2,9 @@
 
 The allocator only does offset arithmetic, so it is driven directly: random
 alloc/free sequences (hypothesis) checked against a model of the live
-extents after every step, then the arena emptied and allocated again in the
-largest pieces it can hold. Arenas of power-of-two and other sizes.
+extents after every step (the largest free extent against one computed by
+brute force from the live extents alone), then the arena emptied and
+allocated again in the largest pieces it can hold. Arenas of power-of-two and other sizes.
 """
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ KiB, MiB = 1 << 10, 1 << 20
 def power_of_two_pieces(capacity: int) -> list[int]:
     """The binary decomposition of ``capacity``, largest first."""
     return [1 << bit for bit in range(capacity.bit_length() - 1, -1, -1) if capacity >> bit & 1]
+
+
+def largest_aligned_piece(start: int, end: int) -> int:
+    """The largest 2**k-byte extent aligned to 2**k that fits in [start, end)."""
+    largest = 0
+    while start < end:
+        piece = 1 << ((end - start).bit_length() - 1)
+        if start:
+            piece = min(piece, start & -start)
+        largest = max(largest, piece)
+        start += piece
+    return largest
 
 
 class Model:
@@ -56,6 +69,26 @@ class Model:
         assert alloc.free_bytes == alloc.capacity - alloc.used
         assert 0.0 <= alloc.internal_fragmentation() < 1.0
         assert 0.0 <= alloc.external_fragmentation() < 1.0
+        assert alloc.largest_free() == self.largest_free_by_brute_force()
+
+    def largest_free_by_brute_force(self) -> int:
+        """The largest aligned power-of-two extent that overlaps no live extent.
+
+        Computed from the live extents alone, without the allocator's free
+        lists: every gap between live extents (cut at the top-block bounds)
+        is split into its maximal aligned pieces, largest first where it can.
+        """
+        alloc = self.alloc
+        bounds = [0]
+        for piece in power_of_two_pieces(alloc.capacity):
+            bounds.append(bounds[-1] + piece)
+        taken = sorted((offset, offset + alloc.block_size(size)) for offset, size in self.live.items())
+        taken += [(bound, bound) for bound in bounds]
+        largest, start = 0, 0
+        for begin, end in sorted(taken):
+            largest = max(largest, largest_aligned_piece(start, begin))
+            start = max(start, end)
+        return largest
 
     def free_all(self) -> None:
         for offset in list(self.live):
@@ -200,3 +233,13 @@ def test_quick_lists_cover_blocks_up_to_their_order():
     offset = alloc.alloc(big)
     alloc.free(offset, big)                      # too big for a quick list: merged at once
     assert alloc.largest_free() == 4 * MiB
+
+
+def test_quick_listed_neighbours_merge_each_at_their_own_order():
+    """Three freed 64-byte blocks hold a 128-byte extent, not 256: each quick-listed block merges from its own order."""
+    alloc = BuddyAllocator(1 * KiB)
+    offsets = sorted(alloc.alloc(64) for _ in range(16))
+    for offset in offsets[:3]:
+        alloc.free(offset, 64)
+    assert alloc.largest_free() == 128
+    assert alloc.external_fragmentation() == pytest.approx(1 - 128 / 192)
