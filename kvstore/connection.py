@@ -1,4 +1,8 @@
-"""One client connection: read requests, run commands, write replies.
+"""One client connection: the socket, its request and reply buffers, and its backlog.
+
+Parsed requests wait in the backlog and go one at a time to
+`kvstore.dispatch` (which decides what runs and what it answers); this
+module only moves bytes and keeps replies in request order.
 
 Why raw non-blocking sockets on the event loop (``add_reader``/``add_writer``)
 rather than asyncio transports: a transport copies whatever it cannot send at
@@ -22,9 +26,9 @@ import time
 from collections import deque
 from itertools import islice
 
-from kvstore.commands import CommandError, lookup
-from kvstore.commands.transactions import QUEUE_ANYWAY
-from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
+from kvstore.commands import CommandError
+from kvstore.dispatch import dispatch, release_queued, value_destination
+from kvstore.engine import Extent
 from kvstore.protocol import writer
 from kvstore.protocol.reader import ProtocolError, RequestReader
 
@@ -33,9 +37,6 @@ log = logging.getLogger("kvstore")
 BIG_REPLY = 64 * 1024      # values at least this big are sent from the arena, not copied
 IOV_MAX = 512
 READS_PER_EVENT = 64
-PREFETCH_COMMANDS = 16     # pipelined commands whose SSD values are fetched together
-OOM_ERROR = writer.error("command not allowed when used memory > 'maxmemory'.", "OOM")
-NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
 
 
 class Connection:
@@ -55,7 +56,8 @@ class Connection:
         self.last_command = "NULL"
         self.addr, self.laddr = _addresses(sock)
         self.authenticated = server.config.requirepass is None
-        self.reader = RequestReader(server.config.proto_max_bulk_len, self._allocate)
+        self.reader = RequestReader(server.config.proto_max_bulk_len,
+                                    lambda args, size: value_destination(self, args, size))
         self.reader.authenticated = self.authenticated
         self.wbuf = bytearray()
         self.out: deque = deque()          # (buffer, lease or None) waiting for the socket
@@ -69,6 +71,7 @@ class Connection:
         self.backlog: deque = deque()       # parsed commands not run yet
         self.prefetched: list[int] = []     # slots staged for commands still in the backlog
         self.waiting: asyncio.Future | None = None
+        self.later: deque = deque()         # (future, resume) deferred behind ``waiting``
         self.protocol_error: ProtocolError | None = None
         self.pending_fds: list[int] = []    # sent with the next reply bytes (SCM_RIGHTS)
 
@@ -98,7 +101,7 @@ class Connection:
         now = time.monotonic()
         return (f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} name={self.name.decode()} "
                 f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
-                f"ssub=0 multi=-1 qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
+                f"ssub=0 multi={-1 if self.multi is None else len(self.multi)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
                 f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
                 f"omem=0 tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} user=default redir=-1 "
                 f"resp={self.enc.protocol} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}")
@@ -149,7 +152,7 @@ class Connection:
         """Run parsed commands in order; stop while one waits for a tier."""
         backlog = self.backlog
         while backlog and self.waiting is None and not self.close_after_reply:
-            self.execute(*backlog.popleft())
+            dispatch(self, *backlog.popleft())
         if self.prefetched and not backlog and self.waiting is None:
             self.engine.tiers.unstage(self.prefetched)
             self.prefetched = []
@@ -163,13 +166,22 @@ class Connection:
         """Pause this client's commands until ``awaitable`` is done, then ``resume(result)``.
 
         Replies stay in request order: later commands wait in the backlog, and
-        we stop reading from the socket meanwhile.
+        we stop reading from the socket meanwhile. A command may defer twice
+        (a layer wait, then an SSD write to acknowledge): the second wait
+        starts when the first has resumed, never in its place.
         """
-        self.waiting = asyncio.ensure_future(awaitable)
+        future = asyncio.ensure_future(awaitable)
+        if self.waiting is not None:
+            self.later.append((future, resume))
+            return
+        self._wait_for(future, resume)
+
+    def _wait_for(self, future: asyncio.Future, resume) -> None:
+        self.waiting = future
         if self.reading:
             self.server.loop.remove_reader(self.fd)
             self.reading = False
-        self.waiting.add_done_callback(lambda future: self._resume(future, resume))
+        future.add_done_callback(lambda done: self._resume(done, resume))
 
     def _resume(self, future, resume) -> None:
         self.waiting = None
@@ -178,118 +190,13 @@ class Connection:
         except Exception:
             log.exception("deferred command failed")
             self.wbuf += writer.error("internal error while running the command")
+        if self.waiting is None and self.later:
+            self._wait_for(*self.later.popleft())
+            return
+        if self.closed:
+            return
         self._run_backlog()
         self.flush()
-
-    def _allocate(self, args: list, size: int):
-        """Destination for a big bulk: an arena extent when it is a stored value."""
-        cmd = lookup(args[0]) if args else None
-        if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
-                and self.authenticated:
-            try:
-                extent = self.engine.reserve(size)
-                return extent.view, extent
-            except NeedsDemotion:
-                pass            # receive it on the heap; the command waits for room when it runs
-        buf = bytearray(size)
-        return memoryview(buf), buf
-
-    # ------------------------------------------------------------- commands
-
-    def execute(self, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
-        cmd = lookup(args[0])
-        queued = deferred = False
-        tiers = self.engine.tiers
-        try:
-            if cmd is None:
-                raise CommandError(_unknown_command(args))
-            arity = cmd.arity
-            if (len(args) != arity) if arity > 0 else (len(args) < -arity):
-                raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
-            if cmd.subcommands and len(args) > 1:
-                cmd.check_subcommand(args)
-            if not self.authenticated and "no-auth" not in cmd.flags:
-                self.wbuf += NOAUTH_ERROR
-                return
-            if failure is not None:
-                raise failure
-            if tiers is not None and tiers.loading and "loading" not in cmd.flags:
-                raise CommandError("kvstore is loading the dataset in memory", "LOADING")
-            if self.multi is not None and cmd.name.encode() not in QUEUE_ANYWAY:
-                self.multi.append((args, has_holders))
-                queued = True
-                self.wbuf += writer.QUEUED
-                return
-            if tiers is not None and cmd.reads is not None:
-                pending = tiers.pending_fetch(cmd.reads(self, args))
-                if pending:
-                    deferred = True
-                    ahead = [p for p in tiers.pending_fetch(self._reads_ahead()) if p not in pending]
-                    self.defer(tiers.fetch(pending + ahead),
-                               lambda fetched: self._run_fetched(fetched, args, has_holders, len(pending)))
-                    return
-            self.last_command = cmd.name
-            reply = cmd.handler(self, args)
-            if reply is not None:
-                self.wbuf += reply
-            if tiers is not None and tiers.has_unacked():
-                self.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ignore)
-        except NeedsDemotion as exc:
-            deferred = True
-            self.defer(self.engine.tiers.make_room(exc.size),
-                       lambda _: self.execute(args, None, has_holders))
-        except CommandError as exc:
-            self._fail(writer.error(str(exc), exc.code))
-        except OutOfMemory:
-            self._fail(OOM_ERROR)
-        except Exception:
-            log.exception("command %r failed", args[0][:64])
-            self._fail(writer.error("internal error while running the command"))
-        finally:
-            if has_holders and not queued and not deferred:
-                self._release_holders(args)
-            if not deferred:
-                self.server.stats.commands += 1
-
-    def _reads_ahead(self) -> list[bytes]:
-        """Keys the next pipelined commands will read: fetched with the current one,
-        so SSD reads overlap instead of running one command at a time."""
-        keys = []
-        for queued_args, _, _ in islice(self.backlog, 0, PREFETCH_COMMANDS):
-            cmd = lookup(queued_args[0])
-            if cmd is not None and cmd.reads is not None and cmd.arity_ok(len(queued_args)):
-                keys += cmd.reads(self, queued_args)
-        return keys
-
-    def _run_fetched(self, fetched: list, args: list, has_holders: bool, own: int) -> None:
-        """Run a command whose SSD/GPU values have just been copied into DRAM.
-
-        The first ``own`` fetched values are this command's; the others were
-        read ahead for commands behind it and stay staged until the backlog drains.
-        """
-        tiers = self.engine.tiers
-        staged = tiers.install(fetched[:own])
-        self.prefetched += tiers.install(fetched[own:])
-        try:
-            self.execute(args, None, has_holders)
-        finally:
-            tiers.unstage(staged)
-
-    def _fail(self, reply: bytes) -> None:
-        if self.multi is not None:
-            self.multi_dirty = True       # EXEC will answer EXECABORT
-        self.wbuf += reply
-
-    def _release_holders(self, args: list) -> None:
-        for arg in args:
-            if isinstance(arg, Extent) and not arg.committed:
-                self.engine.release(arg)
-
-    def release_queued(self, queued: list) -> None:
-        """Give back the extents of queued commands that will never run."""
-        for args, has_holders in queued:
-            if has_holders:
-                self._release_holders(args)
 
     # ------------------------------------------------------------- writing
 
@@ -421,7 +328,9 @@ class Connection:
             if isinstance(holder, Extent):
                 self.engine.release(holder)
         if self.multi:
-            self.release_queued(self.multi)
+            release_queued(self.engine, self.multi)
+        release_queued(self.engine, [(args, has_holders) for args, _, has_holders in self.backlog])
+        self.backlog.clear()
         if self.prefetched:
             self.engine.tiers.unstage(self.prefetched)
             self.prefetched = []
@@ -437,19 +346,6 @@ class Connection:
         self.close_callbacks.clear()
         self.sock.close()
         self.server.forget(self)
-
-
-def _ignore(result) -> None:
-    """Resume after a wait whose only purpose was ordering (the reply is already queued)."""
-
-
-def _unknown_command(args: list) -> str:
-    shown = ""
-    for arg in args[1:]:
-        if len(shown) >= 128:
-            break
-        shown += "'" + arg[:128 - len(shown)].decode(errors="replace") + "' "
-    return f"unknown command '{args[0][:128].decode(errors='replace')}', with args beginning with: {shown}"
 
 
 def _addresses(sock: socket.socket) -> tuple[str, str]:

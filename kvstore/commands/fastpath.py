@@ -35,6 +35,7 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass
+from typing import NoReturn
 
 from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
 from kvstore.engine import GPU, SSD, STAGED
@@ -99,13 +100,27 @@ def _lease_reads(conn, args: list) -> list[bytes]:
 def kv_lease(conn, args):
     check_token(conn, args[1])
     ttl = parse_ttl(args[2])
-    table, items = table_for(conn.server), []
-    for key in args[3:]:
-        lease = dram_lease(conn, table, key, ttl)
-        items.append(conn.enc.null if lease is None else writer.array(
-            [writer.integer(lease.id), writer.integer(lease.offset), writer.integer(lease.nbytes),
-             writer.integer(lease.word), writer.integer(lease.tag), writer.integer(hold_ms(conn, key, ttl))]))
-    return writer.array(items)
+    table = table_for(conn.server)
+    leases = [dram_lease(conn, table, key, ttl) for key in args[3:]]
+    if any(lease is not None and lease.offset is None for lease in leases):
+        refuse_outside_arena(table, [lease.id for lease in leases if lease is not None])
+    return writer.array([conn.enc.null if lease is None else writer.array(
+        [writer.integer(lease.id), writer.integer(lease.offset), writer.integer(lease.nbytes),
+         writer.integer(lease.word), writer.integer(lease.tag), writer.integer(hold_ms(conn, key, ttl))])
+        for key, lease in zip(args[3:], leases)])
+
+
+def refuse_outside_arena(table, granted: list[int]) -> NoReturn:
+    """Refuse a lease command because a value is not in the arena.
+
+    A value read up from SSD while DRAM is full of values that exist nowhere
+    else is staged on the heap for this one command, where no client can map
+    it. The leases the command already granted end, and the client reads over
+    the socket instead (the NOTINARENA error tells it to).
+    """
+    for lease_id in granted:
+        table.release(lease_id)
+    raise CommandError("a value is staged outside the shared arena; read it over the socket", "NOTINARENA")
 
 
 def hold_ms(conn, key: bytes, ttl_ms: int) -> int:
@@ -235,20 +250,19 @@ def _ssd_reads(conn, args: list) -> list[bytes]:
 def kv_leasegpu(conn, args):
     check_token(conn, args[1])
     ttl = parse_ttl(args[2])
-    table, engine, items = table_for(conn.server), conn.engine, []
+    table, engine, granted = table_for(conn.server), conn.engine, []
     for key in args[3:]:
         slot = engine.lookup(key)
         if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:
-            lease_id, offset, size, tier = *_gpu_lease(conn, table, key, slot, ttl), b"gpu"
+            granted.append((*_gpu_lease(conn, table, key, slot, ttl), b"gpu"))
+        elif (lease := dram_lease(conn, table, key, ttl)) is None:
+            granted.append(None)
         else:
-            lease = dram_lease(conn, table, key, ttl)
-            if lease is None:
-                items.append(conn.enc.null)
-                continue
-            lease_id, offset, size, tier = lease.id, lease.offset, lease.nbytes, b"dram"
-        items.append(writer.array([writer.integer(lease_id), writer.bulk(tier), writer.integer(offset),
-                                   writer.integer(size)]))
-    return writer.array(items)
+            granted.append((lease.id, lease.offset, lease.nbytes, b"dram"))
+    if any(g is not None and g[1] is None for g in granted):
+        refuse_outside_arena(table, [g[0] for g in granted if g is not None])
+    return writer.array([conn.enc.null if g is None else writer.array(
+        [writer.integer(g[0]), writer.bulk(g[3]), writer.integer(g[1]), writer.integer(g[2])]) for g in granted])
 
 
 def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> tuple[int, int, int]:

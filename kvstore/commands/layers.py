@@ -17,7 +17,7 @@ error). Without WAIT a missing block is nil and missing layers are an error.
 """
 from __future__ import annotations
 
-from kvstore.commands.fastpath import check_token, parse_ttl
+from kvstore.commands.fastpath import check_token, parse_ttl, refuse_outside_arena
 from kvstore.commands.table import SYNTAX, CommandError, command, first_key, parse_int
 from kvstore.engine import Extent
 from kvstore.layers import LayerError, PartialBlock, blocks_for, parse_header
@@ -169,6 +169,8 @@ def kv_leaselayers(conn, args):
             key, slot = engine.key_of(found), found
             engine.get_slot(key)
             base = engine.lease(found)         # the token is the value's arena offset
+            if base is None:
+                refuse_outside_arena(table_for(conn.server), [])
             unpin = lambda: engine.unlease(base, found, key)    # noqa: E731
         lease = table_for(conn.server).grant(conn, len(data), ttl, unpin, slot=slot)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),

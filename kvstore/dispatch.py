@@ -1,0 +1,212 @@
+"""Dispatch: the one path every command takes from the parser to its handler.
+
+This is Redis's processCommand. A parsed request is looked up in the command
+table once, then checked in the order Redis checks it: known command, arity,
+subcommand, authentication, the loading state. Inside MULTI it is queued
+instead of run. Before the handler runs, the values it reads are brought up
+from SSD or GPU into DRAM (`TierManager.fetch` on worker threads): the client
+is deferred meanwhile, and the command runs again once they are staged, so a
+handler only ever sees DRAM. A write that finds DRAM full of values that
+exist nowhere else waits for demotion to make room and runs again. Every
+failure becomes one error reply here; a bug in a handler costs that command
+an error, never the node.
+
+What stays in `connection.py`: the socket, the request and reply buffers,
+the backlog of parsed requests and the pause while a deferred command waits.
+Dispatch decides, the connection moves bytes.
+
+A request is ``(args, failure, has_holders)`` as the reader returns it:
+``failure`` is an error found while parsing (a value too big for the arena)
+that must be reported in order, and ``has_holders`` says that some argument
+is an arena extent received straight from the socket (given back unless the
+handler committed it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from itertools import islice
+
+from kvstore.commands.table import Command, CommandError, lookup
+from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
+from kvstore.protocol import writer
+
+log = logging.getLogger("kvstore")
+
+PREFETCH_COMMANDS = 16     # pipelined commands whose SSD values are fetched together
+OOM_ERROR = writer.error("command not allowed when used memory > 'maxmemory'.", "OOM")
+NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
+INTERNAL_ERROR = writer.error("internal error while running the command")
+# Commands that run at once inside MULTI instead of being queued (Redis's list).
+RUN_INSIDE_MULTI = frozenset((b"exec", b"discard", b"multi", b"quit"))
+
+
+def value_destination(conn, args: list, size: int):
+    """Where the reader puts a big bulk: an arena extent when it is a value to store.
+
+    Values land in their final place (no copy at commit); anything else, and a
+    value that would have to wait for room, is received on the heap.
+    """
+    cmd = lookup(args[0]) if args else None
+    if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
+            and conn.authenticated:
+        try:
+            extent = conn.engine.reserve(size)
+            return extent.view, extent
+        except NeedsDemotion:
+            pass            # the command waits for room when it runs
+    buf = bytearray(size)
+    return memoryview(buf), buf
+
+
+def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
+    """Run one request for ``conn``: its reply (or a deferral) is queued on the connection."""
+    settled = True          # False while the request is queued in MULTI or deferred
+    try:
+        cmd = _checked(conn, args)
+        if cmd is None:
+            return
+        if failure is not None:
+            raise failure
+        if conn.multi is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
+            conn.multi.append((args, has_holders))
+            conn.write(writer.QUEUED)
+            settled = False
+            return
+        if _fetch_first(conn, cmd, args, has_holders):
+            settled = False
+            return
+        _run(conn, cmd, args)
+    except NeedsDemotion as exc:
+        settled = False
+        conn.defer(conn.engine.tiers.make_room(exc.size),
+                   lambda _: dispatch(conn, args, None, has_holders))
+    except CommandError as exc:
+        _fail(conn, writer.error(str(exc), exc.code))
+    except OutOfMemory:
+        _fail(conn, OOM_ERROR)
+    except Exception:
+        log.exception("command %r failed", args[0][:64])
+        _fail(conn, INTERNAL_ERROR)
+    finally:
+        if settled:
+            if has_holders:
+                release_holders(conn.engine, args)
+            conn.server.stats.commands += 1
+
+
+def _checked(conn, args: list) -> Command | None:
+    """The request's command after Redis's checks; None when an error reply was queued
+    that does not abort a transaction (NOAUTH)."""
+    cmd = lookup(args[0])
+    if cmd is None:
+        raise CommandError(_unknown_command(args))
+    if not cmd.arity_ok(len(args)):
+        raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
+    if cmd.subcommands and len(args) > 1:
+        cmd.check_subcommand(args)
+    if not conn.authenticated and "no-auth" not in cmd.flags:
+        conn.write(NOAUTH_ERROR)
+        return None
+    tiers = conn.engine.tiers
+    if tiers is not None and tiers.loading and "loading" not in cmd.flags:
+        raise CommandError("kvstore is loading the dataset in memory", "LOADING")
+    return cmd
+
+
+def _run(conn, cmd: Command, args: list) -> None:
+    conn.last_command = cmd.name
+    reply = cmd.handler(conn, args)
+    if reply is not None:
+        conn.write(reply)
+    tiers = conn.engine.tiers
+    if tiers is not None and tiers.has_unacked():
+        # A write that must reach SSD before it is acknowledged: hold later replies.
+        conn.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ordering_only)
+
+
+def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
+    """Defer the command while the values it reads come up from SSD/GPU; True when deferred.
+
+    The keys the next pipelined commands read are fetched in the same batch,
+    so their SSD reads overlap instead of running one command at a time.
+    """
+    tiers = conn.engine.tiers
+    if tiers is None or cmd.reads is None:
+        return False
+    pending = tiers.pending_fetch(cmd.reads(conn, args))
+    if not pending:
+        return False
+    ahead = [p for p in tiers.pending_fetch(_reads_ahead(conn)) if p not in pending]
+    conn.defer(tiers.fetch(pending + ahead),
+               lambda fetched: _run_fetched(conn, fetched, args, has_holders, len(pending)))
+    return True
+
+
+def _reads_ahead(conn) -> list[bytes]:
+    keys = []
+    for queued_args, _, _ in islice(conn.backlog, 0, PREFETCH_COMMANDS):
+        cmd = lookup(queued_args[0])
+        if cmd is not None and cmd.reads is not None and cmd.arity_ok(len(queued_args)):
+            keys += cmd.reads(conn, queued_args)
+    return keys
+
+
+def _run_fetched(conn, fetched: list, args: list, has_holders: bool, own: int) -> None:
+    """Run a command whose values were just copied into DRAM.
+
+    The first ``own`` fetched values are this command's (unstaged once it ran);
+    the others were read ahead for commands behind it and stay staged until
+    the connection's backlog drains.
+    """
+    tiers = conn.engine.tiers
+    staged = tiers.install(fetched[:own])
+    conn.prefetched += tiers.install(fetched[own:])
+    try:
+        dispatch(conn, args, None, has_holders)
+    finally:
+        tiers.unstage(staged)
+
+
+def run_transaction(conn, queued: list) -> None:
+    """EXEC: the queued requests run next, in order, ahead of anything pipelined after EXEC.
+
+    They go back to the front of the backlog rather than being run from inside
+    EXEC's handler, so a queued command that must wait (for a tier fetch or
+    for room) holds the rest of the transaction, and its reply, in place.
+    """
+    conn.write(b"*%d\r\n" % len(queued))
+    conn.backlog.extendleft((args, None, has_holders) for args, has_holders in reversed(queued))
+
+
+def _fail(conn, reply: bytes) -> None:
+    if conn.multi is not None:
+        conn.multi_dirty = True       # EXEC will answer EXECABORT
+    conn.write(reply)
+
+
+def release_holders(engine, args: list) -> None:
+    """Give back arena extents received for a request that did not commit them."""
+    for arg in args:
+        if isinstance(arg, Extent) and not arg.committed:
+            engine.release(arg)
+
+
+def release_queued(engine, queued: list) -> None:
+    """Give back the extents of queued requests that will never run."""
+    for args, has_holders in queued:
+        if has_holders:
+            release_holders(engine, args)
+
+
+def _ordering_only(result) -> None:
+    """Resume after a wait whose only purpose was ordering (the reply is already queued)."""
+
+
+def _unknown_command(args: list) -> str:
+    shown = ""
+    for arg in args[1:]:
+        if len(shown) >= 128:
+            break
+        shown += "'" + arg[:128 - len(shown)].decode(errors="replace") + "' "
+    return f"unknown command '{args[0][:128].decode(errors='replace')}', with args beginning with: {shown}"

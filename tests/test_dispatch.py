@@ -1,0 +1,64 @@
+"""kvstore/dispatch.py against a real daemon: transactions whose commands must wait,
+and the order of replies around them."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import redis
+
+from conftest import start_kvstore
+
+
+def _command(*args) -> bytes:
+    out = b"*%d\r\n" % len(args)
+    for arg in args:
+        arg = arg if isinstance(arg, bytes) else str(arg).encode()
+        out += b"$%d\r\n%s\r\n" % (len(arg), arg)
+    return out
+
+
+def _read_until(sock: socket.socket, tail: bytes, timeout: float = 20.0) -> bytes:
+    data, deadline = b"", time.monotonic() + timeout
+    while not data.endswith(tail) and time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(1 << 16)
+        except socket.timeout:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_exec_keeps_reply_order_when_queued_writes_wait_for_room(tmp_path):
+    """DRAM full of values that exist only there: each queued SET waits for demotion.
+    The transaction's replies stay in order and nothing after EXEC overtakes them."""
+    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"),
+                           "--ssd-size", "256mb")
+    try:
+        big = os.urandom(1 << 20)
+        payload = b"".join(_command("SET", f"fill{i}", big) for i in range(12))
+        payload += _command("SET", "small", "x") + _command("MULTI")
+        payload += _command("SET", "t1", big[:900_000]) + _command("SET", "t2", big[:800_000])
+        payload += _command("GET", "small") + _command("EXEC") + _command("PING")
+        with socket.create_connection((daemon.host, daemon.port)) as sock:
+            sock.sendall(payload)
+            replies = _read_until(sock, b"+PONG\r\n")
+        assert replies == b"+OK\r\n" * 14 + b"+QUEUED\r\n" * 3 + b"*3\r\n+OK\r\n+OK\r\n$1\r\nx\r\n+PONG\r\n"
+        client = redis.Redis(daemon.host, daemon.port)
+        assert client.get("t1") == big[:900_000] and client.get("t2") == big[:800_000]
+    finally:
+        daemon.stop()
+
+
+def test_client_list_counts_queued_commands(server):
+    client = redis.Redis(server.host, server.port)
+    assert "multi=-1" in client.execute_command("CLIENT", "LIST").decode()
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(_command("MULTI") + _command("SET", "a", "1") + _command("GET", "a"))
+        assert _read_until(sock, b"+QUEUED\r\n+QUEUED\r\n") == b"+OK\r\n+QUEUED\r\n+QUEUED\r\n"
+        lines = client.execute_command("CLIENT", "LIST").decode().splitlines()
+        assert sum("multi=2 " in line for line in lines) == 1

@@ -1,0 +1,50 @@
+"""kvstore/commands/fastpath.py against a real daemon: lease commands on values
+that are not in the shared arena."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import redis
+
+from conftest import start_kvstore, wait_until
+from test_dispatch import _command, _read_until
+
+
+def _on_ssd(client: redis.Redis, key: str) -> bool:
+    return client.execute_command("KV.LOCATE", key)[0][0] == b"ssd"
+
+
+def test_lease_of_a_value_staged_on_the_heap_is_refused_and_holds_nothing(tmp_path):
+    """DRAM full of values that exist only there: a value read up from SSD is staged
+    on the heap for one command. KV.LEASE and KV.LEASEGPU answer NOTINARENA (no
+    internal error) and leave no lease granted."""
+    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"),
+                           "--ssd-size", "256mb")
+    try:
+        client = redis.Redis(daemon.host, daemon.port)
+        token = client.execute_command("KV.ARENA")[4]
+        big = os.urandom(1 << 20)
+        client.set("cold", big)
+        for i in range(12):
+            client.set(f"pad{i}", big)
+        wait_until(lambda: _on_ssd(client, "cold"), what="the value to reach SSD")
+        for command in ("KV.LEASE", "KV.LEASEGPU"):
+            payload = b"".join(_command("SET", f"fill{i}", big) for i in range(12))
+            payload += _command(command, token, 5000, "cold") + _command("PING")
+            with socket.create_connection((daemon.host, daemon.port)) as sock:
+                sock.sendall(payload)
+                replies = _read_until(sock, b"+PONG\r\n")
+            assert replies.startswith(b"+OK\r\n" * 12), replies[:200]
+            answer = replies[60:-len(b"+PONG\r\n")]
+            assert answer.startswith(b"-NOTINARENA "), answer[:200]
+            assert b"internal error" not in replies
+            time.sleep(0.1)
+        stats = client.execute_command("KV.LEASES")
+        if isinstance(stats, list):
+            stats = dict(zip(stats[::2], stats[1::2]))
+        assert stats[b"leases_active"] == 0
+        assert client.get("cold") == big
+    finally:
+        daemon.stop()
