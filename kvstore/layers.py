@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from kvstore.engine import Extent
@@ -226,15 +225,3 @@ class BlockTable:
         return {"partial_blocks": len(self.blocks),
                 "partial_block_bytes": sum(b.extent.size for b in self.blocks.values()),
                 **vars(self.stats)}
-
-
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def blocks_for(server) -> BlockTable:
-    """The block table of ``server``, made (and its reclamation put on the cron) on first use."""
-    table = _TABLES.get(server)
-    if table is None:
-        table = _TABLES[server] = BlockTable(server.engine)
-        server.add_cron(table.reclaim)
-    return table

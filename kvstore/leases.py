@@ -45,9 +45,9 @@ out of words a lease gets word -1 and the client falls back to asking (a
 release answers whether the lease was still valid).
 
 Ids are random 63-bit integers, so one client cannot release another's lease
-by guessing. One table exists per server (`table_for`); it registers its
-expiry job with the server's cron and its drop listener with the engine on
-first use, and counts what happened for KV.LEASES and INFO.
+by guessing. The server makes one table (`Server.leases`), puts its expiry
+on the cron and its drop listener on the engine, and the table counts what
+happened for KV.LEASES and INFO.
 """
 from __future__ import annotations
 
@@ -56,7 +56,6 @@ import mmap
 import os
 import secrets
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -64,6 +63,8 @@ import numpy as np
 
 from kvstore.engine import Extent
 from proto.fastpath import VALIDITY_WORDS
+
+ARENA_TOKEN_BYTES = 16
 
 
 class ValidityWords:
@@ -142,7 +143,6 @@ class LeaseTable:
     leases: dict[int, Lease] = field(default_factory=dict)
     reservations: dict[int, Reservation] = field(default_factory=dict)
     stats: LeaseStats = field(default_factory=LeaseStats)
-    identity: tuple[int, bytes] | None = None        # (offset, token) proving a mapping is ours
     _by_owner: dict[int, set[int]] = field(default_factory=dict)
     _watched: set[int] = field(default_factory=set)
     _by_slot: dict[int, set[int]] = field(default_factory=dict)
@@ -287,15 +287,16 @@ class LeaseTable:
             owned.discard(item_id)
 
 
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def claim_arena_identity(engine) -> tuple[int, bytes]:
+    """Write a random token into a small extent of the arena: (offset, token).
 
-
-def table_for(server) -> LeaseTable:
-    """The lease table of ``server``, made (its expiry put on the cron, its drop listener on the
-    engine) on first use."""
-    table = _TABLES.get(server)
-    if table is None:
-        table = _TABLES[server] = LeaseTable(server.engine)
-        server.add_cron(table.expire)
-        server.engine.drop_listeners.append(table.on_drop)
-    return table
+    A client proves its mapping is of this node's current arena by finding the
+    token at the offset; a node that restarted has a new arena and a new token,
+    so a client still holding the old mapping is told to map again (STALEARENA)
+    instead of being handed offsets into memory the node no longer shares.
+    """
+    extent = engine.reserve(ARENA_TOKEN_BYTES)
+    token = secrets.token_bytes(ARENA_TOKEN_BYTES)
+    extent.view[:] = token
+    extent.committed = True
+    return extent.offset, token

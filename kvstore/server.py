@@ -8,7 +8,6 @@ client and removes the Unix socket file.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -16,9 +15,11 @@ import socket
 import time
 from dataclasses import dataclass
 
-from kvstore.config import Config, parse_size
+from kvstore.config import Config
 from kvstore.connection import Connection
 from kvstore.engine import Engine
+from kvstore.layers import BlockTable
+from kvstore.leases import LeaseTable, claim_arena_identity
 from kvstore.metrics import serve_metrics
 from kvstore.tiering import open_tiers
 from kvstore.tiers import TierError
@@ -51,11 +52,21 @@ class Server:
         self._next_id = 1
         self._stopped: asyncio.Future | None = None
         self._cron_jobs: list = []          # (callable) run every CRON_SECONDS
+        # What local clients hold: leases, reservations, blocks written layer by layer.
+        self.leases = LeaseTable(self.engine)
+        self.blocks = BlockTable(self.engine)
+        self._arena_identity: tuple[int, bytes] | None = None
+        self.engine.drop_listeners.append(self.leases.on_drop)
+        self.add_cron(self.leases.expire)
+        self.add_cron(self.blocks.reclaim)
 
     @property
-    def loading(self) -> bool:
-        """True while the SSD tier's index is being read back after a restart."""
-        return self.engine.tiers is not None and self.engine.tiers.loading
+    def arena_identity(self) -> tuple[int, bytes]:
+        """(offset, token) proving a client's mapping is of this arena; claimed when the
+        first local client asks, so a node nobody maps spends nothing on it."""
+        if self._arena_identity is None:
+            self._arena_identity = claim_arena_identity(self.engine)
+        return self._arena_identity
 
     # ------------------------------------------------------------ lifecycle
 
@@ -163,28 +174,6 @@ class Server:
         log.info("Bye")
 
     # ------------------------------------------------------------ config
-
-    def config_values(self) -> dict[str, str]:
-        cfg = self.config
-        values = {name: cfg.get(name) for name in cfg.names()}
-        values["maxmemory"] = str(self.engine.limit)
-        values["save"] = ""             # nothing is persisted but the SSD tier (as Redis with save "")
-        values["appendonly"] = "no"
-        values["requirepass"] = cfg.requirepass or ""
-        return values
-
-    def set_config(self, name: str, value: str) -> None:
-        if name == "maxmemory":
-            limit = parse_size(value)
-            self.engine.limit = min(limit, self.config.dram_size) if limit else self.config.dram_size
-            return
-        updated = dataclasses.replace(self.config)
-        updated.set(name, value or None if name == "requirepass" else value)
-        updated.validate()
-        self.config = updated
-        self.engine.policy = self.config.maxmemory_policy
-        for conn in self.clients.values():
-            conn.reader.max_bulk_len = self.config.proto_max_bulk_len
 
     def reset_stats(self) -> None:
         self.stats = ServerStats()

@@ -32,20 +32,14 @@ shares with the node, and maps the arena again.
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 from dataclasses import dataclass
 from typing import NoReturn
 
 from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
 from kvstore.engine import GPU, SSD, STAGED
-from kvstore.layers import blocks_for
-from kvstore.leases import table_for
 from kvstore.protocol import writer
 from proto import fastpath as fp
-
-ARENA_TOKEN_BYTES = 16
-
 
 def parse_ttl(arg: bytes) -> int:
     ttl = parse_int(arg, "TTL must be a positive integer of milliseconds")
@@ -60,27 +54,16 @@ def parse_ids(args: list) -> list[int]:
 
 def check_token(conn, token: bytes) -> None:
     """Refuse offsets to a client whose mapping is not of this node's current arena."""
-    if token != _arena_identity(conn)[1]:
+    if token != conn.server.arena_identity[1]:
         raise CommandError("the client's arena mapping is not this node's arena (map it again)",
                            "STALEARENA")
-
-
-def _arena_identity(conn) -> tuple[int, bytes]:
-    """A token kept in a small extent of the arena, to prove a mapping is this node's."""
-    table = table_for(conn.server)
-    if table.identity is None:
-        extent = conn.engine.reserve(ARENA_TOKEN_BYTES)
-        token = secrets.token_bytes(ARENA_TOKEN_BYTES)
-        extent.view[:] = token
-        table.identity = (extent.offset, token)
-    return table.identity
 
 
 @command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
          "passes its fd over a Unix socket.", keys=(0, 0, 0))
 def kv_arena(conn, args):
-    arena, words = conn.engine.arena, table_for(conn.server).words
-    offset, token = _arena_identity(conn)
+    arena, words = conn.engine.arena, conn.server.leases.words
+    offset, token = conn.server.arena_identity
     passed = conn.sock.family == socket.AF_UNIX
     if passed:
         conn.attach_fds([arena.fd, words.fd])
@@ -100,7 +83,7 @@ def _lease_reads(conn, args: list) -> list[bytes]:
 def kv_lease(conn, args):
     check_token(conn, args[1])
     ttl = parse_ttl(args[2])
-    table = table_for(conn.server)
+    table = conn.server.leases
     leases = [dram_lease(conn, table, key, ttl) for key in args[3:]]
     if any(lease is not None and lease.offset is None for lease in leases):
         refuse_outside_arena(table, [lease.id for lease in leases if lease is not None])
@@ -158,7 +141,7 @@ def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
          "Ends leases; per lease 1 when it was still valid, 0 when it had expired or was reclaimed.",
          keys=(0, 0, 0))
 def kv_release(conn, args):
-    table = table_for(conn.server)
+    table = conn.server.leases
     return writer.array([writer.ONE if table.release(i) else writer.ZERO for i in parse_ids(args[1:])])
 
 
@@ -170,7 +153,7 @@ def kv_reserve(conn, args):
     sizes = [parse_int(a, "sizes are non-negative integers") for a in args[3:]]
     if any(size < 0 for size in sizes):
         raise CommandError("sizes are non-negative integers")
-    table, made = table_for(conn.server), []
+    table, made = conn.server.leases, []
     try:
         for size in sizes:
             made.append(table.reserve(conn, size, ttl))
@@ -195,7 +178,7 @@ def kv_publish(conn, args):
             nx, i = True, i + 1
         else:
             raise CommandError(SYNTAX)
-    table = table_for(conn.server)
+    table = conn.server.leases
     reservation = table.take(reservation_id)
     if reservation is None:
         raise CommandError("reservation expired or unknown", "EXPIRED")
@@ -210,14 +193,14 @@ def kv_publish(conn, args):
 @command(fp.KV_UNRESERVE, -2, "write fast", "fastpath", "Gives back reservations that will not be published.",
          keys=(0, 0, 0))
 def kv_unreserve(conn, args):
-    table = table_for(conn.server)
+    table = conn.server.leases
     return writer.integer(sum(table.cancel(i) for i in parse_ids(args[1:])))
 
 
 @command(fp.KV_LEASES, 1, "readonly fast", "fastpath",
          "Returns lease, reservation and partial-block counters.", keys=(0, 0, 0))
 def kv_leases(conn, args):
-    fields = {**table_for(conn.server).info(), **blocks_for(conn.server).info()}
+    fields = {**conn.server.leases.info(), **conn.server.blocks.info()}
     return conn.enc.map([(writer.bulk(k), writer.integer(v)) for k, v in fields.items()])
 
 
@@ -250,7 +233,7 @@ def _ssd_reads(conn, args: list) -> list[bytes]:
 def kv_leasegpu(conn, args):
     check_token(conn, args[1])
     ttl = parse_ttl(args[2])
-    table, engine, granted = table_for(conn.server), conn.engine, []
+    table, engine, granted = conn.server.leases, conn.engine, []
     for key in args[3:]:
         slot = engine.lookup(key)
         if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:

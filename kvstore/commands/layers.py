@@ -20,8 +20,7 @@ from __future__ import annotations
 from kvstore.commands.fastpath import check_token, parse_ttl, refuse_outside_arena
 from kvstore.commands.table import SYNTAX, CommandError, command, first_key, parse_int
 from kvstore.engine import Extent
-from kvstore.layers import LayerError, PartialBlock, blocks_for, parse_header
-from kvstore.leases import table_for
+from kvstore.layers import LayerError, PartialBlock, parse_header
 from kvstore.protocol import writer
 from proto import fastpath as fp
 
@@ -55,7 +54,7 @@ def _layer_errors(fn):
 def kv_block(conn, args):
     opts = _options(args[3:], (b"PARENT", b"TIMEOUT"))
     timeout = parse_ttl(opts[b"TIMEOUT"]) if b"TIMEOUT" in opts else fp.PARTIAL_TIMEOUT_MS
-    block = blocks_for(conn.server).open(args[1], args[2], opts.get(b"PARENT"), timeout)
+    block = conn.server.blocks.open(args[1], args[2], opts.get(b"PARENT"), timeout)
     if block is None:
         return writer.ZERO
     g = block.geometry
@@ -72,14 +71,14 @@ def _layer_index(arg: bytes) -> int:
 @_layer_errors
 def kv_putlayer(conn, args):
     data = args[3].view if isinstance(args[3], Extent) else args[3]
-    return writer.integer(blocks_for(conn.server).write(args[1], _layer_index(args[2]), data))
+    return writer.integer(conn.server.blocks.write(args[1], _layer_index(args[2]), data))
 
 
 @command(fp.KV_LAYERDONE, 3, "write fast", "layers",
          "Marks a layer the client wrote straight into the block's extent as complete.")
 @_layer_errors
 def kv_layerdone(conn, args):
-    return writer.integer(blocks_for(conn.server).mark(args[1], _layer_index(args[2])))
+    return writer.integer(conn.server.blocks.mark(args[1], _layer_index(args[2])))
 
 
 # ------------------------------------------------------------------ reads
@@ -87,7 +86,7 @@ def kv_layerdone(conn, args):
 def _find(conn, key: bytes, start: int, stop: int):
     """The partial block holding the range, the engine slot of the finished block,
     PENDING when the block is open but the range is not in yet, or None."""
-    block = blocks_for(conn.server).blocks.get(key)
+    block = conn.server.blocks.blocks.get(key)
     if block is not None:
         return block if block.has(*block.geometry.resolve(start, stop)) else PENDING
     return conn.engine.lookup(key)
@@ -122,7 +121,7 @@ def _read_layers(conn, args: list, first: int, reply) -> bytes | None:
         except (CommandError, LayerError) as exc:
             conn.write(writer.error(str(exc), getattr(exc, "code", "ERR")))
 
-    conn.defer(blocks_for(conn.server).wait(key, ready, timeout_s), resume)
+    conn.defer(conn.server.blocks.wait(key, ready, timeout_s), resume)
     return None
 
 
@@ -164,15 +163,15 @@ def kv_leaselayers(conn, args):
         header, data, first = _source(conn, found, start, stop)
         engine = conn.engine
         if isinstance(found, PartialBlock):
-            base, unpin, slot = found.extent.offset, blocks_for(conn.server).pin(found), None
+            base, unpin, slot = found.extent.offset, conn.server.blocks.pin(found), None
         else:
             key, slot = engine.key_of(found), found
             engine.get_slot(key)
             base = engine.lease(found)         # the token is the value's arena offset
             if base is None:
-                refuse_outside_arena(table_for(conn.server), [])
+                refuse_outside_arena(conn.server.leases, [])
             unpin = lambda: engine.unlease(base, found, key)    # noqa: E731
-        lease = table_for(conn.server).grant(conn, len(data), ttl, unpin, slot=slot)
+        lease = conn.server.leases.grant(conn, len(data), ttl, unpin, slot=slot)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
                              writer.bulk(bytes(header)), writer.integer(lease.word), writer.integer(lease.tag)])
     return _read_layers(conn, args, 3, reply)
