@@ -1,8 +1,8 @@
 """The `kvstore` command line: the one door to the node, the conductor and the replay.
 
 `serve` runs a store node with Redis-style flags (or a TOML file with the same
-keys). Other subcommands import their package only when used, so the store
-never depends on the conductor or the workers.
+keys). The conductor's subcommands import their package only when used, so the
+store never depends on the conductor.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import logging
 import sys
 
 from kvstore import __version__
-from kvstore.config import EVICTION_POLICIES, SSD_WRITE_POLICIES, Config, ConfigError, parse_size
+from kvstore.config import (EVICTION_POLICIES, LOG_LEVELS, SSD_COMPRESSIONS, SSD_WRITE_POLICIES, Config, ConfigError,
+                            parse_size)
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 
@@ -38,7 +39,7 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--proto-max-bulk-len", type=_size, metavar="SIZE",
                    help="largest bulk string a client may send (default 512mb)")
     p.add_argument("--maxclients", type=int, metavar="N", help="most clients connected at once (default 10000)")
-    p.add_argument("--loglevel", choices=("debug", "verbose", "notice", "warning"),
+    p.add_argument("--loglevel", choices=tuple(LOG_LEVELS),
                    help="log verbosity (default notice)")
     tiers = p.add_argument_group("tiers")
     tiers.add_argument("--ssd-dir", metavar="DIR", help="enable the SSD tier: RocksDB in this directory "
@@ -47,7 +48,7 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     tiers.add_argument("--ssd-write-policy", choices=SSD_WRITE_POLICIES,
                        help="write-back: values reach SSD when demoted; write-through: every put also "
                        "lands on SSD, asynchronously (default write-back)")
-    tiers.add_argument("--ssd-compression", choices=("auto", "off"),
+    tiers.add_argument("--ssd-compression", choices=SSD_COMPRESSIONS,
                        help="lz4 per value, kept only when it saves space (default auto)")
     tiers.add_argument("--gpu-size", type=_size, metavar="SIZE", help="enable the GPU tier with a device "
                        "arena of this size (an error without a usable GPU; default: no GPU tier)")
@@ -77,8 +78,7 @@ def build_config(args: argparse.Namespace) -> Config:
 
 
 def setup_logging(level: str) -> None:
-    levels = {"debug": logging.DEBUG, "verbose": logging.DEBUG, "notice": logging.INFO, "warning": logging.WARNING}
-    logging.basicConfig(level=levels[level], stream=sys.stderr,
+    logging.basicConfig(level=LOG_LEVELS[level], stream=sys.stderr,
                         format="%(process)d:M %(asctime)s.%(msecs)03d * %(message)s",
                         datefmt="%d %b %Y %H:%M:%S")
 

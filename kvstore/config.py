@@ -6,6 +6,8 @@ in redis.conf. Sizes accept Redis's units (``256mb``, ``4gb``, ``1024``).
 """
 from __future__ import annotations
 
+import logging
+import os
 import re
 import tomllib
 from dataclasses import dataclass, fields
@@ -14,6 +16,12 @@ from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 EVICTION_POLICIES = ("allkeys-lru", "noeviction")
 SSD_WRITE_POLICIES = ("write-back", "write-through")
+SSD_COMPRESSIONS = ("auto", "off")
+LOG_LEVELS = {"debug": logging.DEBUG, "verbose": logging.DEBUG, "notice": logging.INFO,
+              "warning": logging.WARNING}
+# CONFIG SET answers a bad policy with Redis's own list, word for word, as clients expect.
+REDIS_POLICIES = ("volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl", "allkeys-lru",
+                  "allkeys-lfu", "allkeys-random", "noeviction")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2,
           "g": 1000**3, "gb": 1024**3, "t": 1000**4, "tb": 1024**4}
@@ -21,17 +29,44 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$")
 
 
 class ConfigError(ValueError):
-    """A setting with a bad name or value; the message names it."""
+    """A setting with a bad name or value; the message names it.
+
+    ``settings`` are the dashed names the complaint is about, and ``reason``
+    says it without the name, in Redis's words where Redis has them, for
+    CONFIG SET's "possibly related to argument" error.
+    """
+
+    def __init__(self, message: str, settings: tuple[str, ...] = (), reason: str | None = None):
+        super().__init__(message)
+        self.settings = settings
+        self.reason = reason or message
 
 
 def parse_size(text: str | int) -> int:
     """``'256mb'`` -> 268435456, with Redis's units (k=1000, kb=1024)."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
     m = _SIZE.match(str(text).lower())
     if not m or m.group(2) not in _UNITS:
-        raise ConfigError(f"invalid size '{text}' (use e.g. 1024, 64kb, 256mb, 4gb)")
+        raise ConfigError(f"invalid size '{text}' (use e.g. 1024, 64kb, 256mb, 4gb)",
+                          reason="argument must be a memory value")
     return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def physical_memory() -> int:
+    """Bytes of RAM in this machine: the DRAM arena is faulted in whole, so it must fit."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check(ok: bool, setting: str, message: str, reason: str | None = None) -> None:
+    if not ok:
+        raise ConfigError(message, (setting,), reason)
+
+
+def _one_of(setting: str, value: str, choices, listed=None) -> None:
+    listed = ", ".join(listed or choices)
+    _check(value in choices, setting, f"{setting} must be one of {', '.join(choices)}",
+           f"argument(s) must be one of the following: {listed}")
 
 
 @dataclass
@@ -60,31 +95,35 @@ class Config:
     SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size")
     INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port")
     FLOAT_FIELDS = ("high_watermark", "low_watermark")
+    LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel")
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.maxmemory_policy not in EVICTION_POLICIES:
-            raise ConfigError(f"maxmemory-policy must be one of {', '.join(EVICTION_POLICIES)}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port {self.port} out of range")
-        if self.dram_size < 1024 * 1024:
-            raise ConfigError("dram-size must be at least 1mb")
-        if not 1024 * 1024 <= self.proto_max_bulk_len < 4 * 1024**3:
-            raise ConfigError("proto-max-bulk-len must be at least 1mb and below 4gb")
-        if self.maxclients < 1:
-            raise ConfigError("maxclients must be at least 1")
-        if self.ssd_write_policy not in SSD_WRITE_POLICIES:
-            raise ConfigError(f"ssd-write-policy must be one of {', '.join(SSD_WRITE_POLICIES)}")
-        if self.ssd_compression not in ("auto", "off"):
-            raise ConfigError("ssd-compression must be auto or off")
+        """Raise ConfigError naming the first setting out of bounds (or a pair that disagrees)."""
+        _one_of("maxmemory-policy", self.maxmemory_policy, EVICTION_POLICIES, REDIS_POLICIES)
+        _check(bool(self.bind.split()), "bind", "bind must name at least one address")
+        _check(0 <= self.port < 65536, "port", f"port {self.port} out of range")
+        _check(self.dram_size >= 1024 * 1024, "dram-size", "dram-size must be at least 1mb")
+        _check(self.dram_size <= physical_memory(), "dram-size",
+               f"dram-size ({self.dram_size} bytes) is more than this machine's memory "
+               f"({physical_memory()} bytes)")
+        _check(1024 * 1024 <= self.proto_max_bulk_len < 4 * 1024**3, "proto-max-bulk-len",
+               "proto-max-bulk-len must be at least 1mb and below 4gb")
+        _check(self.maxclients >= 1, "maxclients", "maxclients must be at least 1")
+        _one_of("loglevel", self.loglevel, tuple(LOG_LEVELS))
+        _one_of("ssd-write-policy", self.ssd_write_policy, SSD_WRITE_POLICIES)
+        _one_of("ssd-compression", self.ssd_compression, SSD_COMPRESSIONS)
+        _check(self.ssd_size >= 1024 * 1024, "ssd-size", "ssd-size must be at least 1mb")
+        _check(self.gpu_size >= 0, "gpu-size", "gpu-size must be 0 (no GPU tier) or more")
+        _check(self.gpu_device >= 0, "gpu-device", "gpu-device must be 0 or more")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ConfigError("watermarks must satisfy 0 < low-watermark < high-watermark <= 1")
-        if self.promote_hits < 1:
-            raise ConfigError("promote-hits must be at least 1")
-        if self.ssd_size < 1024 * 1024:
-            raise ConfigError("ssd-size must be at least 1mb")
+            raise ConfigError("watermarks must satisfy 0 < low-watermark < high-watermark <= 1",
+                              ("low-watermark", "high-watermark"))
+        _check(self.promote_hits >= 1, "promote-hits", "promote-hits must be at least 1")
+        _check(self.promote_window_ms >= 1, "promote-window-ms", "promote-window-ms must be at least 1")
+        _check(0 <= self.metrics_port < 65536, "metrics-port", f"metrics-port {self.metrics_port} out of range")
 
     @classmethod
     def names(cls) -> list[str]:
@@ -92,29 +131,32 @@ class Config:
         return [f.name.replace("_", "-") for f in fields(cls)]
 
     def set(self, name: str, value) -> None:
-        """Set one setting by its dashed or underscored name, converting the value."""
+        """Set one setting by its dashed or underscored name, converting the value.
+
+        Values come as text (flags, CONFIG SET) or typed (TOML); a typed value
+        of the wrong kind (``port = true``, ``bind = 5``) is refused, not coerced.
+        """
         attr = name.replace("-", "_").lower()
         if attr not in {f.name for f in fields(self)}:
             raise ConfigError(f"unknown setting '{name}'")
+        setattr(self, attr, self._convert(attr, value))
+
+    def _convert(self, attr: str, value):
+        setting = attr.replace("_", "-")
         if attr in self.SIZE_FIELDS:
-            value = parse_size(value)
-        elif attr in self.INT_FIELDS:
-            if isinstance(value, float):
-                raise ConfigError(f"{name} must be an integer")
             try:
-                value = int(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{name} must be an integer") from None
-        elif attr in self.FLOAT_FIELDS:
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{name} must be a number") from None
-        elif attr in ("maxmemory_policy", "ssd_write_policy"):
-            value = str(value).lower()
-        elif value is not None:
-            value = str(value)
-        setattr(self, attr, value)
+                return parse_size(value)
+            except ConfigError as e:
+                raise ConfigError(f"{setting}: {e}", (setting,), e.reason) from None
+        if attr in self.INT_FIELDS:
+            return _integer(setting, value)
+        if attr in self.FLOAT_FIELDS:
+            return _number(setting, value)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ConfigError(f"{setting} must be a string", (setting,))
+        return value.lower() if attr in self.LOWERCASE_FIELDS else value
 
     def get(self, name: str) -> str:
         value = getattr(self, name.replace("-", "_").lower())
@@ -134,3 +176,21 @@ class Config:
             cfg.set(key, value)
         cfg.validate()
         return cfg
+
+
+def _integer(setting: str, value) -> int:
+    if not isinstance(value, (bool, float)):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"{setting} must be an integer", (setting,), "argument couldn't be parsed into an integer")
+
+
+def _number(setting: str, value) -> float:
+    if not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"{setting} must be a number", (setting,), "argument couldn't be parsed into a number")

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from conftest import Daemon, free_port, start_kvstore, wait_ready
+from kvstore.config import Config
 
 ISSUE_FLAGS = ("--bind", "--port", "--unixsocket", "--dram-size", "--maxmemory-policy", "--requirepass",
                "--proto-max-bulk-len", "--maxclients", "--config")
@@ -99,6 +100,57 @@ def test_bad_key_in_config_file_exits_2(tmp_path):
     path.write_text('dram = "1gb"\n')
     done = kvstore("serve", "--config", str(path))
     assert done.returncode == 2 and done.stderr.strip() == "error: unknown setting 'dram'"
+
+
+# One value each setting must refuse (of the wrong kind, or out of bounds) when read from a file.
+BAD_TOML = [
+    ('bind = ""', "bind must name at least one address"),
+    ("bind = 5", "bind must be a string"),
+    ("port = true", "port must be an integer"),
+    ("unixsocket = 1", "unixsocket must be a string"),
+    ('dram-size = "64tb"', "dram-size (70368744177664 bytes) is more than this machine's memory"),
+    ('maxmemory-policy = "allkeys-lfu"', "maxmemory-policy must be one of allkeys-lru, noeviction"),
+    ("requirepass = 1234", "requirepass must be a string"),
+    ('proto-max-bulk-len = "1kb"', "proto-max-bulk-len must be at least 1mb and below 4gb"),
+    ("maxclients = 0", "maxclients must be at least 1"),
+    ('loglevel = "info"', "loglevel must be one of debug, verbose, notice, warning"),
+    ("ssd-dir = true", "ssd-dir must be a string"),
+    ("ssd-size = -1", "ssd-size must be at least 1mb"),
+    ('ssd-write-policy = "sometimes"', "ssd-write-policy must be one of write-back, write-through"),
+    ('ssd-compression = "zstd"', "ssd-compression must be one of auto, off"),
+    ("gpu-size = -1", "gpu-size must be 0 (no GPU tier) or more"),
+    ("gpu-device = -1", "gpu-device must be 0 or more"),
+    ("high-watermark = 1.5", "watermarks must satisfy 0 < low-watermark < high-watermark <= 1"),
+    ('low-watermark = "low"', "low-watermark must be a number"),
+    ("promote-hits = 0", "promote-hits must be at least 1"),
+    ("promote-window-ms = -5", "promote-window-ms must be at least 1"),
+    ("metrics-port = 70000", "metrics-port 70000 out of range"),
+]
+
+
+def test_bad_toml_covers_every_setting():
+    assert {line.split(" = ")[0] for line, _ in BAD_TOML} == set(Config.names())
+
+
+@pytest.mark.parametrize("line, message", BAD_TOML, ids=[line for line, _ in BAD_TOML])
+def test_bad_value_in_config_file_exits_2_with_one_error_line(tmp_path, line, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(line + "\n")
+    done = kvstore("serve", "--config", str(path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(f"error: {message}")
+
+
+def test_log_level_from_a_config_file(tmp_path):
+    port = free_port()
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f'port = {port}\ndram-size = "8mb"\nloglevel = "warning"\n')
+    daemon = spawn(tmp_path, port, "--config", str(path))
+    try:
+        assert config_get(port, "loglevel") == "warning"
+    finally:
+        assert daemon.stop() == 0
+    assert "Ready to accept connections" not in daemon.log()
 
 
 # ----------------------------------------------------------------- --config

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 
-from kvstore.config import EVICTION_POLICIES, Config, ConfigError, parse_size
+from kvstore.config import EVICTION_POLICIES, LOG_LEVELS, Config, ConfigError, parse_size
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -163,3 +163,38 @@ def test_validation_accepts_the_edges():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+# ----------------------------------------------------------------- kinds and levels
+
+@pytest.mark.parametrize("level", sorted(LOG_LEVELS) + ["WARNING"])
+def test_every_log_level_is_accepted(tmp_path, level):
+    cfg = Config.from_toml(write_toml(tmp_path, f'loglevel = "{level}"\n'))
+    assert cfg.loglevel == level.lower()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('loglevel = "info"', "^loglevel must be one of debug, verbose, notice, warning$"),
+    ("port = true", "^port must be an integer$"),
+    ("high-watermark = true", "^high-watermark must be a number$"),
+    ("dram-size = false", "^dram-size: invalid size 'False'"),
+    ("bind = 5", "^bind must be a string$"),
+    ('requirepass = ["a"]', "^requirepass must be a string$"),
+])
+def test_values_of_the_wrong_kind_are_refused_not_coerced(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_toml(write_toml(tmp_path, text + "\n"))
+
+
+def test_an_error_names_its_settings_and_says_why_as_redis_would():
+    cfg = Config()
+    with pytest.raises(ConfigError) as raised:
+        cfg.set("maxclients", "abc")
+    assert raised.value.settings == ("maxclients",)
+    assert raised.value.reason == "argument couldn't be parsed into an integer"
+    with pytest.raises(ConfigError) as raised:
+        Config(loglevel="info")
+    assert raised.value.reason == "argument(s) must be one of the following: debug, verbose, notice, warning"
+    with pytest.raises(ConfigError) as raised:
+        Config(high_watermark=0.5)
+    assert raised.value.settings == ("low-watermark", "high-watermark")

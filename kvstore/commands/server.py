@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import hmac
 
-from kvstore import info
-from kvstore.commands.table import SYNTAX, CommandError, all_commands, command, lookup, parse_int
-from kvstore.config import ConfigError
+from kvstore import info, live_config
+from kvstore.commands.args import SYNTAX, parse_int
+from kvstore.commands.table import CommandError, all_commands, command, lookup
 from kvstore.protocol import writer
 
 COMPAT_VERSION = "7.0.0"
-READ_ONLY_SETTINGS = ("bind", "port", "unixsocket", "dram-size")
-REDIS_POLICIES_TEXT = ("argument(s) must be one of the following: volatile-lru, volatile-lfu, volatile-random, "
-                       "volatile-ttl, allkeys-lru, allkeys-lfu, allkeys-random, noeviction")
 
 
 @command("PING", -1, "fast loading stale", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
@@ -137,8 +134,8 @@ def config(conn, args):
 
 
 def _config_get(conn, patterns: list[bytes]) -> bytes:
-    from kvstore.commands.keyspace import matches
-    values = conn.server.config_values()
+    from kvstore.glob import matches
+    values = live_config.current(conn.server)
     found: dict[bytes, str] = {}
     for pattern in patterns:
         if not any(c in pattern for c in b"*?["):    # a plain name echoes as typed, as Redis 7.0
@@ -153,24 +150,13 @@ def _config_get(conn, patterns: list[bytes]) -> bytes:
 
 
 def _config_set(conn, pairs: list[bytes]) -> bytes:
-    names = [p.lower() for p in pairs[::2]]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1).decode(errors="replace")
-        raise CommandError(f"CONFIG SET failed (possibly related to argument '{dup}') - duplicate parameter")
-    for i in range(0, len(pairs), 2):
-        name = pairs[i].decode(errors="replace").lower()
-        if name in READ_ONLY_SETTINGS:
-            raise CommandError(f"CONFIG SET failed (possibly related to argument '{name}') - can't set immutable config")
-        try:
-            conn.server.set_config(name, pairs[i + 1].decode(errors="replace"))
-        except ConfigError as e:
-            if str(e).startswith("unknown setting"):
-                raise CommandError(f"Unknown option or number of arguments for CONFIG SET - '{name}'") from None
-            if name == "maxmemory-policy":
-                e = REDIS_POLICIES_TEXT
-            elif str(e).startswith("invalid size"):
-                e = "argument must be a memory value"
-            raise CommandError(f"CONFIG SET failed (possibly related to argument '{name}') - {e}") from None
+    text = [p.decode(errors="replace") for p in pairs]
+    try:
+        live_config.apply(conn.server, list(zip(text[::2], text[1::2])))
+    except live_config.UnknownSetting as e:
+        raise CommandError(f"Unknown option or number of arguments for CONFIG SET - '{e.name}'") from None
+    except live_config.SettingRefused as e:
+        raise CommandError(f"CONFIG SET failed (possibly related to argument '{e.name}') - {e.reason}") from None
     return writer.OK
 
 
