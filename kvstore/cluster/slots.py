@@ -1,0 +1,234 @@
+"""Hash slots and the slot map: which node serves which of Redis Cluster's 16,384 slots.
+
+A key's slot is CRC16-XMODEM of the key (or of its ``{hash tag}``) modulo 16384,
+exactly as Redis computes it, so cluster-aware Redis clients route to the right
+node without knowing they talk to kvstore. ``binascii.crc_hqx(data, 0)`` *is*
+CRC16-XMODEM (polynomial 0x1021, initial value 0), implemented in C: one call per
+key costs a few hundred nanoseconds, cheap enough for every command.
+
+The slot map is the one piece of shared state of a cluster: an epoch, the nodes
+(id -> ``host:port``), the owner of every slot, and the slots being moved. The
+leader writes it to etcd as JSON; every node reads it back through `from_json`,
+which refuses anything malformed (a bad map is logged and never applied). A map
+is immutable once built, so one parsed map can be shared by every node of an
+in-process simulation, and its derived views (ranges, per-slot owner list) are
+computed once.
+"""
+from __future__ import annotations
+
+import binascii
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+
+import numpy as np
+
+SLOTS = 16384
+MAX_MAP_BYTES = 2 * 1024 * 1024       # well above a fully fragmented map (16,384 ranges), below etcd's limits
+NODE_ID = re.compile(r"[0-9a-f]{40}")
+UNASSIGNED = -1
+
+_crc16 = binascii.crc_hqx
+
+
+def keyslot(key: bytes) -> int:
+    """The Redis Cluster slot of ``key``.
+
+    Only the part between the first ``{`` and the first ``}`` after it is
+    hashed, when that part is not empty (``{user1}.a`` and ``{user1}.b`` share a
+    slot; ``{}x`` hashes whole), as Redis's keyHashSlot.
+    """
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1:end]
+    return _crc16(key, 0) & (SLOTS - 1)
+
+
+class SlotMapError(ValueError):
+    """A slot map that must not be applied; the message says what is wrong."""
+
+
+def check_address(addr: str) -> tuple[str, int]:
+    """``host:port`` split and checked (an IPv6 host keeps its colons)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or any(c.isspace() for c in host) or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise SlotMapError(f"bad node address {addr!r} (want host:port)")
+    return host, int(port)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotMap:
+    """Who serves each slot at one epoch.
+
+    ``ids`` are the nodes in id order and ``owners[slot]`` an index into them
+    (-1: nobody serves the slot). ``migrating`` maps a slot being moved to its
+    (source, target) node ids; the source still owns it until the move ends, and
+    serves the keys it still has (Redis's ASK protocol).
+    """
+
+    epoch: int
+    nodes: dict[str, str]                     # node id -> "host:port"
+    owners: np.ndarray                        # int16[SLOTS], index into ids
+    migrating: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.owners.flags.writeable = False
+
+    @classmethod
+    def empty(cls) -> "SlotMap":
+        """Epoch 0: no nodes, no slot served (what a node holds before any map)."""
+        return cls(0, {}, np.full(SLOTS, UNASSIGNED, dtype=np.int16))
+
+    @classmethod
+    def build(cls, epoch: int, nodes: dict[str, str], owner_of, migrating=None) -> "SlotMap":
+        """A map from ``owner_of``: per-slot node ids (None: unassigned) or index array over sorted ids."""
+        ordered = dict(sorted(nodes.items()))
+        if isinstance(owner_of, np.ndarray):
+            owners = owner_of.astype(np.int16)
+        else:
+            index = {node_id: i for i, node_id in enumerate(ordered)}
+            owners = np.array([UNASSIGNED if o is None else index[o] for o in owner_of], dtype=np.int16)
+        return cls(epoch, ordered, owners, dict(migrating or {}))
+
+    # ---------------------------------------------------------------- queries
+
+    @cached_property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self.nodes)
+
+    @cached_property
+    def owner_list(self) -> list[str | None]:
+        """The owner id of every slot as a Python list (one index per lookup on the hot path)."""
+        names = list(self.ids) + [None]             # index -1 -> None
+        return [names[i] for i in self.owners.tolist()]
+
+    def owner(self, slot: int) -> str | None:
+        return self.owner_list[slot]
+
+    def slots_of(self, node_id: str) -> np.ndarray:
+        """A boolean mask over slots: those ``node_id`` owns."""
+        if node_id not in self.nodes:
+            return np.zeros(SLOTS, dtype=bool)
+        return self.owners == self.ids.index(node_id)
+
+    @cached_property
+    def assigned(self) -> int:
+        return int(np.count_nonzero(self.owners != UNASSIGNED))
+
+    @cached_property
+    def counts(self) -> dict[str, int]:
+        """Slots per node, every node of the map included."""
+        held = np.bincount(self.owners[self.owners != UNASSIGNED], minlength=len(self.ids))
+        return dict(zip(self.ids, held.tolist()))
+
+    @cached_property
+    def ranges(self) -> list[tuple[int, int, str]]:
+        """Maximal runs of slots with the same owner: ``(first, last, node id)``, unassigned runs left out."""
+        owners = self.owners.astype(np.int32)
+        starts = np.flatnonzero(np.diff(owners, prepend=-2))
+        ends = np.append(starts[1:] - 1, SLOTS - 1)
+        return [(int(s), int(e), self.ids[owners[s]]) for s, e in zip(starts, ends) if owners[s] != UNASSIGNED]
+
+    def ranges_of(self, node_id: str) -> list[tuple[int, int]]:
+        return [(s, e) for s, e, owner in self.ranges if owner == node_id]
+
+    def same_as(self, other: "SlotMap") -> bool:
+        """Same epoch, nodes, owners and moves (the JSON form is canonical)."""
+        return self.to_json() == other.to_json()
+
+    def with_epoch(self, epoch: int) -> "SlotMap":
+        return SlotMap(epoch, self.nodes, self.owners, self.migrating)
+
+    # ---------------------------------------------------------------- JSON
+
+    def to_json(self) -> bytes:
+        return self._json
+
+    @cached_property
+    def _json(self) -> bytes:
+        doc = {"epoch": self.epoch, "nodes": self.nodes,
+               "slots": [[s, e, node_id] for s, e, node_id in self.ranges],
+               "migrating": [[slot, src, dst] for slot, (src, dst) in sorted(self.migrating.items())]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @staticmethod
+    def from_json(raw: bytes) -> "SlotMap":
+        """Parse and validate a map written by a leader; raises SlotMapError."""
+        return _parse(bytes(raw))
+
+
+@lru_cache(maxsize=8)
+def _parse(raw: bytes) -> SlotMap:
+    """Cached: every node of a process (a simulation) parses the same bytes once."""
+    if len(raw) > MAX_MAP_BYTES:
+        raise SlotMapError(f"slot map of {len(raw)} bytes is over the {MAX_MAP_BYTES} byte limit")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SlotMapError(f"slot map is not JSON: {e}") from None
+    if not isinstance(doc, dict) or set(doc) != {"epoch", "nodes", "slots", "migrating"}:
+        raise SlotMapError("slot map must be an object with exactly epoch, nodes, slots, migrating")
+    epoch = doc["epoch"]
+    if type(epoch) is not int or not 0 <= epoch < 2**63:
+        raise SlotMapError(f"bad epoch {epoch!r}")
+    nodes = _parse_nodes(doc["nodes"])
+    index = {node_id: i for i, node_id in enumerate(sorted(nodes))}
+    owners = _parse_ranges(doc["slots"], index)
+    slot_map = SlotMap(epoch, dict(sorted(nodes.items())), owners)
+    moves = _parse_migrating(doc["migrating"], slot_map)
+    return SlotMap(epoch, slot_map.nodes, owners, moves) if moves else slot_map
+
+
+def _parse_nodes(nodes) -> dict[str, str]:
+    if not isinstance(nodes, dict) or len(nodes) > SLOTS:
+        raise SlotMapError("nodes must be an object of at most 16384 node id -> host:port")
+    seen: set[str] = set()
+    for node_id, addr in nodes.items():
+        if not NODE_ID.fullmatch(node_id):
+            raise SlotMapError(f"bad node id {node_id!r} (want 40 lowercase hex digits)")
+        if not isinstance(addr, str):
+            raise SlotMapError(f"bad node address {addr!r} (want host:port)")
+        check_address(addr)
+        if addr in seen:
+            raise SlotMapError(f"two nodes announce {addr}")
+        seen.add(addr)
+    return nodes
+
+
+def _is_slot(value) -> bool:
+    return type(value) is int and 0 <= value < SLOTS
+
+
+def _parse_ranges(ranges, index: dict[str, int]) -> np.ndarray:
+    if not isinstance(ranges, list) or len(ranges) > SLOTS:
+        raise SlotMapError("slots must be a list of at most 16384 [first, last, node id]")
+    owners = np.full(SLOTS, UNASSIGNED, dtype=np.int16)
+    for item in ranges:
+        if not (isinstance(item, list) and len(item) == 3 and _is_slot(item[0]) and _is_slot(item[1])
+                and item[0] <= item[1]):
+            raise SlotMapError(f"bad slot range {item!r}")
+        first, last, node_id = item
+        if node_id not in index:
+            raise SlotMapError(f"slots {first}-{last} owned by unknown node {node_id!r}")
+        if np.any(owners[first:last + 1] != UNASSIGNED):
+            raise SlotMapError(f"slot range {first}-{last} overlaps another")
+        owners[first:last + 1] = index[node_id]
+    return owners
+
+
+def _parse_migrating(moves, slot_map: SlotMap) -> dict[int, tuple[str, str]]:
+    if not isinstance(moves, list) or len(moves) > SLOTS:
+        raise SlotMapError("migrating must be a list of [slot, source id, target id]")
+    result: dict[int, tuple[str, str]] = {}
+    for item in moves:
+        if not (isinstance(item, list) and len(item) == 3 and _is_slot(item[0])):
+            raise SlotMapError(f"bad migration {item!r}")
+        slot, src, dst = item
+        if slot in result or slot_map.owner(slot) != src or dst not in slot_map.nodes or dst == src:
+            raise SlotMapError(f"migration {item!r} must move a slot once, from its owner to another node")
+        result[slot] = (src, dst)
+    return result

@@ -1,0 +1,137 @@
+"""Hash slots against a real redis-server in cluster mode, and the slot map's JSON validation."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import redis
+
+from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError, keyslot
+from tests.conftest import Daemon, free_port, wait_ready
+
+A, B, C = "a" * 40, "b" * 40, "c" * 40
+
+
+@pytest.fixture
+def redis_cluster_node(tmp_path):
+    """A redis-server started with --cluster-enabled yes (it answers CLUSTER KEYSLOT with no slots assigned)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (make test installs it)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--cluster-enabled", "yes", "--cluster-port", str(free_port()), "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = Daemon(proc, "127.0.0.1", port)
+    wait_ready("127.0.0.1", port, proc)
+    yield daemon
+    daemon.stop()
+
+
+def tricky_keys(count: int) -> list[bytes]:
+    """Random keys, many with braces in odd places (empty tags, unclosed, nested, several)."""
+    rng = random.Random(7)
+    parts = [b"{", b"}", b"{}", b"a", b"user", b"\x00", b"\xff", b"{x}", b"}{", b"123456789", b"kv:"]
+    keys = [b"", b"{", b"}", b"{}", b"{}{a}", b"{a}{b}", b"a{b}c", b"{{a}}", b"{a", b"a}", b"\xff" * 40]
+    while len(keys) < count:
+        if rng.random() < 0.5:
+            keys.append(b"".join(rng.choice(parts) for _ in range(rng.randint(1, 8))))
+        else:
+            keys.append(rng.randbytes(rng.randint(1, 64)))
+    return keys
+
+
+def test_keyslot_matches_redis(redis_cluster_node):
+    keys = tricky_keys(3000)
+    r = redis.Redis(redis_cluster_node.host, redis_cluster_node.port)
+    pipe = r.pipeline(transaction=False)
+    for key in keys:
+        pipe.execute_command("CLUSTER", "KEYSLOT", key)
+    expected = pipe.execute()
+    assert [keyslot(k) for k in keys] == expected
+
+
+@pytest.mark.parametrize("key, slot", [(b"123456789", 0x31C3 & (SLOTS - 1)), (b"foo", 12182),
+                                       (b"{user1000}.following", keyslot(b"user1000")), (b"{}a", 10875),
+                                       (b"a{}{b}", keyslot(b"a{}{b}")), (b"x{b}{c}", keyslot(b"b"))])
+def test_keyslot_known_vectors(key, slot):
+    assert keyslot(key) == slot
+
+
+def three_node_map(epoch: int = 5) -> SlotMap:
+    owners = [A] * 5461 + [B] * 5462 + [C] * 5461
+    return SlotMap.build(epoch, {A: "127.0.0.1:7001", B: "127.0.0.1:7002", C: "127.0.0.1:7003"}, owners,
+                         migrating={100: (A, B)})
+
+
+def test_map_round_trips_through_json():
+    slot_map = three_node_map()
+    again = SlotMap.from_json(slot_map.to_json())
+    assert again.same_as(slot_map)
+    assert again.ranges == [(0, 5460, A), (5461, 10922, B), (10923, 16383, C)]
+    assert again.counts == {A: 5461, B: 5462, C: 5461}
+    assert again.owner(100) == A and again.migrating == {100: (A, B)}
+    assert again.assigned == SLOTS
+
+
+def test_partial_map_leaves_gaps_unassigned():
+    owners = [A] * 100 + [None] * (SLOTS - 200) + [A] * 100
+    slot_map = SlotMap.from_json(SlotMap.build(1, {A: "h:1"}, owners).to_json())
+    assert slot_map.assigned == 200 and slot_map.owner(5000) is None
+    assert slot_map.ranges == [(0, 99, A), (SLOTS - 100, SLOTS - 1, A)]
+
+
+def doc() -> dict:
+    return json.loads(three_node_map().to_json())
+
+
+def mutated(change) -> bytes:
+    d = doc()
+    change(d)
+    return json.dumps(d).encode()
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"not json", b"[]", b"\xff\xfe",
+    mutated(lambda d: d.pop("epoch")),
+    mutated(lambda d: d.update(extra=1)),
+    mutated(lambda d: d.update(epoch=-1)),
+    mutated(lambda d: d.update(epoch=1.5)),
+    mutated(lambda d: d.update(epoch=True)),
+    mutated(lambda d: d.update(epoch="3")),
+    mutated(lambda d: d["nodes"].update({"xyz": "h:1"})),
+    mutated(lambda d: d["nodes"].update({A.upper(): "h:1"})),
+    mutated(lambda d: d["nodes"].update({A: "nohost"})),
+    mutated(lambda d: d["nodes"].update({A: "h:0"})),
+    mutated(lambda d: d["nodes"].update({A: "h:70000"})),
+    mutated(lambda d: d["nodes"].update({A: "bad host:1"})),
+    mutated(lambda d: d["nodes"].update({A: 7001})),
+    mutated(lambda d: d["nodes"].update({A: "127.0.0.1:7002"})),            # two nodes, one address
+    mutated(lambda d: d["slots"].append([0, 0, A])),                        # overlap
+    mutated(lambda d: d["slots"].append([16384, 16384, A])),
+    mutated(lambda d: d["slots"].__setitem__(0, [10, 5, A])),
+    mutated(lambda d: d["slots"].__setitem__(0, [0, 5460, "d" * 40])),      # unknown owner
+    mutated(lambda d: d["slots"].__setitem__(0, [0, "5460", A])),
+    mutated(lambda d: d["slots"].__setitem__(0, [0, 5460])),
+    mutated(lambda d: d.update(slots={})),
+    mutated(lambda d: d["migrating"].append([100, A, C])),                  # slot moved twice
+    mutated(lambda d: d["migrating"].__setitem__(0, [100, B, C])),          # source is not the owner
+    mutated(lambda d: d["migrating"].__setitem__(0, [100, A, A])),
+    mutated(lambda d: d["migrating"].__setitem__(0, [100, A, "d" * 40])),
+    b"{" * 100000,
+    b" " * (3 * 1024 * 1024),
+])
+def test_malformed_maps_are_refused(raw):
+    with pytest.raises(SlotMapError):
+        SlotMap.from_json(raw)
+
+
+def test_parsed_map_is_immutable():
+    slot_map = SlotMap.from_json(three_node_map().to_json())
+    with pytest.raises(ValueError):
+        slot_map.owners[0] = 1
+    assert np.array_equal(SlotMap.from_json(slot_map.to_json()).owners, slot_map.owners)
