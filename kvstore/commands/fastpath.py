@@ -36,28 +36,11 @@ import socket
 from dataclasses import dataclass
 from typing import NoReturn
 
-from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
+from kvstore.commands.args import check_arena_token, option_map, parse_ids, parse_int, parse_ttl_ms
+from kvstore.commands.table import CommandError, command
 from kvstore.engine import GPU, SSD, STAGED
 from kvstore.protocol import writer
 from proto import fastpath as fp
-
-def parse_ttl(arg: bytes) -> int:
-    ttl = parse_int(arg, "TTL must be a positive integer of milliseconds")
-    if not 0 < ttl <= fp.MAX_TTL_MS:
-        raise CommandError(f"TTL must be between 1 and {fp.MAX_TTL_MS} milliseconds")
-    return ttl
-
-
-def parse_ids(args: list) -> list[int]:
-    return [parse_int(a, "lease and reservation ids are integers") for a in args]
-
-
-def check_token(conn, token: bytes) -> None:
-    """Refuse offsets to a client whose mapping is not of this node's current arena."""
-    if token != conn.server.arena_identity[1]:
-        raise CommandError("the client's arena mapping is not this node's arena (map it again)",
-                           "STALEARENA")
-
 
 @command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
          "passes its fd over a Unix socket.", keys=(0, 0, 0))
@@ -81,8 +64,8 @@ def _lease_reads(conn, args: list) -> list[bytes]:
          "hold ms] or nil.",
          keys=(3, -1, 1), reads=_lease_reads)
 def kv_lease(conn, args):
-    check_token(conn, args[1])
-    ttl = parse_ttl(args[2])
+    check_arena_token(conn, args[1])
+    ttl = parse_ttl_ms(args[2])
     table = conn.server.leases
     leases = [dram_lease(conn, table, key, ttl) for key in args[3:]]
     if any(lease is not None and lease.offset is None for lease in leases):
@@ -148,8 +131,8 @@ def kv_release(conn, args):
 @command(fp.KV_RESERVE, -4, "write denyoom fast", "fastpath",
          "Reserves arena extents for direct writes; per size [reservation id, offset].", keys=(0, 0, 0))
 def kv_reserve(conn, args):
-    check_token(conn, args[1])
-    ttl = parse_ttl(args[2])
+    check_arena_token(conn, args[1])
+    ttl = parse_ttl_ms(args[2])
     sizes = [parse_int(a, "sizes are non-negative integers") for a in args[3:]]
     if any(size < 0 for size in sizes):
         raise CommandError("sizes are non-negative integers")
@@ -168,16 +151,8 @@ def kv_reserve(conn, args):
          "Commits a written reservation as the value of a key; NX keeps an existing value.")
 def kv_publish(conn, args):
     reservation_id = parse_ids(args[1:2])[0]
-    key, parent, nx = args[2], None, False
-    i = 3
-    while i < len(args):
-        opt = args[i].upper()
-        if opt == b"PARENT" and i + 1 < len(args):
-            parent, i = args[i + 1], i + 2
-        elif opt == b"NX":
-            nx, i = True, i + 1
-        else:
-            raise CommandError(SYNTAX)
+    key, opts = args[2], option_map(args, 3, {b"PARENT": 1, b"NX": 0})
+    parent, nx = opts.get(b"PARENT"), b"NX" in opts
     table = conn.server.leases
     reservation = table.take(reservation_id)
     if reservation is None:
@@ -231,8 +206,8 @@ def _ssd_reads(conn, args: list) -> list[bytes]:
          "Pins values where they live; per key [lease id, tier, offset, size] or nil.",
          keys=(3, -1, 1), reads=_ssd_reads)
 def kv_leasegpu(conn, args):
-    check_token(conn, args[1])
-    ttl = parse_ttl(args[2])
+    check_arena_token(conn, args[1])
+    ttl = parse_ttl_ms(args[2])
     table, engine, granted = conn.server.leases, conn.engine, []
     for key in args[3:]:
         slot = engine.lookup(key)

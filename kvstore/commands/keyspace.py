@@ -7,11 +7,10 @@ cached, since SCAN calls repeat the same pattern.
 """
 from __future__ import annotations
 
-import re
-from functools import lru_cache
-
-from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
+from kvstore.commands.args import SYNTAX, options, parse_int
+from kvstore.commands.table import CommandError, command
 from kvstore.engine import now_ms
+from kvstore.glob import matches
 from kvstore.protocol import writer
 
 
@@ -125,55 +124,6 @@ def flushall(conn, args):
     return _flush(conn, args)
 
 
-@lru_cache(maxsize=256)
-def compile_pattern(pattern: bytes) -> re.Pattern:
-    """Redis glob -> regex (``*``, ``?``, ``[...]`` with ``^`` and ranges, ``\\x``)."""
-    out, i, n = [], 0, len(pattern)
-    while i < n:
-        c = pattern[i:i + 1]
-        if c == b"*":
-            out.append(b".*")
-        elif c == b"?":
-            out.append(b".")
-        elif c == b"\\" and i + 1 < n:
-            i += 1
-            out.append(re.escape(pattern[i:i + 1]))
-        elif c == b"[":
-            i, cls = _char_class(pattern, i + 1)
-            out.append(cls)
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile(b"".join(out), re.DOTALL)
-
-
-def _char_class(pattern: bytes, i: int) -> tuple[int, bytes]:
-    """Translate ``[...]`` starting after the ``[``; returns (index of ``]``, regex)."""
-    negate = pattern[i:i + 1] == b"^"
-    if negate:
-        i += 1
-    parts, n = [], len(pattern)
-    while i < n and pattern[i:i + 1] != b"]":
-        c = pattern[i:i + 1]
-        if c == b"\\" and i + 1 < n:
-            i += 1
-            parts.append(re.escape(pattern[i:i + 1]))
-        elif pattern[i + 1:i + 2] == b"-" and i + 2 < n:     # as Redis: "a-]" is a range
-            lo, hi = sorted((pattern[i:i + 1], pattern[i + 2:i + 3]))
-            parts.append(re.escape(lo) + b"-" + re.escape(hi))
-            i += 2
-        else:
-            parts.append(re.escape(c))
-        i += 1
-    if not parts:
-        return i, b"(?!)" if not negate else b"."
-    return i, b"[" + (b"^" if negate else b"") + b"".join(parts) + b"]"
-
-
-def matches(pattern: bytes | None, key: bytes) -> bool:
-    return pattern is None or pattern == b"*" or compile_pattern(pattern).fullmatch(key) is not None
-
-
 @command("SCAN", -2, "readonly", "keyspace", "Iterates over the key names in the database.", keys=(0, 0, 0))
 def scan(conn, args):
     try:
@@ -182,22 +132,14 @@ def scan(conn, args):
         cursor = -1
     if cursor < 0 or cursor >= 2**64:
         raise CommandError("invalid cursor")
-    pattern, count, want_type, i = None, 10, None, 2
-    while i < len(args):
-        opt = args[i].upper()
-        if i + 1 >= len(args):
+    pattern, count, want_type = None, 10, None
+    for name, (value,) in options(args, 2, {b"MATCH": 1, b"COUNT": 1, b"TYPE": 1}):
+        if name == b"MATCH":
+            pattern = value
+        elif name == b"TYPE":
+            want_type = value.lower()
+        elif (count := parse_int(value)) < 1:
             raise CommandError(SYNTAX)
-        if opt == b"MATCH":
-            pattern = args[i + 1]
-        elif opt == b"COUNT":
-            count = parse_int(args[i + 1])
-            if count < 1:
-                raise CommandError(SYNTAX)
-        elif opt == b"TYPE":
-            want_type = args[i + 1].lower()
-        else:
-            raise CommandError(SYNTAX)
-        i += 2
     cursor, keys = conn.engine.scan(cursor, count)
     if want_type not in (None, b"string"):
         keys = []

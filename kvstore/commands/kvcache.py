@@ -7,36 +7,23 @@ prefer leaves.
 """
 from __future__ import annotations
 
-from kvstore.commands.strings import store
-from kvstore.commands.table import SYNTAX, CommandError, command, parse_int
-
-DEFAULT_PIN_TTL_MS = 60_000
+from kvstore.commands.args import SYNTAX, option_map, parse_int, store
+from kvstore.commands.table import CommandError, command
 from kvstore.protocol import writer
 from proto import wire
+
+DEFAULT_PIN_TTL_MS = 60_000
 
 
 @command(wire.KV_PUT, -3, "write denyoom", "kvcache",
          "Stores a KV block, optionally linked to its parent block; NX keeps an existing one; "
          "PIN soft-pins it.", values=lambda i: i == 2)
 def kv_put(conn, args):
-    parent, nx, pin, i = None, False, False, 3
-    while i < len(args):
-        opt = args[i].upper()
-        if opt == b"PARENT" and i + 1 < len(args):
-            parent = args[i + 1]
-            i += 2
-        elif opt == b"NX":
-            nx = True
-            i += 1
-        elif opt == b"PIN":
-            pin = True
-            i += 1
-        else:
-            raise CommandError(SYNTAX)
-    if nx and conn.engine.lookup(args[1]) is not None:
+    opts = option_map(args, 3, {b"PARENT": 1, b"NX": 0, b"PIN": 0})
+    if b"NX" in opts and conn.engine.lookup(args[1]) is not None:
         return writer.ZERO
-    store(conn, args[1], args[2], parent)
-    if pin:
+    store(conn, args[1], args[2], opts.get(b"PARENT"))
+    if b"PIN" in opts:
         conn.engine.pin(args[1], DEFAULT_PIN_TTL_MS)
     return writer.ONE
 

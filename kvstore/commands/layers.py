@@ -17,25 +17,15 @@ error). Without WAIT a missing block is nil and missing layers are an error.
 """
 from __future__ import annotations
 
-from kvstore.commands.fastpath import check_token, parse_ttl, refuse_outside_arena
-from kvstore.commands.table import SYNTAX, CommandError, command, first_key, parse_int
+from kvstore.commands.args import check_arena_token, option_map, parse_int, parse_ttl_ms
+from kvstore.commands.fastpath import refuse_outside_arena
+from kvstore.commands.table import CommandError, command, first_key
 from kvstore.engine import Extent
 from kvstore.layers import LayerError, PartialBlock, parse_header
 from kvstore.protocol import writer
 from proto import fastpath as fp
 
 PENDING = "pending"
-
-
-def _options(args: list, allowed: tuple[bytes, ...]) -> dict[bytes, bytes]:
-    found, i = {}, 0
-    while i < len(args):
-        opt = args[i].upper()
-        if opt not in allowed or i + 1 >= len(args):
-            raise CommandError(SYNTAX)
-        found[opt] = args[i + 1]
-        i += 2
-    return found
 
 
 def _layer_errors(fn):
@@ -52,8 +42,8 @@ def _layer_errors(fn):
          "Opens a block for layer-wise writing; its header declares dtype, shape and layers.")
 @_layer_errors
 def kv_block(conn, args):
-    opts = _options(args[3:], (b"PARENT", b"TIMEOUT"))
-    timeout = parse_ttl(opts[b"TIMEOUT"]) if b"TIMEOUT" in opts else fp.PARTIAL_TIMEOUT_MS
+    opts = option_map(args, 3, {b"PARENT": 1, b"TIMEOUT": 1})
+    timeout = parse_ttl_ms(opts[b"TIMEOUT"]) if b"TIMEOUT" in opts else fp.PARTIAL_TIMEOUT_MS
     block = conn.server.blocks.open(args[1], args[2], opts.get(b"PARENT"), timeout)
     if block is None:
         return writer.ZERO
@@ -96,13 +86,13 @@ def _read_layers(conn, args: list, first: int, reply) -> bytes | None:
     """Parse ``key start stop [WAIT ms]`` at ``first``; reply now or when the layers are in."""
     key = args[first]
     start, stop = _layer_index(args[first + 1]), _layer_index(args[first + 2])
-    opts = _options(args[first + 3:], (b"WAIT",))
+    opts = option_map(args, first + 3, {b"WAIT": 1})
     found = _find(conn, key, start, stop)
     if b"WAIT" not in opts or (found is not None and found != PENDING):
         if found == PENDING:
             raise CommandError(f"layers [{start}, {stop}) of the block are not written yet")
         return reply(found, start, stop)
-    timeout_s = parse_ttl(opts[b"WAIT"]) / 1000
+    timeout_s = parse_ttl_ms(opts[b"WAIT"]) / 1000
     seen = [found == PENDING]
 
     def ready() -> bool:
@@ -154,8 +144,8 @@ def kv_getlayers(conn, args):
          keys=(3, 3, 1), reads=lambda conn, args: [args[3]])
 @_layer_errors
 def kv_leaselayers(conn, args):
-    check_token(conn, args[1])
-    ttl = parse_ttl(args[2])
+    check_arena_token(conn, args[1])
+    ttl = parse_ttl_ms(args[2])
 
     def reply(found, start, stop):
         if found is None:

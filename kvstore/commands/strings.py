@@ -6,40 +6,30 @@ the arena through the connection. Replies match Redis 7 byte for byte.
 """
 from __future__ import annotations
 
-from kvstore.commands.table import SYNTAX, CommandError, all_keys, command, first_key, parse_int
-from kvstore.engine import Extent, now_ms
+from kvstore.commands.args import SYNTAX, options, parse_int, store
+from kvstore.commands.table import CommandError, all_keys, command, first_key
+from kvstore.engine import now_ms
 from kvstore.protocol import writer
 
 MAX_EXPIRE_MS = 2**63 // 1000
-
-
-def store(conn, key: bytes, value, parent: bytes | None = None, keep_ttl: bool = False) -> None:
-    """Publish ``value`` (bytes or a filled Extent) under ``key``."""
-    if isinstance(value, Extent):
-        conn.engine.commit(key, value, parent, keep_ttl)
-    else:
-        conn.engine.put(key, value, parent, keep_ttl)
+_SET_OPTIONS = {b"NX": 0, b"XX": 0, b"GET": 0, b"KEEPTTL": 0, b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1}
 
 
 def _set_options(args: list) -> tuple[str | None, bool, int | None, bool]:
     """Parse SET's options: (condition, get, deadline_ms, keep_ttl)."""
     # As Redis: an option may repeat, but not meet its opposite (NX/XX, EX/PX...).
-    cond, get, unit, amount, keep_ttl, i = None, False, None, None, False, 3
-    while i < len(args):
-        opt = args[i].upper()
+    cond, get, unit, amount, keep_ttl = None, False, None, None, False
+    for opt, values in options(args, 3, _SET_OPTIONS):
         if opt in (b"NX", b"XX") and cond in (None, opt.decode()):
             cond = opt.decode()
         elif opt == b"GET":
             get = True
         elif opt == b"KEEPTTL" and unit is None:
             keep_ttl = True
-        elif opt in (b"EX", b"PX", b"EXAT", b"PXAT") and unit in (None, opt) and not keep_ttl \
-                and i + 1 < len(args):
-            unit, amount = opt, args[i + 1]
-            i += 1
+        elif values and unit in (None, opt) and not keep_ttl:
+            unit, amount = opt, values[0]
         else:
             raise CommandError(SYNTAX)
-        i += 1
     deadline = None if unit is None else _deadline(unit, parse_int(amount), "set")
     return cond, get, deadline, keep_ttl
 

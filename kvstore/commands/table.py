@@ -23,10 +23,6 @@ class CommandError(Exception):
         self.code = code
 
 
-WRONG_TYPE_INT = "value is not an integer or out of range"
-SYNTAX = "syntax error"
-
-
 @dataclass(slots=True)
 class Command:
     name: str
@@ -97,13 +93,3 @@ def first_key(conn, args: list) -> list[bytes]:
 
 def all_keys(conn, args: list) -> list[bytes]:
     return args[1:]
-
-
-def parse_int(arg: bytes, message: str = WRONG_TYPE_INT) -> int:
-    """An integer argument, strictly as Redis's string2ll reads it."""
-    digits = arg[1:] if arg[:1] == b"-" else arg
-    if digits.isdigit() and (digits[0] != 48 or len(digits) == 1) and arg != b"-0":
-        value = int(arg)
-        if -2**63 <= value < 2**63:
-            return value
-    raise CommandError(message)
