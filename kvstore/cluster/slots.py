@@ -131,14 +131,21 @@ class SlotMap:
         owners = self.owners.astype(np.int32)
         starts = np.flatnonzero(np.diff(owners, prepend=-2))
         ends = np.append(starts[1:] - 1, SLOTS - 1)
-        return [(int(s), int(e), self.ids[owners[s]]) for s, e in zip(starts, ends) if owners[s] != UNASSIGNED]
+        who = owners[starts]
+        served = who != UNASSIGNED
+        names = [self.ids[i] for i in who[served].tolist()]
+        return list(zip(starts[served].tolist(), ends[served].tolist(), names))
 
     def ranges_of(self, node_id: str) -> list[tuple[int, int]]:
         return [(s, e) for s, e, owner in self.ranges if owner == node_id]
 
     def same_as(self, other: "SlotMap") -> bool:
-        """Same epoch, nodes, owners and moves (the JSON form is canonical)."""
-        return self.to_json() == other.to_json()
+        """Same epoch, nodes, owners and moves."""
+        if (self.epoch, self.nodes, self.migrating) != (other.epoch, other.nodes, other.migrating):
+            return False
+        if self.ids == other.ids:
+            return bool(np.array_equal(self.owners, other.owners))
+        return self.owner_list == other.owner_list
 
     def with_epoch(self, epoch: int) -> "SlotMap":
         return SlotMap(epoch, self.nodes, self.owners, self.migrating)
