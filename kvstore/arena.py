@@ -46,9 +46,6 @@ class Arena:
             self.array[::PAGE] = 0
         return time.perf_counter() - start
 
-    def slice(self, offset: int, size: int) -> memoryview:
-        return self.view[offset:offset + size]
-
     def close(self) -> None:
         self.view.release()
         del self.array

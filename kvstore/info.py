@@ -13,7 +13,7 @@ import sys
 import time
 
 from kvstore import __version__
-from kvstore.engine import DRAM, GPU, SSD
+from kvstore.engine import DRAM, GPU, SSD, now_ms
 
 DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "keyspace", "kvcache", "gpu", "dram", "ssd")
 
@@ -72,7 +72,21 @@ def keyspace_section(server) -> dict:
     engine = server.engine
     if not engine.index:
         return {}
-    return {"db0": f"keys={len(engine.index)},expires={len(engine.expires)},avg_ttl=0"}
+    return {"db0": f"keys={len(engine.index)},expires={len(engine.expires)},avg_ttl={average_ttl_ms(engine)}"}
+
+
+def average_ttl_ms(engine) -> int:
+    """Mean time to live, in ms, of the keys with an expiry (Redis's avg_ttl; 0 when none).
+
+    Redis estimates it from the keys its expiry cycle samples; here every
+    deadline sits in one dict of ints, so the exact mean is one pass in C
+    (about 9 ns a key), paid only when INFO is asked. Keys past their
+    deadline that active expiry has not reached yet pull it down a little.
+    """
+    expires = engine.expires
+    if not expires:
+        return 0
+    return max(0, sum(expires.values()) // len(expires) - now_ms())
 
 
 def kvcache_section(server) -> dict:

@@ -2,9 +2,14 @@
 
 Why derive from INFO: one source of truth. Every numeric INFO field becomes
 ``kvstore_<field>`` (tier sections keep their prefix, e.g.
-``kvstore_ssd_checksum_failures``); non-numeric fields are left out. The
-endpoint is a minimal HTTP/1.0 responder on the node's event loop: scrapes
-are rare and small, so it needs no web framework.
+``kvstore_ssd_used``); non-numeric fields are left out. Fields that only
+grow (hits, commands, evictions, ...) are Prometheus counters, named as the
+text format expects (``kvstore_keyspace_hits_total``, Redis's ``total_``
+prefix moved to the end, as redis_exporter names them), so ``rate()`` works
+on them; everything else is a gauge. A field INFO shows in two sections (the
+kvcache section repeats some DRAM figures) is exported once, as its tier
+section says it. The endpoint is a minimal HTTP/1.0 responder on the node's
+event loop: scrapes are rare and small, so it needs no web framework.
 """
 from __future__ import annotations
 
@@ -15,20 +20,40 @@ from kvstore import info
 
 log = logging.getLogger("kvstore")
 
+REQUEST_SECONDS = 5         # a scrape's whole request must arrive within this
+MAX_HEADER_LINES = 100
 SKIP = {"process_id", "tcp_port", "arch_bits"}
+COUNTERS = frozenset({"total_connections_received", "total_commands_processed", "rejected_connections",
+                      "expired_keys", "evicted_keys", "keyspace_hits", "keyspace_misses", "oom_rejections",
+                      "kv_hits", "kv_misses"})
+TIER_SECTIONS = ("gpu", "dram", "ssd")
+TIER_COUNTERS = frozenset({"hits", "misses", "promotions", "demotions", "evictions", "checksum_failures",
+                           "errors"})
 
 
 def render(server) -> str:
-    lines = []
+    metrics: dict[str, tuple[str, float | int]] = {}
     for section, fields in info.collect(server).items():
         for name, value in fields.items():
             number = _number(value)
             if number is None or name in SKIP:
                 continue
-            metric = "kvstore_" + name.replace("-", "_")
-            lines.append(f"# TYPE {metric} gauge")
-            lines.append(f"{metric} {number}")
+            metric, kind = metric_of(section, name)
+            metrics[metric] = (kind, number)
+    lines = []
+    for metric, (kind, number) in metrics.items():
+        lines.append(f"# TYPE {metric} {kind}")
+        lines.append(f"{metric} {number}")
     return "\n".join(lines) + "\n"
+
+
+def metric_of(section: str, field: str) -> tuple[str, str]:
+    """The metric name and type of INFO's ``field`` in ``section``."""
+    field = field.replace("-", "_")
+    tier_field = field.split("_", 1)[-1]
+    if field in COUNTERS or (section in TIER_SECTIONS and tier_field in TIER_COUNTERS):
+        return f"kvstore_{field.removeprefix('total_')}_total", "counter"
+    return f"kvstore_{field}", "gauge"
 
 
 def _number(value) -> float | int | None:
@@ -40,13 +65,20 @@ def _number(value) -> float | int | None:
         return None
 
 
+async def _request_path(reader: asyncio.StreamReader) -> bytes:
+    """The path of an HTTP request; its headers (at most MAX_HEADER_LINES) are read and dropped."""
+    request = await reader.readline()
+    for _ in range(MAX_HEADER_LINES):
+        if await reader.readline() in (b"\r\n", b"\n", b""):
+            break
+    parts = request.split()
+    return parts[1] if len(parts) > 1 else b""
+
+
 async def serve_metrics(server, host: str, port: int) -> asyncio.AbstractServer:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
-            path = request.split()[1] if len(request.split()) > 1 else b""
+            path = await asyncio.wait_for(_request_path(reader), REQUEST_SECONDS)
             if path == b"/metrics":
                 body, status = render(server).encode(), b"200 OK"
             else:
@@ -54,7 +86,7 @@ async def serve_metrics(server, host: str, port: int) -> asyncio.AbstractServer:
             writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
             await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
+        except (asyncio.TimeoutError, ConnectionError, ValueError):   # ValueError: a line over 64 KiB
             pass
         finally:
             writer.close()

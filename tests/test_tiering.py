@@ -436,9 +436,11 @@ def test_info_tier_sections_and_metrics_endpoint_agree(tmp_path):
         assert ssd["ssd_values"] + dram["dram_values"] == 48
         assert r.info("gpu") == {"gpu_enabled": 0}
         metrics = scrape(metrics_port)
-        for field in ("ssd_hits", "ssd_promotions", "ssd_values", "ssd_used", "dram_demotions",
-                      "dram_capacity", "ssd_checksum_failures"):
-            assert metrics[f"kvstore_{field}"] == float({**ssd, **dram}[field]), field
+        for field, metric in [("ssd_hits", "ssd_hits_total"), ("ssd_promotions", "ssd_promotions_total"),
+                              ("ssd_values", "ssd_values"), ("ssd_used", "ssd_used"),
+                              ("dram_demotions", "dram_demotions_total"), ("dram_capacity", "dram_capacity"),
+                              ("ssd_checksum_failures", "ssd_checksum_failures_total")]:
+            assert metrics[f"kvstore_{metric}"] == float({**ssd, **dram}[field]), field
         stats = r.execute_command(wire.KV_STATS)     # a map under RESP3, pairs under RESP2
         stats = stats if isinstance(stats, dict) else dict(zip(stats[::2], stats[1::2]))
         assert stats[b"bytes_ssd"] + stats[b"bytes_dram"] == 48 * 256 * KIB
