@@ -15,11 +15,13 @@ install: $(VENV)/bin/python
 run: install
 	$(VENV)/bin/kvstore serve
 
-# Debian packages the integration tests drive: redis-server (reference) and
-# redis-tools (redis-cli, redis-benchmark).
+# Debian packages the integration tests drive: redis-server (reference),
+# redis-tools (redis-cli, redis-benchmark) and etcd-server (cluster membership).
 system-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
+	@command -v etcd >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 install-test: $(VENV)/bin/python system-deps

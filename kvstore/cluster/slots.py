@@ -27,6 +27,7 @@ import numpy as np
 SLOTS = 16384
 MAX_MAP_BYTES = 2 * 1024 * 1024       # well above a fully fragmented map (16,384 ranges), below etcd's limits
 NODE_ID = re.compile(r"[0-9a-f]{40}")
+ADDRESS = re.compile(r"(\S+):(\d{1,5})")
 UNASSIGNED = -1
 
 _crc16 = binascii.crc_hqx
@@ -53,11 +54,10 @@ class SlotMapError(ValueError):
 
 def check_address(addr: str) -> tuple[str, int]:
     """``host:port`` split and checked (an IPv6 host keeps its colons)."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or any(c.isspace() for c in host) or not port.isdigit() \
-            or not 0 < int(port) < 65536:
+    match = ADDRESS.fullmatch(addr)
+    if match is None or not 0 < int(match[2]) < 65536:
         raise SlotMapError(f"bad node address {addr!r} (want host:port)")
-    return host, int(port)
+    return match[1], int(match[2])
 
 
 @dataclass(frozen=True, eq=False)

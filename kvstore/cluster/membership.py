@@ -1,0 +1,386 @@
+"""Cluster membership kept in etcd: leases, one elected leader, and a watched slot map.
+
+Layout under ``/kvstore/<cluster>/``::
+
+    nodes/<node id>   -> host:port     (under the node's lease)
+    addrs/<host:port> -> node id       (under the node's lease: one node per address)
+    leader            -> node id       (under the leader's lease)
+    slotmap           -> the JSON slot map (no lease: it outlives every node)
+
+A node joins by granting a lease with ttl = its node timeout and creating its
+two keys in one transaction that requires both to be absent: a second node
+announcing a live node's address is refused (after waiting out one ttl, so a
+node restarted on its own address gets in once its old lease has expired).
+Its keep-alive loop refreshes the lease every ttl/3; if etcd says the lease is
+gone (etcd lost it for longer than the ttl) it joins again. Leadership is a
+key created with the leader's lease in a transaction that requires it to be
+absent; when the leader's lease expires the key goes and every node campaigns.
+The leader writes the map in a transaction that compares the leader key's
+create revision (a deposed leader cannot write) and the map's mod revision
+(a map computed from a stale one is not written; the watch brings the newer
+map and the leader computes again).
+
+Every node watches the whole prefix. A broken watch resumes from the last
+revision seen + 1, so no event is missed; if that history is compacted the
+node reads everything again. While etcd is unreachable nothing changes: the
+node keeps its last map, keeps serving, and retries.
+
+`Membership` is what `ClusterState` (node.py) depends on. `EtcdMembership`
+implements it over the small `KV` interface (kv.py); `InMemoryMembership` is
+the same logic over `FakeEtcd`, so tests and simulations of hundreds of nodes
+run the code real nodes run, with no sockets.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from kvstore.cluster.fake_etcd import FakeEtcd
+from kvstore.cluster.kv import KV, Compacted, Compare, Event, KeyValue, Put, Unavailable
+from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
+
+log = logging.getLogger("kvstore.cluster")
+
+RETRY_SECONDS = 0.2
+MAX_WATCH_BACKOFF = 1.0
+
+
+class ClusterError(Exception):
+    """This node cannot take part in its cluster; the message says why."""
+
+
+class MembershipListener(Protocol):
+    """What membership tells a node (ClusterState implements it); called on the event loop."""
+
+    def on_nodes(self, nodes: dict[str, str]) -> None: ...
+    def on_map(self, raw: bytes) -> None: ...
+    def on_leader(self, leader: bool) -> None: ...
+
+
+class Membership(ABC):
+    """Registration, leadership and the shared slot map, as one node sees them."""
+
+    is_leader: bool = False
+    reachable: bool = True
+
+    @abstractmethod
+    async def join(self, node_id: str, addr: str, listener: MembershipListener) -> None:
+        """Register this node; the current nodes and map reach ``listener`` before this returns.
+
+        Raises ClusterError when the store cannot be reached in time or the
+        address belongs to another live node.
+        """
+
+    @abstractmethod
+    def propose(self, slot_map: SlotMap) -> None:
+        """As leader, write ``slot_map`` unless the map or the leadership changed since it was computed."""
+
+    @abstractmethod
+    async def leave(self) -> None:
+        """Leave cleanly: the node's registration (and leadership) end now."""
+
+    @abstractmethod
+    async def abandon(self) -> None:
+        """Stop without a word, as a crash does: the registration expires with its lease."""
+
+
+class EtcdMembership(Membership):
+    """Membership in etcd (any `KV`), under cluster name ``cluster``."""
+
+    def __init__(self, kv: KV, cluster: str, node_timeout: float, *, connect_timeout: float = 10.0,
+                 where: str = "etcd"):
+        self.kv = kv
+        self.cluster = cluster
+        self.node_timeout = node_timeout
+        self.connect_timeout = connect_timeout
+        self.where = where
+        self.prefix = f"/kvstore/{cluster}/".encode()
+        self.leader_key = self.prefix + b"leader"
+        self.map_key = self.prefix + b"slotmap"
+        self.node_id = self.addr = ""
+        self.listener: MembershipListener | None = None
+        self.lease, self.ttl = 0, max(1, math.ceil(node_timeout))
+        self.nodes: dict[str, str] = {}
+        self.revision = 0               # last revision seen; a watch resumes after it
+        self.map_revision = 0           # mod revision of the map last delivered (0: none)
+        self.leader_id: str | None = None
+        self.leader_revision = 0        # create revision of the leader key while we hold it
+        self._proposal: tuple[SlotMap, int, int] | None = None
+        self._writer: asyncio.Task | None = None
+        self._campaigning = False
+        self._tasks: set[asyncio.Task] = set()
+
+    def _node_key(self, node_id: str) -> bytes:
+        return self.prefix + b"nodes/" + node_id.encode()
+
+    def _addr_key(self, addr: str) -> bytes:
+        return self.prefix + b"addrs/" + addr.encode()
+
+    # ---------------------------------------------------------------- joining
+
+    async def join(self, node_id: str, addr: str, listener: MembershipListener) -> None:
+        self.node_id, self.addr, self.listener = node_id, addr, listener
+        await self._first_lease()
+        try:
+            await self._register()
+            await self._resync()
+        except Unavailable as e:
+            raise ClusterError(f"lost {self.where} while joining cluster {self.cluster!r}: {e}") from None
+        self._spawn(self._keep_alive())
+        self._spawn(self._watch())
+
+    async def _first_lease(self) -> None:
+        """Grant our lease, retrying until ``connect_timeout``: the one bounded wait at start."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        while True:
+            try:
+                self.lease, self.ttl = await self.kv.grant(self.ttl)
+                return
+            except Unavailable as e:
+                if loop.time() >= deadline:
+                    raise ClusterError(f"cannot reach {self.where} for cluster {self.cluster!r} within "
+                                       f"{self.connect_timeout:g} s: {e}") from None
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _register(self) -> None:
+        """Create our node and address keys, waiting out one ttl for a dead holder of the address."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ttl + 1.0
+        node_key, addr_key = self._node_key(self.node_id), self._addr_key(self.addr)
+        while True:
+            ok, _ = await self.kv.txn([Compare("create", addr_key, 0), Compare("create", node_key, 0)],
+                                      [Put(node_key, self.addr.encode(), self.lease),
+                                       Put(addr_key, self.node_id.encode(), self.lease)])
+            if ok:
+                log.info("Joined cluster %r as %s (%s), lease ttl %d s", self.cluster, self.node_id, self.addr, self.ttl)
+                return
+            if loop.time() >= deadline:
+                await self.kv.revoke(self.lease)
+                raise ClusterError(f"address {self.addr} is already announced by node {await self._holder()} in "
+                                   f"cluster {self.cluster!r}: give every node its own --announce address")
+            await self.kv.keepalive(self.lease)
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _holder(self) -> str:
+        _, found = await self.kv.get_prefix(self._addr_key(self.addr))
+        return found[0].value.decode(errors="replace") if found else "(gone)"
+
+    # ---------------------------------------------------------------- leaving
+
+    async def leave(self) -> None:
+        await self._stop_tasks()
+        try:
+            await self.kv.revoke(self.lease)
+            log.info("Left cluster %r", self.cluster)
+        except Unavailable as e:
+            log.warning("Could not leave cluster %r cleanly (%s): the registration expires in %d s",
+                        self.cluster, e, self.ttl)
+        await self.kv.close()
+
+    async def abandon(self) -> None:
+        await self._stop_tasks()
+        await self.kv.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _stop_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._set_leader(False)
+
+    # ---------------------------------------------------------------- lease
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                if await self.kv.keepalive(self.lease) <= 0:
+                    await self._rejoin()
+                elif self.leader_id is None:
+                    await self._campaign()
+                self._set_reachable(True)
+            except Unavailable as e:
+                self._set_reachable(False, str(e))
+            except ClusterError as e:
+                log.error("%s", e)
+
+    async def _rejoin(self) -> None:
+        log.warning("Lease expired (%s heard nothing from this node for %d s): joining cluster %r again",
+                    self.where, self.ttl, self.cluster)
+        self._set_leader(False)
+        self.lease, self.ttl = await self.kv.grant(self.ttl)
+        await self._register()
+        if self.leader_id is None:
+            await self._campaign()
+
+    def _set_reachable(self, reachable: bool, why: str = "") -> None:
+        if reachable != self.reachable:
+            self.reachable = reachable
+            if reachable:
+                log.warning("%s is reachable again", self.where)
+            else:
+                log.warning("%s is unreachable (%s): serving the last slot map, changing nothing", self.where, why)
+
+    # ---------------------------------------------------------------- leadership
+
+    async def _campaign(self) -> None:
+        if self._campaigning or self.leader_id is not None:
+            return
+        self._campaigning = True
+        try:
+            ok, revision = await self.kv.txn([Compare("create", self.leader_key, 0)],
+                                             [Put(self.leader_key, self.node_id.encode(), self.lease)])
+        except Unavailable:
+            return                      # the keep-alive loop campaigns again once etcd answers
+        finally:
+            self._campaigning = False
+        if ok:
+            self.leader_id, self.leader_revision = self.node_id, revision
+            self._set_leader(True)
+
+    def _leader_seen(self, kv: KeyValue | None) -> None:
+        if kv is None:
+            self.leader_id = None
+            self._set_leader(False)
+            self._spawn(self._campaign())
+            return
+        self.leader_id = kv.value.decode(errors="replace")
+        mine = self.leader_id == self.node_id and kv.lease == self.lease
+        if mine:
+            self.leader_revision = kv.create_revision
+        self._set_leader(mine)
+
+    def _set_leader(self, leader: bool) -> None:
+        if leader != self.is_leader:
+            self.is_leader = leader
+            log.info("%s leadership of cluster %r", "Took" if leader else "Lost", self.cluster)
+            if self.listener is not None:
+                self.listener.on_leader(leader)
+
+    # ---------------------------------------------------------------- the map
+
+    def propose(self, slot_map: SlotMap) -> None:
+        if not self.is_leader:
+            return
+        self._proposal = (slot_map, self.map_revision, self.leader_revision)
+        if self._writer is None or self._writer.done():
+            self._writer = self._spawn(self._write_proposals())
+
+    async def _write_proposals(self) -> None:
+        while self._proposal is not None and self.is_leader:
+            slot_map, base, leadership = self._proposal
+            self._proposal = None
+            try:
+                ok, _ = await self.kv.txn([Compare("create", self.leader_key, leadership),
+                                           Compare("mod", self.map_key, base)],
+                                          [Put(self.map_key, slot_map.to_json())])
+            except Unavailable as e:
+                self._set_reachable(False, str(e))
+                self._proposal = self._proposal or (slot_map, base, leadership)
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            if ok:
+                log.info("Wrote slot map epoch %d: %d nodes, %d slots assigned",
+                         slot_map.epoch, len(slot_map.nodes), slot_map.assigned)
+            else:
+                log.info("Slot map epoch %d not written: the map or the leader changed meanwhile", slot_map.epoch)
+
+    # ---------------------------------------------------------------- watching
+
+    async def _resync(self) -> None:
+        """Read the whole cluster state (at join, and when watch history is compacted)."""
+        revision, kvs = await self.kv.get_prefix(self.prefix)
+        nodes, leader = {}, None
+        self.revision = revision
+        for kv in kvs:
+            name = kv.key[len(self.prefix):]
+            if name.startswith(b"nodes/"):
+                node_id, addr = name[6:].decode(errors="replace"), kv.value.decode(errors="replace")
+                if self._valid_node(node_id, addr):
+                    nodes[node_id] = addr
+            elif name == b"leader":
+                leader = kv
+            elif name == b"slotmap" and kv.mod_revision != self.map_revision:
+                self.map_revision = kv.mod_revision
+                self.listener.on_map(kv.value)
+        self._set_nodes(nodes)
+        self._leader_seen(leader)
+
+    async def _watch(self) -> None:
+        backoff, resync = RETRY_SECONDS, False
+        while True:
+            try:
+                if resync:
+                    await self._resync()
+                    resync = False
+                async for event in self.kv.watch_prefix(self.prefix, self.revision + 1):
+                    self._set_reachable(True)
+                    backoff = RETRY_SECONDS
+                    self._on_event(event)
+            except Compacted as e:
+                log.warning("Watch history is compacted (%s): reading the cluster state again", e)
+                resync = True
+                continue
+            except Unavailable as e:
+                self._set_reachable(False, str(e))
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_WATCH_BACKOFF)
+
+    def _on_event(self, event: Event) -> None:
+        self.revision = max(self.revision, event.kv.mod_revision)
+        name = event.kv.key[len(self.prefix):]
+        try:
+            if name.startswith(b"nodes/"):
+                self._node_changed(name[6:].decode(errors="replace"),
+                                   None if event.deleted else event.kv.value.decode(errors="replace"))
+            elif name == b"slotmap":
+                self.map_revision = 0 if event.deleted else event.kv.mod_revision
+                self.listener.on_map(event.kv.value)
+            elif name == b"leader":
+                self._leader_seen(None if event.deleted else event.kv)
+        except Exception:
+            # A bug applying one event must not stop the watch (the node would go deaf).
+            log.exception("Applying watch event on %r failed", event.kv.key)
+
+    def _node_changed(self, node_id: str, addr: str | None) -> None:
+        nodes = dict(self.nodes)
+        if addr is None:
+            nodes.pop(node_id, None)
+        elif self._valid_node(node_id, addr):
+            nodes[node_id] = addr
+        self._set_nodes(nodes)
+
+    def _valid_node(self, node_id: str, addr: str) -> bool:
+        """Entries someone else wrote under our prefix are checked before they reach an assignment."""
+        try:
+            if not NODE_ID.fullmatch(node_id):
+                raise SlotMapError(f"bad node id {node_id!r}")
+            check_address(addr)
+            return True
+        except SlotMapError as e:
+            log.error("Ignoring a malformed node entry in %s: %s", self.where, e)
+            return False
+
+    def _set_nodes(self, nodes: dict[str, str]) -> None:
+        if nodes != self.nodes:
+            self.nodes = nodes
+            self.listener.on_nodes(dict(nodes))
+
+
+class InMemoryMembership(EtcdMembership):
+    """The same membership over an in-process `FakeEtcd` shared by every simulated node."""
+
+    def __init__(self, store: FakeEtcd, cluster: str, node_timeout: float, *, connect_timeout: float = 10.0):
+        super().__init__(store.client(), cluster, node_timeout, connect_timeout=connect_timeout,
+                         where="in-memory etcd")
+        self.store = store

@@ -1,0 +1,168 @@
+"""Membership against a real etcd (started per test): election, the watched map, a member killed
+with SIGKILL, an etcd restart, an unreachable etcd, a duplicate address, and `start_cluster`."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvstore.cluster.etcd_kv import EtcdKV
+from kvstore.cluster.membership import ClusterError, EtcdMembership
+from kvstore.cluster.node import ClusterState, new_node_id
+from kvstore.cluster.runner import start_cluster
+from kvstore.cluster.slots import SLOTS, SlotMap
+from tests.conftest import free_port
+from tests.etcd_proc import etcd  # noqa: F401  (fixture)
+
+NODE_TIMEOUT = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def member(etcd, announce: str, name: str = "t", **kwargs) -> ClusterState:
+    kv = EtcdKV("127.0.0.1", etcd.client_port, timeout=1)
+    return ClusterState(new_node_id(), announce, EtcdMembership(kv, name, NODE_TIMEOUT, **kwargs))
+
+
+def converged(states: list[ClusterState], ids: set[str] | None = None) -> bool:
+    """Same full map of exactly ``ids`` everywhere; with ``ids`` None, one leader among ``states`` too."""
+    leaders_ok = ids is not None or sum(s.is_leader for s in states) == 1
+    ids = ids if ids is not None else {s.my_id for s in states}
+    return (len({s.map.epoch for s in states}) == 1 and all(s.ok and set(s.map.nodes) == ids for s in states)
+            and leaders_ok)
+
+
+async def wait_converged(states: list[ClusterState], limit: float, ids: set[str] | None = None) -> float:
+    start = time.monotonic()
+    while not converged(states, ids):
+        if time.monotonic() - start > limit:
+            raise AssertionError(f"no convergence within {limit} s: epochs {[s.map.epoch for s in states]}, "
+                                 f"leaders {[s.is_leader for s in states]}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def stored_map(etcd, name: str = "t") -> SlotMap:
+    kv = EtcdKV("127.0.0.1", etcd.client_port)
+    try:
+        _, found = await kv.get_prefix(f"/kvstore/{name}/slotmap".encode())
+        return SlotMap.from_json(found[0].value)
+    finally:
+        await kv.close()
+
+
+def test_three_members_elect_one_leader_and_apply_the_written_map(etcd):
+    async def scenario():
+        states = [member(etcd, f"127.0.0.1:{7001 + i}") for i in range(3)]
+        await asyncio.gather(*(s.start() for s in states))
+        await wait_converged(states, 5)
+        in_etcd = await stored_map(etcd)
+        assert all(s.map.same_as(in_etcd) for s in states)
+        assert sorted(in_etcd.counts.values()) == [5461, 5461, 5462]
+        assert sum(s.mine.count(1) for s in states) == SLOTS
+        leaving = states.pop()
+        await leaving.stop()                                     # a clean leave moves its slots at once
+        took = await wait_converged(states, 3)
+        assert took < NODE_TIMEOUT
+        for s in states:
+            await s.stop()
+    asyncio.run(scenario())
+
+
+CHILD = """
+import asyncio, sys
+from kvstore.cluster.runner import start_cluster
+async def main():
+    state = await start_cluster(sys.argv[1], sys.argv[2], node_timeout=float(sys.argv[3]))
+    print(state.my_id, flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def test_a_member_killed_with_sigkill_loses_its_slots_within_the_node_timeout(etcd):
+    child = subprocess.Popen([sys.executable, "-c", CHILD, f"etcd://127.0.0.1:{etcd.client_port}/t",
+                              "127.0.0.1:7009", str(NODE_TIMEOUT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        victim_id = child.stdout.readline().strip()
+        assert len(victim_id) == 40, "the member process did not join"
+
+        async def scenario():
+            states = [member(etcd, f"127.0.0.1:{7001 + i}") for i in range(2)]
+            await asyncio.gather(*(s.start() for s in states))
+            await wait_converged(states, 5, {s.my_id for s in states} | {victim_id})
+            assert all(s.map.counts[victim_id] > 5000 for s in states)
+            child.send_signal(signal.SIGKILL)
+            took = await wait_converged(states, NODE_TIMEOUT + 4)
+            assert took <= NODE_TIMEOUT + 2
+            for s in states:
+                await s.stop()
+        asyncio.run(scenario())
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_members_keep_their_map_while_etcd_is_down_and_resume_watching_after(etcd):
+    async def scenario():
+        states = [member(etcd, f"127.0.0.1:{7001 + i}") for i in range(3)]
+        await asyncio.gather(*(s.start() for s in states))
+        await wait_converged(states, 5)
+        before = states[0].map
+        mine_before = [s.mine for s in states]
+        etcd.stop()
+        await asyncio.sleep(NODE_TIMEOUT + 1)
+        assert not any(s.membership.reachable for s in states)
+        assert all(s.map is before or s.map.same_as(before) for s in states)
+        assert [s.mine for s in states] == mine_before          # still serving the same slots
+        etcd.start()
+        states.append(member(etcd, "127.0.0.1:7004"))
+        await states[-1].start()
+        await wait_converged(states, 5)                          # the old members saw the newcomer
+        assert all(s.membership.reachable for s in states)
+        assert states[0].map.epoch > before.epoch
+        for s in states:
+            await s.stop()
+    asyncio.run(scenario())
+
+
+def test_a_second_member_on_a_live_address_is_refused(etcd):
+    async def scenario():
+        first = member(etcd, "127.0.0.1:7001")
+        await first.start()
+        start = time.monotonic()
+        with pytest.raises(ClusterError, match=f"127.0.0.1:7001 is already announced by node {first.my_id}"):
+            await member(etcd, "127.0.0.1:7001").start()
+        assert time.monotonic() - start < NODE_TIMEOUT + 3
+        await first.stop()
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_etcd_fails_the_start_with_a_clear_message_after_a_bounded_wait():
+    port = free_port()
+
+    async def scenario():
+        start = time.monotonic()
+        with pytest.raises(ClusterError, match=f"cannot reach etcd at http://127.0.0.1:{port} for cluster "
+                                               f"'t' within 1 s"):
+            await start_cluster(f"etcd://127.0.0.1:{port}/t", "127.0.0.1:7001", NODE_TIMEOUT, connect_timeout=1)
+        assert time.monotonic() - start < 4
+    asyncio.run(scenario())
+
+
+def test_start_cluster_runs_in_a_plain_event_loop_and_a_clean_stop_deregisters(etcd):
+    async def scenario():
+        url = f"etcd://127.0.0.1:{etcd.client_port}/plain"
+        state = await start_cluster(url, "127.0.0.1:7001", NODE_TIMEOUT)
+        await wait_converged([state], 5)
+        assert state.is_mine(0) and state.map.nodes == {state.my_id: "127.0.0.1:7001"}
+        await state.stop()
+        kv = EtcdKV("127.0.0.1", etcd.client_port)
+        _, left = await kv.get_prefix(b"/kvstore/plain/nodes/")
+        await kv.close()
+        assert left == []
+    asyncio.run(scenario())
