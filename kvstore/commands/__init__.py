@@ -3,6 +3,7 @@ fills the command table (`table.TABLE`)."""
 from kvstore.commands import keyspace, kvcache, server, strings, transactions  # noqa: F401  (they register themselves)
 from kvstore.commands import fastpath  # noqa: F401  (local fast path: leases, reservations)
 from kvstore.commands import layers  # noqa: F401  (layer-wise blocks)
+from kvstore.commands import cluster  # noqa: F401  (CLUSTER, READONLY, READWRITE, ASKING)
 from kvstore.commands.table import TABLE, Command, CommandError, lookup
 
 __all__ = ["TABLE", "Command", "CommandError", "lookup"]
