@@ -194,7 +194,7 @@ def run(config: Config, config_file: str | None = None) -> int:
         runner = asyncio.run
     try:
         server = Server(config, config_file)
-    except TierError as exc:
+    except (TierError, OSError) as exc:        # no tier, no arena (memory, memfd limits)
         log.error("Could not start: %s", exc)
         return 1
     try:
