@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "conductor":
         from conductor.cli import conductor_main
         return conductor_main(argv[1:])
+    if argv and argv[0] == "cluster":
+        from kvstore.cluster.cli import cluster_main
+        return cluster_main(argv[1:])
     if argv and argv[0] in ("worker", "gateway", "llm"):
         from workers import cli as workers_cli
         return getattr(workers_cli, f"{argv[0]}_main")(argv[1:])
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("replay", help="replay a Mooncake trace through the conductor's simulator "
                    "(kvstore replay --help)", add_help=False)
     sub.add_parser("conductor", help="run the cache-aware conductor service (kvstore conductor --help)",
+                   add_help=False)
+    sub.add_parser("cluster", help="start a local cluster or show one's slots (kvstore cluster --help)",
                    add_help=False)
     sub.add_parser("worker", help="run a prefill or decode worker (kvstore worker --help)", add_help=False)
     sub.add_parser("gateway", help="serve OpenAI /v1/completions (kvstore gateway --help)", add_help=False)

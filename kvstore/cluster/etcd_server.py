@@ -61,7 +61,9 @@ class ThrowawayEtcd:
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"{self.name}={peer}", "--unsafe-no-fsync", "--log-level", "warn"]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # Its own session: a Ctrl-C meant for the parent must not stop etcd before the nodes leave.
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         self._wait_healthy(timeout)
         return self
 

@@ -1,0 +1,210 @@
+"""`kvstore cluster up` (a whole cluster on this machine) and `kvstore cluster status`.
+
+``up`` starts a throwaway etcd (unless ``--etcd`` names one) and N
+``kvstore serve --cluster etcd://HOST:PORT/NAME`` nodes on free loopback
+ports, waits until the leader's map covers every slot with all N nodes, and
+prints one JSON line that scripts and tests read::
+
+    {"etcd": "http://127.0.0.1:P", "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
+
+It then stays in the foreground; SIGINT or SIGTERM stops the nodes (cleanly,
+so they leave the cluster) and the etcd it started. ``status`` reads the
+cluster's state from etcd: nodes, leader, epoch, slot ranges and coverage.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from kvstore.cluster.etcd_kv import EtcdKV
+from kvstore.cluster.etcd_server import EtcdError, ThrowawayEtcd, free_port
+from kvstore.cluster.kv import Unavailable
+from kvstore.cluster.membership import ClusterError
+from kvstore.cluster.runner import ClusterURL
+from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
+
+START_TIMEOUT = 60.0
+
+
+@dataclass
+class Snapshot:
+    """The cluster as etcd holds it."""
+
+    nodes: dict[str, str]
+    leader: str | None
+    slot_map: SlotMap | None
+    problem: str = ""           # why the stored map could not be read
+
+
+async def read_snapshot(url: ClusterURL) -> Snapshot:
+    kv = EtcdKV(url.host, url.port, timeout=2)
+    prefix = f"/kvstore/{url.name}/".encode()
+    try:
+        _, kvs = await kv.get_prefix(prefix)
+    finally:
+        await kv.close()
+    found = {kv.key[len(prefix):]: kv.value for kv in kvs}
+    nodes = {k[6:].decode(errors="replace"): v.decode(errors="replace") for k, v in found.items()
+             if k.startswith(b"nodes/")}
+    leader = found[b"leader"].decode(errors="replace") if b"leader" in found else None
+    slot_map, problem = None, ""
+    if b"slotmap" in found:
+        try:
+            slot_map = SlotMap.from_json(found[b"slotmap"])
+        except SlotMapError as e:
+            problem = f"the stored slot map is malformed: {e}"
+    return Snapshot(nodes, leader, slot_map, problem)
+
+
+def status_lines(url: ClusterURL, snap: Snapshot) -> list[str]:
+    slot_map = snap.slot_map
+    head = f"cluster {url.name} at etcd {url.etcd}: {len(snap.nodes)} nodes, leader {snap.leader or '(none)'}"
+    if slot_map is None:
+        return [head, snap.problem or "no slot map yet"]
+    coverage = "ok" if slot_map.assigned == SLOTS else "INCOMPLETE"
+    lines = [head, f"slot map epoch {slot_map.epoch}: {slot_map.assigned}/{SLOTS} slots assigned ({coverage})"]
+    for node_id in sorted(snap.nodes.keys() | slot_map.nodes.keys()):
+        addr = snap.nodes.get(node_id) or slot_map.nodes.get(node_id)
+        ranges = " ".join(f"{s}" if s == e else f"{s}-{e}" for s, e in slot_map.ranges_of(node_id))
+        alive = "" if node_id in snap.nodes else " (gone: lease expired or left)"
+        lines.append(f"  {node_id} {addr}{alive} slots={slot_map.counts.get(node_id, 0)} {ranges}".rstrip())
+    for slot, (source, target) in sorted(slot_map.migrating.items()):
+        lines.append(f"  slot {slot} moving {source} -> {target}")
+    return lines
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        url = ClusterURL.parse(args.url)
+        snap = asyncio.run(read_snapshot(url))
+    except (ClusterError, Unavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(status_lines(url, snap)))
+    return 0
+
+
+# ---------------------------------------------------------------------- up
+
+
+class LocalCluster:
+    """The etcd (when ours) and node processes `up` started, and how to stop them."""
+
+    def __init__(self, args: argparse.Namespace, stopping: threading.Event):
+        self.args = args
+        self.stopping = stopping
+        self.etcd: ThrowawayEtcd | None = None
+        self.etcd_url = args.etcd
+        self.log_dir = tempfile.mkdtemp(prefix="kvstore-cluster-")
+        self.nodes: list[tuple[str, subprocess.Popen]] = []        # (addr, process)
+
+    def start(self) -> None:
+        if self.etcd_url is None:
+            self.etcd = ThrowawayEtcd(os.path.join(self.log_dir, "etcd")).start()
+            self.etcd_url = self.etcd.url
+        host, _, port = self.etcd_url.removeprefix("http://").rstrip("/").rpartition(":")
+        self.url = ClusterURL.parse(f"etcd://{host}:{port}/{self.args.name}")
+        for _ in range(self.args.nodes):
+            self.nodes.append(self._start_node(free_port()))
+
+    def _start_node(self, port: int) -> tuple[str, subprocess.Popen]:
+        command = [sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--cluster", str(self.url)]
+        if self.args.dram_size:
+            command += ["--dram-size", self.args.dram_size]
+        if self.args.node_timeout:
+            command += ["--cluster-node-timeout", str(self.args.node_timeout)]
+        with open(os.path.join(self.log_dir, f"node-{port}.log"), "ab") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)         # signals reach them through `stop` only
+        return f"127.0.0.1:{port}", proc
+
+    def wait_formed(self) -> list[dict]:
+        """Block until the map covers every slot with exactly our nodes; their ids, addresses and pids."""
+        wanted = {addr for addr, _ in self.nodes}
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            for addr, proc in self.nodes:
+                if proc.poll() is not None:
+                    raise ClusterError(f"node {addr} exited with {proc.returncode}:\n{self._log_tail(addr)}")
+            snap = self._snapshot()
+            if snap is not None and snap.slot_map is not None and snap.slot_map.assigned == SLOTS \
+                    and set(snap.slot_map.nodes.values()) == wanted:
+                ids = {addr: node_id for node_id, addr in snap.slot_map.nodes.items()}
+                return [{"id": ids[addr], "addr": addr, "pid": proc.pid} for addr, proc in self.nodes]
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the cluster did not form within {START_TIMEOUT:.0f} s (logs in {self.log_dir})")
+            if self.stopping.wait(0.1):
+                raise ClusterError("interrupted while the cluster was forming")
+
+    def _snapshot(self) -> Snapshot | None:
+        try:
+            return asyncio.run(read_snapshot(self.url))
+        except Unavailable:
+            return None
+
+    def _log_tail(self, addr: str) -> str:
+        path = os.path.join(self.log_dir, f"node-{addr.rpartition(':')[2]}.log")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-15:])
+
+    def stop(self) -> None:
+        for _, proc in self.nodes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in self.nodes:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(args, stop)
+    try:
+        cluster.start()
+        nodes = cluster.wait_formed()
+        print(json.dumps({"etcd": cluster.etcd_url, "name": args.name, "nodes": nodes}), flush=True)
+        print(f"cluster {args.name} is up (logs in {cluster.log_dir}); Ctrl-C stops it", file=sys.stderr)
+        stop.wait()
+    except (ClusterError, EtcdError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    return 0
+
+
+def cluster_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore cluster", description="Run or inspect a kvstore cluster.")
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    up = sub.add_parser("up", help="start an etcd and N nodes on this machine",
+                        description="Start a throwaway etcd (unless --etcd) and N nodes on free loopback ports; "
+                        "print one JSON line with their ids, addresses and pids; stop all on SIGINT/SIGTERM.")
+    up.add_argument("--nodes", type=int, required=True, metavar="N", help="how many nodes")
+    up.add_argument("--dram-size", metavar="SIZE", help="each node's DRAM arena, e.g. 256mb")
+    up.add_argument("--etcd", metavar="URL", help="use this etcd (http://HOST:PORT) instead of starting one")
+    up.add_argument("--name", default="kvstore", help="cluster name in etcd (default kvstore)")
+    up.add_argument("--node-timeout", type=float, metavar="S", help="passed to each node as --cluster-node-timeout")
+    status = sub.add_parser("status", help="print a cluster's nodes, slot ranges, epoch and coverage")
+    status.add_argument("url", metavar="etcd://HOST:PORT/NAME")
+    args = parser.parse_args(argv)
+    if args.action == "up":
+        if args.nodes < 1:
+            parser.error("--nodes must be at least 1")
+        return cmd_up(args)
+    return cmd_status(args)
