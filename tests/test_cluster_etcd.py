@@ -154,7 +154,9 @@ def test_an_unreachable_etcd_fails_the_start_with_a_clear_message_after_a_bounde
     asyncio.run(scenario())
 
 
-def test_start_cluster_runs_in_a_plain_event_loop_and_a_clean_stop_deregisters(etcd):
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_start_cluster_runs_in_a_plain_event_loop_and_a_clean_stop_deregisters(etcd, loop):
+    """The server's loop is uvloop when installed: aetcd's gRPC must work on both."""
     async def scenario():
         url = f"etcd://127.0.0.1:{etcd.client_port}/plain"
         state = await start_cluster(url, "127.0.0.1:7001", NODE_TIMEOUT)
@@ -165,4 +167,4 @@ def test_start_cluster_runs_in_a_plain_event_loop_and_a_clean_stop_deregisters(e
         _, left = await kv.get_prefix(b"/kvstore/plain/nodes/")
         await kv.close()
         assert left == []
-    asyncio.run(scenario())
+    (pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run)(scenario())

@@ -5,5 +5,6 @@
 `etcd_kv` and an in-process fake in `fake_etcd`), `membership` (leases,
 election, the watched map), `node` (the ClusterState a server holds),
 `routing` (MOVED/ASK/CROSSSLOT decisions), `runner` (start and stop from a
-server), `cli` (`kvstore cluster up|status`).
+server), `cli` (`kvstore cluster up|status`), `etcd_server` (a throwaway
+etcd process), `simclock` (virtual time for in-process simulations).
 """

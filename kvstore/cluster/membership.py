@@ -155,12 +155,13 @@ class EtcdMembership(Membership):
             ok, _ = await self.kv.txn([Compare("create", addr_key, 0), Compare("create", node_key, 0)],
                                       [Put(node_key, self.addr.encode(), self.lease),
                                        Put(addr_key, self.node_id.encode(), self.lease)])
-            if ok:
+            holder = None if ok else await self._holder()
+            if ok or holder == self.node_id:        # (a retried call whose first try had succeeded)
                 log.info("Joined cluster %r as %s (%s), lease ttl %d s", self.cluster, self.node_id, self.addr, self.ttl)
                 return
             if loop.time() >= deadline:
                 await self.kv.revoke(self.lease)
-                raise ClusterError(f"address {self.addr} is already announced by node {await self._holder()} in "
+                raise ClusterError(f"address {self.addr} is already announced by node {holder} in "
                                    f"cluster {self.cluster!r}: give every node its own --announce address")
             await self.kv.keepalive(self.lease)
             await asyncio.sleep(RETRY_SECONDS)
