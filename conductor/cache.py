@@ -43,13 +43,13 @@ class NodeCache:
 
     def pin(self, blocks) -> None:
         for b in blocks:
-            self.policy.pin(self.slots[b])
+            self.policy.hold(self.slots[b])
 
     def unpin(self, blocks) -> None:
         for b in blocks:
             slot = self.slots.get(b)
             if slot is not None:
-                self.policy.unpin(slot)
+                self.policy.release_hold(slot)
 
     def insert_chain(self, blocks) -> int:
         """Cache a prefix chain (touching blocks already held); returns blocks added."""

@@ -1,17 +1,25 @@
 """The engine: the key index, the values' places in the arena, and eviction.
 
 The engine knows nothing of RESP or sockets. A key maps to a small integer
-slot; per-slot facts (arena offset, value size) live in flat numpy arrays and
-the eviction policy keeps its own per-slot arrays (access stamp, chain
-parent, children, pins). That layout keeps the metadata near 150 bytes a key,
-where a Python object per entry would cost twice that.
+slot; per-slot facts (tier, arena offset, value size) live in the flat
+columns of kvstore/slots.py and the eviction policy keeps its own per-slot
+columns (access stamp, chain links, candidate lists). That layout keeps the
+metadata under 200 bytes a key, where a Python object per entry would cost
+twice that.
 
 A write is two steps so a value is never visible half-written: ``reserve``
 hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
 under ``noeviction``) that the connection receives the bytes straight into,
 and ``commit`` publishes it under its key. A reader that sends a value from
-the arena holds a lease on the extent; a delete or overwrite during the send
-hides the key at once but frees the bytes only when the lease ends.
+the arena holds it (``hold``); a delete or overwrite during the send hides the
+key at once but frees the bytes only when the hold is released.
+
+Lower tiers (kvstore/tiering.py) are told what happens through listeners:
+``commit_listeners`` (a value was published), ``drop_listeners`` (a value is
+leaving the index), ``hit_listeners`` (a read hit) and ``evict_listeners``
+(DRAM let a value go to make room). The engine never calls the tier manager;
+the one question it asks a lower tier, whether waiting for demotions will
+free DRAM, goes through the ``can_demote`` hook the tier manager sets.
 
 Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
 lazily on access and actively by a periodic sampling cycle.
@@ -21,16 +29,18 @@ from __future__ import annotations
 import random
 import sys
 import time
-from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvstore.allocator import BuddyAllocator
 from kvstore.arena import Arena
 from kvstore.eviction import NO_PARENT, SampledLRU
-from kvstore.tier_moves import BLOCK_SHIFT, DRAM, GPU, ON_SSD, SSD, STAGED, TierMoves
+from kvstore.slots import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, SlotTable
+from kvstore.tier_moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
+
+__all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsDemotion", "OutOfMemory",
+           "now_ms"]
 
 TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
 MAX_VALUE = 2**32 - 1  # sizes are kept in 32 bits
@@ -75,39 +85,49 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class Engine(TierMoves):
-    """The index of one node's DRAM tier."""
+class Engine:
+    """The index of one node: every key, whichever tier its value is in, and the
+    DRAM arena that values are written into."""
 
     def __init__(self, dram_size: int, policy: str = "allkeys-lru", prefault: bool = True):
         self.arena = Arena(dram_size, prefault=prefault)
-        self.allocator = BuddyAllocator(dram_size, min_block=1 << BLOCK_SHIFT)
-        self.eviction = SampledLRU(capacity=1024)
+        self.allocator = BuddyAllocator(dram_size, OFFSET_UNIT)
+        self.eviction = SampledLRU(capacity=1024, places=len(TIERS))
+        self.slots = SlotTable(self.eviction)
+        self.moves = TierMoves(self.slots, self.free_dram)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
         self.expires: dict[bytes, int] = {}
         self.stats = EngineStats()
-        self._keys: list[bytes | None] = []
-        # DRAM offset >> BLOCK_SHIFT (of the staged copy for SSD/GPU values); 4 bytes
-        # a key instead of 8, since extents are aligned to the allocator's 64-byte blocks.
-        self._block = array("I")
-        self._size = array("I")
-        self._tier = array("b")
-        self._flags = array("b")
-        self.tier_bytes = {DRAM: 0, SSD: 0, GPU: 0}
-        self.tiers = None              # kvstore.tiering.TierManager when SSD/GPU tiers exist
-        self.drop_listeners: list = []  # fn(slot, key) when a value leaves the index (cached leases)
-        self._free_slots: list[int] = []
-        self._leases: dict[int, int] = {}       # offset -> readers in flight
-        self._doomed: dict[int, int] = {}       # leased offset -> size, free when released
+        self.tiers = None               # the TierManager, for commands that reach it through the engine
+        self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
+        self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, slot) after a commit
+        self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(slot, key) before a drop
+        self.hit_listeners: list[Callable[[int], None]] = []                # fn(slot) on a read hit
+        self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
+        self._readers: dict[int, int] = {}      # held DRAM offset -> reads in flight
+        self._held_slot: dict[int, int] = {}    # held DRAM offset -> the slot whose policy entry it holds
+        self._doomed: dict[int, int] = {}       # held offset -> size, freed when the last read ends
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
-        self._heap_staged: dict[int, bytearray] = {}         # slot -> copy read for one command
-        self.value_bytes = 0
+
+    @property
+    def tier_bytes(self) -> list[int]:
+        """Value bytes per tier code."""
+        return self.slots.bytes_in
+
+    @property
+    def value_bytes(self) -> int:
+        return sum(self.slots.bytes_in)
 
     # ----------------------------------------------------------- writes
 
     def reserve(self, size: int, clean_only: bool = False) -> Extent:
-        """An extent for a value of ``size`` bytes, evicting if the policy allows."""
+        """An extent for a value of ``size`` bytes, evicting if the policy allows.
+
+        ``clean_only``: make room only by letting go of DRAM copies that a lower
+        tier also holds (a read staging a copy must not cost another value).
+        """
         alloc = self.allocator
         if size > MAX_VALUE:
             raise OutOfMemory(f"value of {size} bytes is larger than the largest value ({MAX_VALUE} bytes)")
@@ -124,7 +144,7 @@ class Engine(TierMoves):
                 raise OutOfMemory("no room in the DRAM tier")
             if self._evict_one(clean_only=True):
                 continue
-            if self.tiers is not None and self.tiers.can_demote():
+            if self.can_demote is not None and self.can_demote():
                 raise NeedsDemotion(size)
             if clean_only or not self._evict_one():
                 self.stats.oom_rejections += 1
@@ -140,60 +160,56 @@ class Engine(TierMoves):
         """Publish ``extent`` as the value of ``key``, replacing any old value."""
         extent.committed = True
         extent.view.release()
-        old = self.index.pop(key, None)
-        slot = self._new_slot(key)
-        self._block[slot] = extent.offset >> BLOCK_SHIFT
-        self._size[slot] = extent.size
-        self._tier[slot] = DRAM
-        self._flags[slot] = 0
-        self.value_bytes += extent.size
-        self.tier_bytes[DRAM] += extent.size
-        self.index[key] = slot
-        parent_slot = self.index.get(parent, NO_PARENT) if parent is not None else NO_PARENT
-        self.eviction.insert(slot, parent_slot)
+        parent_slot = self._parent_slot(key, parent)
+        slot = self.slots.add(key, extent.size, DRAM, 0, extent.offset, parent_slot)
+        old = self.index.get(key)
         if old is not None:
             # Links are by key: the new value keeps the old one's cached children.
             self.eviction.adopt_children(old, slot)
-            self.index[key] = old
             self._drop(old, keep_ttl=keep_ttl)
-            self.index[key] = slot
-        if self.tiers is not None:
-            self.tiers.on_commit(key, slot)
+        self.index[key] = slot
+        for listener in self.commit_listeners:
+            listener(key, slot)
+
+    def _parent_slot(self, key: bytes, parent: bytes | None) -> int:
+        """The slot of ``key``'s chain parent, resolved before ``key`` is indexed
+        anew: a key is never its own parent."""
+        if parent is None or parent == key:
+            return NO_PARENT
+        return self.index.get(parent, NO_PARENT)
 
     def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
         """Copy ``data`` (any buffer) into the arena under ``key``."""
         src = memoryview(data).cast("B")
         size = src.nbytes
         slot = self.index.get(key)
-        if slot is not None and self._same_parent(slot, parent) \
+        if slot is not None and self._same_parent(slot, key, parent) \
                 and self._overwrite_in_place(slot, src, size, keep_ttl):
             return
         extent = self.reserve(size)
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
 
-    def _same_parent(self, slot: int, parent: bytes | None) -> bool:
-        return parent is None or self.eviction.parent_of(slot) == self.index.get(parent, NO_PARENT)
+    def _same_parent(self, slot: int, key: bytes, parent: bytes | None) -> bool:
+        return self.eviction.parent_of(slot) == self._parent_slot(key, parent) or parent is None
 
     def _overwrite_in_place(self, slot: int, src: memoryview, size: int, keep_ttl: bool) -> bool:
-        """Reuse the old block when the new value needs a block of the same size.
+        """Reuse the old extent when the new value needs one of the same size.
 
         The copy happens in one step on the loop thread, so no reader sees a
-        mix; a leased block (being sent) is never rewritten.
+        mix; a held extent (being sent) is never rewritten.
         """
-        offset = self._dram_offset(slot)
-        old = self._size[slot]
-        alloc = self.allocator
-        if offset in self._leases or alloc.order_for(size) != alloc.order_for(old) \
-                or self._tier[slot] != DRAM or self._flags[slot]:
+        slots, alloc = self.slots, self.allocator
+        offset = slots.dram_offset(slot)
+        old = slots.size[slot]
+        if offset in self._readers or alloc.order_for(size) != alloc.order_for(old) \
+                or slots.tier[slot] != DRAM or slots.flags[slot]:
             return False
         self.arena.view[offset:offset + size] = src
-        self._size[slot] = size
+        slots.resize(slot, size)
         alloc.requested += size - old
-        self.value_bytes += size - old
-        self.tier_bytes[DRAM] += size - old
         if not keep_ttl and self.expires:
-            self.expires.pop(self._keys[slot], None)
+            self.expires.pop(slots.keys[slot], None)
         self.eviction.touch(slot)
         return True
 
@@ -232,24 +248,28 @@ class Engine(TierMoves):
             return None
         self.stats.hits += 1
         self.eviction.touch(slot)
-        if self.tiers is not None and self.tiers.gpu is not None and self._tier[slot] == DRAM:
-            self.tiers.note_dram_hit(slot)
+        for listener in self.hit_listeners:
+            listener(slot)
         return slot
 
-    def _dram_offset(self, slot: int) -> int:
-        return self._block[slot] << BLOCK_SHIFT
-
     def key_of(self, slot: int) -> bytes:
-        return self._keys[slot]
+        return self.slots.keys[slot]
 
     def size_of(self, slot: int) -> int:
-        return self._size[slot]
+        return self.slots.size[slot]
+
+    def tier_code(self, slot: int) -> int:
+        return self.slots.tier[slot]
+
+    def flags_of(self, slot: int) -> int:
+        return self.slots.flags[slot]
 
     def view(self, slot: int) -> memoryview:
-        if self._heap_staged and slot in self._heap_staged:
-            return memoryview(self._heap_staged[slot])
-        offset = self._dram_offset(slot)
-        return self.arena.view[offset:offset + self._size[slot]]
+        slots = self.slots
+        if slots.heap_copies and slot in slots.heap_copies:
+            return memoryview(slots.heap_copies[slot])
+        offset = slots.dram_offset(slot)
+        return self.arena.view[offset:offset + slots.size[slot]]
 
     def value(self, slot: int) -> bytes:
         return self.view(slot).tobytes()
@@ -265,37 +285,62 @@ class Engine(TierMoves):
             n += 1
         return n
 
-    # ----------------------------------------------------------- leases
+    # ----------------------------------------------------------- holds
 
-    def lease(self, slot: int) -> int | None:
-        """Keep the value of ``slot`` in place while it is sent; returns a token.
+    def hold(self, slot: int) -> int | None:
+        """Keep the value of ``slot`` in place while it is read (sent, or copied to
+        another tier); returns the token for ``release_hold``: the value's offset
+        in the arena.
 
-        A value staged on the heap needs no lease (the view keeps it alive): None.
+        A value staged on the heap needs no hold (the view keeps it alive): None.
         """
-        if self._heap_staged and slot in self._heap_staged:
+        if self.slots.heap_copies and slot in self.slots.heap_copies:
             return None
-        offset = self._dram_offset(slot)
-        self._leases[offset] = self._leases.get(offset, 0) + 1
-        self.eviction.pin(slot)
+        offset = self.slots.dram_offset(slot)
+        self._readers[offset] = self._readers.get(offset, 0) + 1
+        self._held_slot[offset] = slot
+        self.eviction.hold(slot)
         return offset
 
-    def unlease(self, offset: int | None, slot: int, key: bytes) -> None:
+    def release_hold(self, offset: int | None) -> None:
+        """One read of the value held at ``offset`` is done."""
         if offset is None:
             return
-        left = self._leases[offset] - 1
+        slot = self._held_slot.get(offset)
+        if slot is not None:
+            self.eviction.release_hold(slot)
+        left = self._readers[offset] - 1
         if left:
-            self._leases[offset] = left
+            self._readers[offset] = left
+            return
+        del self._readers[offset]
+        self._held_slot.pop(offset, None)
+        if offset in self._doomed:
+            self.allocator.free(offset, self._doomed.pop(offset))
+
+    def lease(self, slot):  # TEMP-ALIAS
+        return self.hold(slot)
+
+    def unlease(self, offset, slot, key):  # TEMP-ALIAS
+        self.release_hold(offset)
+
+    def free_dram(self, offset: int, size: int) -> None:
+        """Free a DRAM extent now, or when its last reader lets go."""
+        if offset in self._readers:
+            self._doomed[offset] = size
         else:
-            del self._leases[offset]
-            if offset in self._doomed:
-                self.allocator.free(offset, self._doomed.pop(offset))
-        if self.index.get(key) == slot and self._dram_offset(slot) == offset:
-            self.eviction.unpin(slot)
+            self.allocator.free(offset, size)
+
+    def _forget_holds_of(self, slot: int) -> None:
+        """``slot`` is leaving: reads still in flight on its extents no longer
+        count in the policy (the slot id may be handed to another value)."""
+        if self.eviction.is_held(slot):
+            self._held_slot = {offset: held for offset, held in self._held_slot.items() if held != slot}
 
     # ----------------------------------------------------------- pins
 
     def pin(self, key: bytes, ttl_ms: int) -> bool:
-        """Soft-pin ``key`` for ``ttl_ms``: evicted last; the pin expires by itself."""
+        """Soft-pin ``key`` for ``ttl_ms`` (KV.PIN): evicted last; the pin expires by itself."""
         slot = self.lookup(key)
         if slot is None:
             return False
@@ -347,46 +392,55 @@ class Engine(TierMoves):
 
     def scan(self, cursor: int, count: int) -> tuple[int, list[bytes]]:
         """Keys from slot ``cursor`` on; a key present throughout is seen once."""
-        keys, n = [], len(self._keys)
+        all_keys = self.slots.keys
+        keys, n = [], len(all_keys)
         while cursor < n and len(keys) < count:
-            key = self._keys[cursor]
+            key = all_keys[cursor]
             cursor += 1
             if key is not None and self.lookup(key) is not None:
                 keys.append(key)
         return (0 if cursor >= n else cursor), keys
 
-    # ----------------------------------------------------------- accounting
+    # ----------------------------------------------------------- tiers
+
+    def add_from_ssd(self, key: bytes, size: int, parent: bytes | None) -> None:
+        """Index a value found on SSD at start-up (a newer value in DRAM wins)."""
+        if key in self.index:
+            return
+        self.index[key] = self.slots.add(key, size, SSD, ON_SSD, 0, self._parent_slot(key, parent))
+
+    def coldest(self, tier: int) -> int | None:
+        """The next value to move out of ``tier``: never a held one, and never a
+        parent whose child is still in the tier (a demotion can wait for a hold)."""
+        return self.eviction.victim(tier, allow_parent=False)
 
     def tier_of(self, slot: int) -> str:
-        return TIER_NAMES[self._tier[slot]]
-
-    def memory_usage(self, key: bytes, slot: int) -> int:
-        """Bytes a key costs: its arena block plus its share of the index."""
-        return self.allocator.block_size(self._size[slot]) + sys.getsizeof(key) + int(self.metadata_bytes_per_key())
+        return TIER_NAMES[self.slots.tier[slot]]
 
     def tier_counts(self) -> dict[int, int]:
-        """How many values live in each tier (for INFO; O(keys) in numpy)."""
-        n = len(self._keys)
-        tiers = np.frombuffer(self._tier, dtype=np.int8)[:n]
-        live = np.frombuffer(self.eviction.live_column(), dtype=np.int8)[:n] != 0
-        counts = np.bincount(tiers[live], minlength=3)
-        return {DRAM: int(counts[DRAM]), SSD: int(counts[SSD]), GPU: int(counts[GPU])}
+        """How many values live in each tier (for INFO)."""
+        return dict(enumerate(self.slots.count_in))
+
+    # ----------------------------------------------------------- accounting
+
+    def memory_usage(self, key: bytes, slot: int) -> int:
+        """Bytes a key costs: its arena extent plus its share of the index."""
+        return self.allocator.block_size(self.slots.size[slot]) + sys.getsizeof(key) \
+            + int(self.metadata_bytes_per_key())
 
     def kv_stats(self) -> dict[str, int]:
-        s = self.stats
+        s, tier_bytes = self.stats, self.slots.bytes_in
         return {"hits": s.hits, "misses": s.misses, "keys": len(self.index), "evictions": s.evictions,
-                "bytes_gpu": self.tier_bytes[GPU], "bytes_dram": self.tier_bytes[DRAM],
-                "bytes_ssd": self.tier_bytes[SSD]}
+                "bytes_gpu": tier_bytes[GPU], "bytes_dram": tier_bytes[DRAM], "bytes_ssd": tier_bytes[SSD]}
 
     def metadata_bytes_per_key(self) -> float:
-        """Index overhead per key: dict entry, key object, slot int, arrays."""
+        """Index overhead per key: dict entry, key object, slot int, columns."""
         n = len(self.index)
         if not n:
             return 0.0
         sample = list(self.index)[:64]
         key_bytes = sum(sys.getsizeof(k) for k in sample) / len(sample)
-        per_slot = (self._block.itemsize + self._size.itemsize + self._tier.itemsize + self._flags.itemsize
-                    + self.eviction.nbytes_per_slot() + 8)
+        per_slot = self.slots.nbytes_per_slot() + self.eviction.nbytes_per_slot()
         return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_slot
 
     def close(self) -> None:
@@ -394,68 +448,41 @@ class Engine(TierMoves):
 
     # ----------------------------------------------------------- internals
 
-    def _new_slot(self, key: bytes) -> int:
-        if self._free_slots:
-            slot = self._free_slots.pop()
-            self._keys[slot] = key
-            return slot
-        slot = len(self._keys)
-        self._keys.append(key)
-        self._block.append(0)
-        self._size.append(0)
-        self._tier.append(DRAM)
-        self._flags.append(0)
-        return slot
-
     def _drop(self, slot: int, keep_ttl: bool = False) -> None:
-        key = self._keys[slot]
+        slots = self.slots
+        key = slots.keys[slot]
         for listener in self.drop_listeners:
             listener(slot, key)
         del self.index[key]
         if not keep_ttl:
             self.expires.pop(key, None)
-        tier, flags, size = self._tier[slot], self._flags[slot], self._size[slot]
-        if flags & STAGED and slot in self._heap_staged:
-            del self._heap_staged[slot]
-        elif tier == DRAM or flags & STAGED:
-            self.free_dram(self._dram_offset(slot), size)
-        if tier == GPU:
-            self.tiers.free_gpu(slot, size)
-        if self.tiers is not None and (tier == SSD or flags & ON_SSD):
-            self.tiers.forget_on_ssd(key)
-        self.value_bytes -= size
-        self.tier_bytes[tier] -= size
-        self.eviction.remove(slot)
-        self._keys[slot] = None
-        self._free_slots.append(slot)
-
-    def free_dram(self, offset: int, size: int) -> None:
-        """Free a DRAM extent now, or when its last reader lets go."""
-        if offset in self._leases:
-            self._doomed[offset] = size
+        if slots.tier[slot] == DRAM:
+            self.free_dram(slots.dram_offset(slot), slots.size[slot])
         else:
-            self.allocator.free(offset, size)
+            self.moves.unstage(slot)
+        self._forget_holds_of(slot)
+        slots.remove(slot)
 
     def _evict_one(self, clean_only: bool = False) -> bool:
-        """Make room in DRAM: drop a clean copy first, else evict the coldest value.
+        """Make room in DRAM: let a clean copy go first, else evict the coldest value.
 
-        With an SSD tier a clean DRAM copy (its value is already on SSD) goes
-        at no loss; ``clean_only`` forbids dropping anything else (a read that
-        makes room must not lose a value that exists only in DRAM).
+        A clean DRAM copy (its value is also on SSD) goes at no loss;
+        ``clean_only`` forbids dropping anything else while a lower tier exists
+        (a read that makes room must not lose a value that exists only in DRAM).
         """
-        if self.tiers is None:
-            slot = self.eviction.victim()
-        else:
-            slot = self.eviction.victim(among=[(self._tier, DRAM), (self._flags, ON_SSD)])
-            if slot is None and not clean_only:
-                slot = self.eviction.victim(among=[(self._tier, DRAM)])
+        slot = self.eviction.victim(DRAM, clean_only=True)
+        if slot is not None:
+            self.moves.demoted_to_ssd(slot)
+            for listener in self.evict_listeners:
+                listener(True)
+            return True
+        if clean_only and self.can_demote is not None:
+            return False
+        slot = self.eviction.victim(DRAM)
         if slot is None:
             return False
-        if self._flags[slot] & ON_SSD:
-            self.demoted_to_ssd(slot)
-            return True
         self._drop(slot)
         self.stats.evictions += 1
-        if self.tiers is not None:
-            self.tiers.stats[DRAM].evictions += 1
+        for listener in self.evict_listeners:
+            listener(False)
         return True

@@ -1,23 +1,49 @@
-"""Approximate LRU eviction that prefers chain leaves.
+"""Approximate LRU eviction that takes only chain leaves, at O(1) cost per victim.
 
-Why sampling: an exact LRU needs a linked list node per key (an OrderedDict
+Why sampling: an exact LRU needs a linked-list node per key (an OrderedDict
 costs ~100 bytes a key in Python), which alone would blow the metadata budget.
-Like Redis's evict.c we keep one access stamp per entry in a flat array and,
-when memory is needed, sample a handful of random entries and take the
-oldest. Unlike Redis we then look at the chain structure: a block whose
-children are cached is worth more than a leaf (a child without its parent is
-useless to a prefix match), so when the oldest sampled entry has children we
-follow its chain down (one remembered child per entry) and evict the leaf.
-A cold prompt thus loses its blocks from the tail back, and what stays cached
-of it is always a prefix.
+Like Redis's evict.c we keep one access stamp per entry in a flat array,
+sample candidates when memory is needed, take the oldest, and keep a small
+pool of the oldest candidates seen so that most victims cost no sampling.
+
+Why leaves only: a block whose children are cached is worth more than a leaf
+(a child without its parent is useless to a prefix match), so an entry is a
+candidate only while none of its children is cached. A cold prompt thus loses
+its blocks from the tail back, and what stays of it is always a prefix. When
+a leaf goes its parent may become one, and since the parent is older than
+anything in the pool it goes into the pool at once: the chain keeps draining
+from its tail, each block at the same cost, whatever the chain's length.
+
+Places. Each entry lives in one place (the engine's tiers: GPU, DRAM, SSD; the
+conductor's simulator has one). Leaves are counted per place: an entry is a
+leaf of its place when no child is in the same place, so the last block of a
+chain still in DRAM is DRAM's leaf while the chain's tail is on SSD. Each
+entry counts its children in its own place; moving an entry updates its
+parent's count and recounts its own children (O(children), not O(chain)).
+
+Candidate lists. The leaves of each place sit in dense arrays with a position
+column (add and swap-remove in O(1)), one array per kind:
+- dirty: the only copy; clean: a copy exists in a lower place (dropping this
+  one loses nothing; the engine tries these first);
+- soft-pinned (KV.PIN): taken only when no other leaf of the place is left;
+- held (a read or a tier copy in flight): never taken. When every leaf of a
+  place is held, an eviction that must make progress takes the oldest unheld
+  entry found just above sampled held leaves (a bounded walk up); a demotion
+  that can wait takes nothing.
+
+Links come from clients and are never trusted to form a tree: ``insert``
+never links an entry to itself, and ``adopt_children`` hands children only to
+a replacement that hangs from the same parent (or from none), so the links
+always form a forest, and the one walk there is (up from held leaves) is
+bounded anyway.
 
 Entries are small integer slot ids handed out by the caller (the engine's
 index, or the conductor's simulated node cache), so the policy knows nothing
-of keys or values. Pinned entries (a read lease in flight) are never chosen;
-soft-pinned ones (KV.PIN) only when nothing else is left.
+of keys or values.
 """
 from __future__ import annotations
 
+import bisect
 from array import array
 
 import numpy as np
@@ -25,65 +51,80 @@ import numpy as np
 NO_PARENT = -1
 CLOCK_LIMIT = 2**32 - 1
 
+# The candidate lists of a place, by kind.
+DIRTY, CLEAN, SOFT, HELD = range(4)
+KINDS = 4
+# Bits of the marks column.
+CLEAN_MARK, SOFT_MARK, HELD_MARK = 1, 2, 4
+# Kind of a leaf from its marks (held beats soft-pinned beats clean).
+KIND_OF_MARKS = tuple(HELD if m & HELD_MARK else SOFT if m & SOFT_MARK else CLEAN if m & CLEAN_MARK else DIRTY
+                      for m in range(8))
+
+POOL = 8            # oldest candidates of each list kept between calls
+WALK_LIMIT = 64     # steps up from one held leaf when every leaf is held
+
 
 class SampledLRU:
-    """Leaf-preferring approximate LRU over slot ids ``0..capacity-1``.
+    """Leaf-only approximate LRU over slot ids ``0..capacity-1`` in ``places`` places.
 
     Per-slot facts live in ``array.array`` columns: a scalar update costs
     ~30 ns there (a numpy scalar update ~100 ns, and updates happen on every
-    access), while ``victim`` still gets vectorised numpy views of them.
+    access), while sampling still gets vectorised numpy views of them.
+    ``_leaf_pos`` holds, for a leaf of its place, its index in its candidate
+    list, and for any other entry minus the number of its children in its own
+    place (an entry is in a list exactly when that number is 0).
     """
 
-    _COLUMNS = (("_live", "b", 0), ("_stamp", "I", 0), ("_parent", "i", NO_PARENT),
-                ("_children", "i", 0), ("_pins", "i", 0), ("_soft", "b", 0), ("_child", "i", NO_PARENT))
+    _COLUMNS = (("_place", "b", -1), ("_marks", "B", 0), ("_stamp", "I", 0), ("_parent", "i", NO_PARENT),
+                ("_first_child", "i", NO_PARENT), ("_next_sibling", "i", NO_PARENT),
+                ("_prev_sibling", "i", NO_PARENT), ("_leaf_pos", "i", -1))
 
-    def __init__(self, capacity: int = 1024, samples: int = 64, seed: int = 0):
+    def __init__(self, capacity: int = 1024, samples: int = 64, seed: int = 0, places: int = 1):
         self.samples = samples
+        self.places = places
         self._rng = np.random.default_rng(seed)
         self._clock = 0
         for name, code, fill in self._COLUMNS:
             setattr(self, name, array(code, [fill]) * capacity)
-        self._high = 0      # one past the highest slot ever inserted
+        self._lists = [array("i") for _ in range(places * KINDS)]
+        self._pools: list[list[tuple[int, int]]] = [[] for _ in range(places * KINDS)]
+        self._holds: dict[int, int] = {}      # slot -> holds in flight (few at a time)
         self.count = 0
 
     @property
     def capacity(self) -> int:
-        return len(self._live)
+        return len(self._place)
 
     def grow(self, capacity: int) -> None:
-        """Make room for slot ids below ``capacity`` (columns at least double)."""
-        old = len(self._live)
+        """Make room for slot ids below ``capacity`` (columns grow by at least an eighth)."""
+        old = len(self._place)
         if capacity <= old:
             return
-        extra = max(capacity, old * 2) - old
+        extra = max(capacity, old + old // 8) - old
         for name, code, fill in self._COLUMNS:
             getattr(self, name).extend(array(code, [fill]) * extra)
 
     def nbytes_per_slot(self) -> int:
-        """Bytes of policy metadata per slot (for INFO's per-key overhead)."""
-        return sum(getattr(self, name).itemsize for name, _, _ in self._COLUMNS)
+        """Bytes of policy metadata per slot (for INFO's per-key overhead): the
+        columns and the slot's entry in a candidate list."""
+        return sum(getattr(self, name).itemsize for name, _, _ in self._COLUMNS) + self._lists[0].itemsize
 
-    def insert(self, slot: int, parent: int = NO_PARENT) -> None:
-        """Start tracking ``slot``; ``parent`` is the slot of its chain parent."""
-        if slot >= len(self._live):
+    # ------------------------------------------------------------ entries
+
+    def insert(self, slot: int, parent: int = NO_PARENT, place: int = 0) -> None:
+        """Start tracking ``slot`` in ``place``; ``parent`` is the slot of its chain parent."""
+        if slot >= len(self._place):
             self.grow(slot + 1)
-        self._clock += 1
-        if self._clock == CLOCK_LIMIT:
-            self._halve_stamps()
-        self._live[slot] = 1
-        self._stamp[slot] = self._clock
-        self._children[slot] = 0
-        self._pins[slot] = 0
-        self._soft[slot] = 0
-        self._child[slot] = NO_PARENT
-        if parent != NO_PARENT and self._live[parent]:
-            self._parent[slot] = parent
-            self._children[parent] += 1
-            self._child[parent] = slot
-        else:
-            self._parent[slot] = NO_PARENT
-        if slot >= self._high:
-            self._high = slot + 1
+        if self._place[slot] >= 0:
+            raise ValueError(f"slot {slot} is already tracked")
+        self._place[slot] = place
+        self._marks[slot] = 0
+        self._parent[slot] = self._first_child[slot] = NO_PARENT
+        self._next_sibling[slot] = self._prev_sibling[slot] = NO_PARENT
+        self.touch(slot)
+        self._file(slot)
+        if parent != slot and 0 <= parent < len(self._place) and self._place[parent] >= 0:
+            self._link(slot, parent)
         self.count += 1
 
     def touch(self, slot: int) -> None:
@@ -99,134 +140,263 @@ class SampledLRU:
         stamps >>= 1
         del stamps
         self._clock >>= 1
+        for pool in self._pools:
+            pool.clear()
 
     def remove(self, slot: int) -> None:
-        """Stop tracking ``slot`` and unlink it from its parent and children."""
-        parent = self._parent[slot]
-        if parent != NO_PARENT:
-            self._children[parent] -= 1
-            if self._child[parent] == slot:
-                self._child[parent] = NO_PARENT
-        if self._children[slot]:
-            # Rare: a parent leaves before its children (DEL, expiry, or no
-            # leaf was found). Orphan the children so a reused slot id is
-            # never mistaken for their parent.
-            parents = np.frombuffer(self._parent, dtype=np.int32)[: self._high]
-            for child in np.flatnonzero(parents == slot).tolist():
-                self._parent[child] = NO_PARENT
-            del parents
-        self._live[slot] = 0
-        self._parent[slot] = NO_PARENT
-        self._children[slot] = 0
-        self._pins[slot] = 0
-        self._soft[slot] = 0
-        self._child[slot] = NO_PARENT
+        """Stop tracking ``slot``; its children stay, without a parent (O(children))."""
+        if slot >= len(self._place) or self._place[slot] < 0:
+            return
+        if self._parent[slot] != NO_PARENT:
+            self._unlink(slot)
+        child = self._first_child[slot]
+        while child != NO_PARENT:
+            after = self._next_sibling[child]
+            self._parent[child] = self._next_sibling[child] = self._prev_sibling[child] = NO_PARENT
+            child = after
+        self._first_child[slot] = NO_PARENT
+        if self._leaf_pos[slot] >= 0:
+            self._unfile(slot)
+        self._leaf_pos[slot] = -1
+        self._place[slot] = -1
+        self._marks[slot] = 0
+        self._holds.pop(slot, None)
         self.count -= 1
 
     def adopt_children(self, old: int, new: int) -> None:
-        """Move ``old``'s children to ``new`` (a key's value replaced by a new slot)."""
-        if not self._children[old]:
+        """``new`` replaces ``old`` (a key's value re-put): it takes over old's children
+        when it hangs from the same parent as old, or from none.
+
+        A value re-put under another parent starts a new lineage and old's children
+        are orphaned when old goes: taking them could close a cycle, since the new
+        parent may be one of them.
+        """
+        if old == new or self._parent[new] not in (NO_PARENT, self._parent[old]):
             return
-        parents = np.frombuffer(self._parent, dtype=np.int32)[: self._high]
-        kids = np.flatnonzero(parents == old).tolist()
-        del parents
-        for child in kids:
-            self._parent[child] = new
-        self._children[new] += len(kids)
-        self._children[old] = 0
-        self._child[new] = kids[-1]
-        self._child[old] = NO_PARENT
+        child = self._first_child[old]
+        while child != NO_PARENT:
+            after = self._next_sibling[child]
+            self._unlink(child)
+            self._link(child, new)
+            child = after
 
-    def pin(self, slot: int) -> None:
-        self._pins[slot] += 1
+    def move(self, slot: int, place: int) -> None:
+        """The entry now lives in ``place`` (a value changed tier)."""
+        old = self._place[slot]
+        if old == place or old < 0:
+            return
+        parent = self._parent[slot]
+        if parent != NO_PARENT and self._place[parent] == old:
+            self._lose_same_child(parent)
+        if self._leaf_pos[slot] >= 0:
+            self._unfile(slot)
+        self._place[slot] = place
+        same, child = 0, self._first_child[slot]
+        while child != NO_PARENT:
+            same += self._place[child] == place
+            child = self._next_sibling[child]
+        if same:
+            self._leaf_pos[slot] = -same
+        else:
+            self._file(slot)
+        if parent != NO_PARENT and self._place[parent] == place:
+            self._gain_same_child(parent)
 
-    def unpin(self, slot: int) -> None:
-        if self._pins[slot] > 0:
-            self._pins[slot] -= 1
+    # ------------------------------------------------------------ marks
+
+    def hold(self, slot: int) -> None:
+        """A read or a copy of the value is in flight: never choose it until released."""
+        if self._place[slot] < 0:
+            return
+        held = self._holds.get(slot, 0)
+        self._holds[slot] = held + 1
+        if not held:
+            self._set_mark(slot, HELD_MARK, True)
+
+    def release_hold(self, slot: int) -> None:
+        held = self._holds.get(slot)
+        if not held:
+            return
+        if held > 1:
+            self._holds[slot] = held - 1
+        else:
+            del self._holds[slot]
+            self._set_mark(slot, HELD_MARK, False)
+
+    pin = hold  # TEMP-ALIAS
+    unpin = release_hold  # TEMP-ALIAS
+
+    def is_held(self, slot: int) -> bool:
+        return slot in self._holds
 
     def soft_pin(self, slot: int, on: bool = True) -> None:
-        """A soft pin (KV.PIN): the entry goes only when no unpinned one is left."""
-        self._soft[slot] = 1 if on else 0
+        """A soft pin (KV.PIN): the entry goes only when no other leaf of its place is left."""
+        if self._place[slot] >= 0:
+            self._set_mark(slot, SOFT_MARK, on)
 
-    def is_soft_pinned(self, slot: int) -> bool:
-        return bool(self._soft[slot])
-
-    def is_pinned(self, slot: int) -> bool:
-        return bool(self._pins[slot])
-
-    def live_column(self) -> array:
-        return self._live
+    def mark_clean(self, slot: int, clean: bool = True) -> None:
+        """Whether a copy exists in a lower place, so dropping this one loses nothing."""
+        if self._place[slot] >= 0:
+            self._set_mark(slot, CLEAN_MARK, clean)
 
     def parent_of(self, slot: int) -> int:
         return self._parent[slot]
 
     def is_leaf(self, slot: int) -> bool:
-        return not self._children[slot]
+        """Whether no child of the entry is cached, in any place."""
+        return self._first_child[slot] == NO_PARENT
 
-    def victim(self, among: list[tuple[array, int]] = (), allow_parent: bool = True) -> int | None:
-        """The slot to evict next, or None when every live entry is pinned.
+    # ------------------------------------------------------------ choosing
 
-        Each ``(column, value)`` in ``among`` limits the choice to slots whose
-        entry in the caller's per-slot ``column`` equals ``value`` (e.g.
-        "values in DRAM"). When the oldest sampled entry still has cached
-        children, its chain is followed down and the leaf goes instead, so a
-        parent never leaves before its children.
+    def victim(self, place: int = 0, clean_only: bool = False, allow_parent: bool = True) -> int | None:
+        """The leaf of ``place`` to let go next, or None.
+
+        The oldest dirty or clean leaf; then the oldest soft-pinned one; then,
+        when every leaf is held and ``allow_parent`` says progress matters more
+        than the chain, the oldest unheld entry just above a held leaf. With
+        ``clean_only``, the oldest clean leaf and nothing else.
         """
-        if self.count == 0:
-            return None
-        cols = self._views()
-        masks = [(np.frombuffer(col, dtype=np.dtype(col.typecode))[: self._high], value)
-                 for col, value in among]
-        for _ in range(4):
-            picked = self._pick(cols, self._rng.integers(0, self._high, self.samples), masks, allow_parent)
-            if picked is not None:
-                return picked
-        # The sampled slots were all free, pinned or elsewhere: look at everything once.
-        return self._pick(cols, np.arange(self._high), masks, allow_parent)
+        base = place * KINDS
+        if clean_only:
+            return self._oldest((base + CLEAN,))
+        slot = self._oldest((base + DIRTY, base + CLEAN))
+        if slot is None:
+            slot = self._oldest((base + SOFT,))
+        if slot is None and allow_parent:
+            slot = self._above_held(base + HELD)
+        return slot
 
-    def _leaf_below(self, slot: int, cols: tuple[np.ndarray, ...], masks: list) -> int | None:
-        """The end of ``slot``'s chain within the masked set (e.g. the last block still
-        in DRAM), or None when that block may not go (leased, or soft-pinned below
-        an unpinned ``slot``)."""
-        node = slot
-        while self._children[node]:
-            child = self._child[node]
-            if child == NO_PARENT or self._parent[child] != node:
-                child = int(np.flatnonzero(cols[2] == node)[0])   # rare: a branch lost its pointer
-                self._child[node] = child
-            if any(column[child] != value for column, value in masks):
-                break                       # the rest of the chain is elsewhere (a lower tier)
-            node = child
-        if self._pins[node] or self._soft[node] and not self._soft[slot]:
+    def _oldest(self, lids: tuple[int, ...]) -> int | None:
+        """Take the oldest pooled candidate of the lists ``lids``."""
+        best, best_lid = None, 0
+        for lid in lids:
+            head = self._pool_head(lid)
+            if head is not None and (best is None or head < best):
+                best, best_lid = head, lid
+        if best is None:
             return None
-        return node
+        self._pools[best_lid].pop(0)
+        return best[1]
 
-    def _views(self) -> tuple[np.ndarray, ...]:
-        high = self._high
-        return tuple(np.frombuffer(getattr(self, name), dtype=np.dtype(code))[:high]
-                     for name, code, _ in self._COLUMNS)
+    def _pool_head(self, lid: int) -> tuple[int, int] | None:
+        """The oldest still-valid (stamp, slot) of list ``lid``'s pool, refilled when empty."""
+        pool = self._pools[lid]
+        while pool and not self._is_current(pool[0], lid):
+            pool.pop(0)
+        if not pool and self._lists[lid]:
+            self._refill(lid)
+        return pool[0] if pool else None
 
-    def _pick(self, cols: tuple[np.ndarray, ...], cand: np.ndarray, masks: list,
-              allow_parent: bool) -> int | None:
-        """Oldest first among ``cand``: the leaf below it, else the next oldest."""
-        live, stamp, _, children, pins, soft, _ = cols
-        keep = (live[cand] != 0) & (pins[cand] == 0)
-        for column, value in masks:
-            keep &= column[cand] == value
-        cand = np.unique(cand[keep])
-        if cand.size == 0:
+    def _is_current(self, entry: tuple[int, int], lid: int) -> bool:
+        """Whether a pooled entry is still in list ``lid`` and untouched since it was pooled."""
+        stamp, slot = entry
+        return self._stamp[slot] == stamp and self._leaf_pos[slot] >= 0 and self._list_id(slot) == lid
+
+    def _refill(self, lid: int) -> None:
+        """Pool the oldest of ``samples`` random members of list ``lid`` (all of them when fewer)."""
+        members = np.frombuffer(self._lists[lid], dtype=np.int32)
+        if len(members) > self.samples:
+            members = members[self._rng.integers(0, len(members), self.samples)]
+        stamps = np.frombuffer(self._stamp, dtype=np.uint32)[members]
+        oldest = np.argsort(stamps, kind="stable")[:POOL]
+        self._pools[lid][:] = sorted(set(zip(stamps[oldest].tolist(), members[oldest].tolist())))
+
+    def _above_held(self, lid: int) -> int | None:
+        """The oldest unheld entry found just above held leaves of list ``lid``
+        (soft-pinned ones last): all of them when few, else a sample."""
+        held = self._lists[lid]
+        if not held:
             return None
-        # Soft-pinned entries go last: order by (pinned, stamp).
-        order = cand[np.lexsort((stamp[cand], soft[cand]))]
-        if not allow_parent:
-            # A move that can wait looks only at the older part of the sample: the
-            # newest entries are likely a chain still being written, whose head
-            # must not go down before its tail exists.
-            order = order[: max(1, len(order) // 4)]
-        for slot in order.tolist():
-            leaf = self._leaf_below(slot, cols, masks)
-            if leaf is not None:
-                return leaf
-        # Every chain here ends in a leased block: take the oldest parent only when
-        # progress matters more than the chain (eviction, not a demotion that can wait).
-        return int(order[0]) if allow_parent else None
+        count = len(held)
+        picks = range(count) if count <= self.samples else self._rng.integers(0, count, self.samples).tolist()
+        place = lid // KINDS
+        best = None
+        for i in picks:
+            node = held[i]
+            for _ in range(WALK_LIMIT):
+                node = self._parent[node]
+                if node == NO_PARENT or self._place[node] != place:
+                    break
+                if node not in self._holds:
+                    rank = (self._marks[node] & SOFT_MARK, self._stamp[node], node)
+                    best = rank if best is None or rank < best else best
+                    break
+        return None if best is None else best[2]
+
+    # ------------------------------------------------------------ links and lists
+
+    def _link(self, child: int, parent: int) -> None:
+        self._parent[child] = parent
+        head = self._first_child[parent]
+        self._next_sibling[child] = head
+        self._prev_sibling[child] = NO_PARENT
+        if head != NO_PARENT:
+            self._prev_sibling[head] = child
+        self._first_child[parent] = child
+        if self._place[parent] == self._place[child]:
+            self._gain_same_child(parent)
+
+    def _unlink(self, child: int) -> None:
+        parent = self._parent[child]
+        before, after = self._prev_sibling[child], self._next_sibling[child]
+        if before != NO_PARENT:
+            self._next_sibling[before] = after
+        else:
+            self._first_child[parent] = after
+        if after != NO_PARENT:
+            self._prev_sibling[after] = before
+        self._parent[child] = self._prev_sibling[child] = self._next_sibling[child] = NO_PARENT
+        if self._place[parent] == self._place[child]:
+            self._lose_same_child(parent)
+
+    def _gain_same_child(self, slot: int) -> None:
+        at = self._leaf_pos[slot]
+        if at >= 0:
+            self._unfile(slot)
+            self._leaf_pos[slot] = -1
+        else:
+            self._leaf_pos[slot] = at - 1
+
+    def _lose_same_child(self, slot: int) -> None:
+        at = self._leaf_pos[slot] + 1
+        if at == 0:
+            self._file(slot)
+        else:
+            self._leaf_pos[slot] = at
+
+    def _set_mark(self, slot: int, bit: int, on: bool) -> None:
+        marks = self._marks[slot]
+        changed = marks | bit if on else marks & ~bit
+        if changed == marks:
+            return
+        leaf = self._leaf_pos[slot] >= 0
+        if leaf:
+            self._unfile(slot)
+        self._marks[slot] = changed
+        if leaf:
+            self._file(slot)
+
+    def _list_id(self, slot: int) -> int:
+        return self._place[slot] * KINDS + KIND_OF_MARKS[self._marks[slot]]
+
+    def _file(self, slot: int) -> None:
+        """Add a leaf of its place to its candidate list (and to the pool when older)."""
+        lid = self._list_id(slot)
+        members = self._lists[lid]
+        self._leaf_pos[slot] = len(members)
+        members.append(slot)
+        pool = self._pools[lid]
+        stamp = self._stamp[slot]
+        if pool and stamp < pool[-1][0]:
+            bisect.insort(pool, (stamp, slot))
+            if len(pool) > POOL:
+                pool.pop()
+
+    def _unfile(self, slot: int) -> None:
+        """Take ``slot`` out of its candidate list (swap-remove); the caller sets ``_leaf_pos``."""
+        members = self._lists[self._list_id(slot)]
+        at = self._leaf_pos[slot]
+        last = members.pop()
+        if last != slot:
+            members[at] = last
+            self._leaf_pos[last] = at

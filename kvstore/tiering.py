@@ -14,20 +14,31 @@ one tier or the other.
   with a clean SSD copy (write-through, or promoted from SSD) leaves at once.
 - Reads of SSD or GPU values: the connection asks for the keys a command will
   read (`pending_fetch`), `fetch` copies them into DRAM extents, and `install`
-  either promotes the copy (the value is hot: N hits within the window) or
-  stages it for this one command (`unstage` frees it afterwards).
+  either makes the copy the value's home (the value is hot: N hits within the
+  window) or stages it for this one command (`unstage` frees it afterwards).
 - Ordering on SSD: puts and deletes share the writer thread's queue, so a
   delete issued after a put always lands after it.
+- Nothing moves under a copy: while a value is copied off DRAM or the GPU on a
+  worker thread it is held (the policy never picks it again, its DRAM extent
+  is not freed or rewritten), and a GPU extent being read is freed only when
+  the copy is done. A move remembers a token per slot; a drop forgets it, so a
+  copy that finishes after its value was deleted (and its slot reused) changes
+  nothing.
+
+The engine tells the manager what happens through its listeners (commits,
+drops, read hits, evictions) and asks it one thing, through ``can_demote``.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.engine import DRAM, GPU, ON_SSD, SSD, STAGED, Engine, OutOfMemory
+from kvstore.engine import Engine, OutOfMemory
+from kvstore.slots import DRAM, GPU, ON_SSD, SSD, STAGED
 from kvstore.tiers import CorruptValue, TierError, ValueTooLarge
 
 log = logging.getLogger("kvstore")
@@ -69,15 +80,28 @@ class TierManager:
         self.stats = {DRAM: TierStats(), SSD: TierStats(), GPU: TierStats()}
         self.loading = False
         self.recovered = 0
-        self._heat: dict[int, tuple[int, float]] = {}     # slot -> (hits, window start)
-        self._gpu_offset: dict[int, int] = {}
-        self._writing: set[int] = set()                   # slots with an SSD write in flight
+        self._heat: dict[int, tuple[int, float]] = {}   # slot -> (hits, window start)
+        self._gpu_offset: dict[int, int] = {}             # slot of a GPU value -> its extent
+        self._gpu_reads: dict[int, int] = {}              # GPU offset -> copies reading it
+        self._gpu_doomed: dict[int, int] = {}             # GPU offset -> size, freed when read
+        self._moving: dict[int, int] = {}                 # slot -> token of its copy to another tier
+        self._tokens = itertools.count(1)
         self._inflight = 0
         self._ssd_trouble_until = 0.0
         self._stalled = False              # demotion found nothing to move: writes may evict
         self._unacked: list[asyncio.Future] = []
         self._copies = ThreadPoolExecutor(2, thread_name_prefix="tier-copy") if gpu is not None else None
         engine.tiers = self
+        engine.can_demote = self.can_demote
+        engine.commit_listeners.append(self.on_commit)
+        engine.drop_listeners.append(self._on_drop)
+        engine.evict_listeners.append(self._on_evict)
+        if gpu is not None:
+            engine.hit_listeners.append(self._on_hit)
+
+    def gpu_offset(self, slot: int) -> int | None:
+        """Where a GPU-tier value lives in the GPU arena (None: not on the GPU)."""
+        return self._gpu_offset.get(slot)
 
     # ------------------------------------------------------------ reads
 
@@ -108,12 +132,39 @@ class TierManager:
         results = await asyncio.gather(*(job[3] for job in jobs), return_exceptions=True)
         return [(key, slot, extent, result) for (key, slot, extent, _), result in zip(jobs, results)]
 
-    def _copy_in(self, key: bytes, slot: int, view: memoryview):
-        if self.engine.tier_code(slot) == GPU:
-            loop = asyncio.get_running_loop()
-            return loop.run_in_executor(self._copies, self.gpu.read_into, self._gpu_offset[slot],
-                                        len(view), view)
-        return self.worker.submit(self.ssd.get_into, key, view)
+    def _copy_in(self, key: bytes, slot: int, view: memoryview) -> asyncio.Future:
+        if self.engine.tier_code(slot) != GPU:
+            return self.worker.submit(self.ssd.get_into, key, view)
+        loop = asyncio.get_running_loop()
+        offset = self._gpu_offset.get(slot)
+        if offset is None:                  # moved or dropped since the command asked
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        self._gpu_reads[offset] = self._gpu_reads.get(offset, 0) + 1
+        future = loop.run_in_executor(self._copies, self.gpu.read_into, offset, len(view), view)
+        future.add_done_callback(lambda _: self._gpu_read_done(offset))
+        return future
+
+    def _gpu_read_done(self, offset: int) -> None:
+        left = self._gpu_reads[offset] - 1
+        if left:
+            self._gpu_reads[offset] = left
+            return
+        del self._gpu_reads[offset]
+        if offset in self._gpu_doomed:
+            self.gpu.free(offset, self._gpu_doomed.pop(offset))
+
+    def _free_gpu(self, slot: int) -> None:
+        """Let a value's GPU extent go, once no copy reads it any more."""
+        offset = self._gpu_offset.pop(slot, None)
+        if offset is None:
+            return
+        size = self.engine.size_of(slot)
+        if offset in self._gpu_reads:
+            self._gpu_doomed[offset] = size
+        else:
+            self.gpu.free(offset, size)
 
     def install(self, fetched: list[tuple]) -> list[int]:
         """Put fetched copies in place; returns the slots staged for one command."""
@@ -130,20 +181,20 @@ class TierManager:
             tier = engine.tier_code(slot)
             self.stats[tier].hits += 1
             if on_heap:
-                engine.stage_on_heap(slot, dest)
+                engine.moves.stage_on_heap(slot, dest)
                 staged.append(slot)
             elif self._is_hot(slot):
-                self._gpu_offset.pop(slot, None)
-                engine.promote_to_dram(slot, dest)
+                self._free_gpu(slot)
+                engine.moves.home_in_dram(slot, dest)
                 self.stats[tier].promotions += 1
             else:
-                engine.stage(slot, dest)
+                engine.moves.stage(slot, dest)
                 staged.append(slot)
         return staged
 
     def unstage(self, staged: list[int]) -> None:
         for slot in staged:
-            self.engine.unstage(slot)
+            self.engine.moves.unstage(slot)
 
     def _lost(self, key: bytes, slot: int, result) -> None:
         """A value could not be read back: drop it so it is never served wrong."""
@@ -169,9 +220,46 @@ class TierManager:
         self._heat[slot] = (hits, start)
         return False
 
+    # ------------------------------------------------------------ engine events
+
+    def _start_move(self, slot: int) -> int:
+        token = next(self._tokens)
+        self._moving[slot] = token
+        return token
+
+    def _end_move(self, slot: int, token: int) -> bool:
+        """Whether ``slot`` still holds the value the move with ``token`` started on."""
+        if self._moving.get(slot) != token:
+            return False
+        del self._moving[slot]
+        return True
+
+    def _on_drop(self, slot: int, key: bytes) -> None:
+        """Engine drop listener: free the value's GPU extent, delete its SSD record."""
+        engine = self.engine
+        self._moving.pop(slot, None)
+        self._heat.pop(slot, None)
+        if engine.tier_code(slot) == GPU:
+            self._free_gpu(slot)
+        if engine.tier_code(slot) == SSD or engine.flags_of(slot) & ON_SSD:
+            self.forget_on_ssd(key)
+
+    def _on_evict(self, demoted: bool) -> None:
+        """Engine eviction listener: DRAM let a value go (to SSD, or lost)."""
+        if demoted:
+            self.stats[DRAM].demotions += 1
+        else:
+            self.stats[DRAM].evictions += 1
+
+    def _on_hit(self, slot: int) -> None:
+        """Engine read listener (with a GPU tier): hot DRAM values move up."""
+        if self.engine.tier_code(slot) == DRAM:
+            self.note_dram_hit(slot)
+
     # ------------------------------------------------------------ writes
 
     def on_commit(self, key: bytes, slot: int) -> None:
+        """Engine commit listener: write-through, and demotion when writes come fast."""
         self._heat.pop(slot, None)
         if self.cfg.write_through and self._ssd_usable():
             self._write_to_ssd(key, slot, demote=False)
@@ -180,37 +268,37 @@ class TierManager:
 
     def _write_to_ssd(self, key: bytes, slot: int, demote: bool) -> None:
         engine = self.engine
-        lease = engine.lease(slot)            # the bytes stay put while the writer reads them
+        hold = engine.hold(slot)            # the bytes stay put while the writer reads them
+        token = self._start_move(slot)
         size = engine.size_of(slot)
-        self._writing.add(slot)
         self._inflight += size
         future = self.worker.put(key, engine.view(slot), self._parent_key(slot))
-        future.add_done_callback(lambda f: self._written(f, key, slot, lease, size, demote))
+        future.add_done_callback(lambda f: self._written(f, key, slot, hold, token, size, demote))
 
     def _parent_key(self, slot: int) -> bytes | None:
         parent = self.engine.eviction.parent_of(slot)
         return None if parent < 0 else self.engine.key_of(parent)
 
-    def _written(self, future: asyncio.Future, key: bytes, slot: int, lease: int, size: int,
-                 demote: bool) -> None:
+    def _written(self, future: asyncio.Future, key: bytes, slot: int, hold: int | None, token: int,
+                 size: int, demote: bool) -> None:
         engine = self.engine
-        self._writing.discard(slot)
+        same = self._end_move(slot, token) and engine.tier_code(slot) == DRAM
         self._inflight -= size
-        engine.unlease(lease, slot, key)
+        engine.release_hold(hold)
         error = future.exception()
-        same = engine.index.get(key) == slot and engine.tier_code(slot) == DRAM
         if error is not None:
             self._ssd_failed(key, error)
             return
         if same:
-            engine.mark_on_ssd(slot)
+            engine.moves.mark_on_ssd(slot)
             self._stalled = False
             if demote:
-                engine.demoted_to_ssd(slot)
+                engine.moves.demoted_to_ssd(slot)
+                self.stats[DRAM].demotions += 1
             return
         # The key changed while we wrote: our record is stale unless a newer one follows it.
         newer = engine.index.get(key)
-        if newer is None or not (engine.flags_of(newer) & ON_SSD or newer in self._writing):
+        if newer is None or not (engine.flags_of(newer) & ON_SSD or newer in self._moving):
             self.forget_on_ssd(key)
 
     def _ssd_failed(self, key: bytes, error: BaseException) -> None:
@@ -262,11 +350,6 @@ class TierManager:
         while self._inflight:
             await asyncio.sleep(0.001)
 
-    def free_gpu(self, slot: int, size: int) -> None:
-        offset = self._gpu_offset.pop(slot, None)
-        if offset is not None:
-            self.gpu.free(offset, size)
-
     # ------------------------------------------------------------ watermarks
 
     def cron(self) -> None:
@@ -298,7 +381,8 @@ class TierManager:
                 break
             started += engine.size_of(slot)
             if engine.flags_of(slot) & ON_SSD:
-                engine.demoted_to_ssd(slot)
+                engine.moves.demoted_to_ssd(slot)
+                self.stats[DRAM].demotions += 1
             else:
                 self._write_to_ssd(engine.key_of(slot), slot, demote=True)
         return started
@@ -317,55 +401,58 @@ class TierManager:
             self.stats[SSD].evictions += 1
 
     def _demote_gpu(self) -> None:
+        """Move the coldest GPU values down to DRAM, each held while it is copied."""
         engine = self.engine
         excess = self._over(self.gpu.used_bytes, self.gpu.capacity_bytes)
         items = []
         while excess > 0:
             slot = engine.coldest(GPU)
-            if slot is None or slot in self._writing:
+            if slot is None:
                 break
             excess -= engine.size_of(slot)
-            self._writing.add(slot)
-            items.append((engine.key_of(slot), slot))
+            engine.eviction.hold(slot)
+            items.append((engine.key_of(slot), slot, self._start_move(slot)))
         if items:
             asyncio.ensure_future(self._move_down_from_gpu(items))
 
-    async def _move_down_from_gpu(self, items: list[tuple[bytes, int]]) -> None:
-        fetched = await self.fetch(items)
-        for key, slot, dest, result in fetched:
-            self._writing.discard(slot)
+    async def _move_down_from_gpu(self, items: list[tuple[bytes, int, int]]) -> None:
+        engine = self.engine
+        fetched = await self.fetch([(key, slot) for key, slot, _ in items])
+        for (_, slot, token), (_, _, dest, result) in zip(items, fetched):
+            same = self._end_move(slot, token)
+            if same:
+                engine.eviction.release_hold(slot)
             if isinstance(dest, bytearray):
                 continue                        # DRAM is full: the value stays on the GPU
-            if not isinstance(result, BaseException) and self.engine.index.get(key) == slot \
-                    and self.engine.tier_code(slot) == GPU:
-                self._gpu_offset.pop(slot, None)
-                self.engine.promote_to_dram(slot, dest)
+            if same and result is not None and not isinstance(result, BaseException) \
+                    and engine.tier_code(slot) == GPU:
+                self._free_gpu(slot)
+                engine.moves.home_in_dram(slot, dest)
                 self.stats[GPU].demotions += 1
             else:
-                self.engine.release(dest)
+                engine.release(dest)
 
     def note_dram_hit(self, slot: int) -> None:
         """A DRAM hit: a hot value moves up to the GPU tier."""
-        if slot in self._writing or not self._is_hot(slot):
+        if slot in self._moving or not self._is_hot(slot):
             return
         engine = self.engine
         size = engine.size_of(slot)
         offset = self.gpu.alloc(size)
         if offset is None:
             return
-        key, lease = engine.key_of(slot), engine.lease(slot)
-        self._writing.add(slot)
+        hold, token = engine.hold(slot), self._start_move(slot)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._copies, self.gpu.write, offset, engine.view(slot))
-        future.add_done_callback(lambda f: self._on_gpu(f, key, slot, lease, offset, size))
+        future.add_done_callback(lambda f: self._on_gpu(f, slot, hold, token, offset, size))
 
-    def _on_gpu(self, future, key: bytes, slot: int, lease: int, offset: int, size: int) -> None:
+    def _on_gpu(self, future, slot: int, hold: int | None, token: int, offset: int, size: int) -> None:
         engine = self.engine
-        self._writing.discard(slot)
-        engine.unlease(lease, slot, key)
-        if future.exception() is None and engine.index.get(key) == slot and engine.tier_code(slot) == DRAM:
+        same = self._end_move(slot, token) and engine.tier_code(slot) == DRAM
+        engine.release_hold(hold)
+        if future.exception() is None and same:
             self._gpu_offset[slot] = offset
-            engine.moved_to_gpu(slot)
+            engine.moves.moved_to_gpu(slot)
             self.stats[DRAM].promotions += 1
         else:
             self.gpu.free(offset, size)

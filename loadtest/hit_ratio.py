@@ -3,8 +3,8 @@
 Why a replay of the policy as a library rather than a run of the daemon: the
 hit ratio depends only on which block is in DRAM at each access, so replaying
 the access sequence through the very class the engine evicts with
-(:class:`kvstore.eviction.SampledLRU`, with parent links and the engine's
-per-slot tier column) measures the policy we ship, at 300,000 accesses in
+(:class:`kvstore.eviction.SampledLRU`, with parent links and the entries'
+tiers as its places) measures the policy we ship, at 300,000 accesses in
 seconds, and lets exact LRU and the offline optimum see the same sequence.
 
 The access sequence comes from a Mooncake trace: each request reads its
@@ -15,8 +15,8 @@ SSD is a DRAM miss and comes back up after ``promote_hits`` hits within
 ``promote_window_ms`` (trace time), as `TierManager` promotes. DRAM holds
 ``capacity`` blocks (all blocks are the same size); SSD holds everything.
 
-- kvstore: the store's policy. Over capacity, ``victim(among=[(tier, DRAM)])``
-  picks the value to demote, as ``Engine.coldest(DRAM)`` does.
+- kvstore: the store's policy. Over capacity, ``victim(IN_DRAM)`` picks the
+  value to demote (the oldest leaf of DRAM), as ``Engine.coldest(DRAM)`` does.
 - LRU: exact least-recently-used over DRAM, demand fetch.
 - Belady: the offline optimum for unit-size blocks (MIN): on a miss the block
   whose next use is farthest away leaves, which may be the incoming one
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import heapq
 import json
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,15 +68,15 @@ def working_set(accesses: list[Access]) -> int:
 def kvstore_hits(accesses: list[Access], capacity: int, promote_hits: int = 1,
                  promote_window_ms: int = 10_000) -> int:
     """DRAM hits of the store's policy (SampledLRU over the DRAM tier) with ``capacity`` blocks."""
-    policy = SampledLRU(capacity=working_set(accesses) + 1)
-    tier = array("b")
+    policy = SampledLRU(capacity=working_set(accesses) + 1, places=2)
+    tier: list[int] = []
     heat: dict[int, tuple[int, int]] = {}
     in_dram = hits = 0
     for access in accesses:
         block = access.block
         if block == len(tier):                       # first read: written into DRAM
             tier.append(IN_DRAM)
-            policy.insert(block, access.parent)
+            policy.insert(block, access.parent, IN_DRAM)
             in_dram += 1
         elif tier[block] == IN_DRAM:
             hits += 1
@@ -88,9 +87,12 @@ def kvstore_hits(accesses: list[Access], capacity: int, promote_hits: int = 1,
             if not _is_hot(heat, block, access.time_ms, promote_hits, promote_window_ms):
                 continue
             tier[block] = IN_DRAM
+            policy.move(block, IN_DRAM)
             in_dram += 1
         while in_dram > capacity:
-            tier[policy.victim(among=[(tier, IN_DRAM)])] = ON_SSD
+            victim = policy.victim(IN_DRAM)
+            tier[victim] = ON_SSD
+            policy.move(victim, ON_SSD)
             in_dram -= 1
     return hits
 

@@ -16,7 +16,6 @@ from kvstore.eviction import NO_PARENT
 from loadtest import bench_tiers, hit_ratio
 from loadtest.bench_tiers import KIB, MIB, RawClient, Settings
 from loadtest.procs import ProcessGroup
-from test_tiering import LEAF_BUG
 
 FIXTURE = Path(__file__).parent / "fixtures" / "conversation_head200.jsonl"
 TINY = replace(Settings().quick(), sizes=(256 * KIB,), bytes_per_run=2 * MIB, latency_values=2,
@@ -34,7 +33,6 @@ def test_belady_beats_lru_on_a_loop_larger_than_the_cache():
     assert hit_ratio.belady_hits(loop, 3) == hit_ratio.lru_hits(loop, 3) == 9
 
 
-@LEAF_BUG
 def test_policies_on_the_trace_fixture_stay_under_the_optimum():
     accesses = hit_ratio.load_accesses(FIXTURE)
     blocks = hit_ratio.working_set(accesses)

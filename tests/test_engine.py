@@ -1,4 +1,4 @@
-"""Unit tests of the engine (kvstore.engine): index, arena extents, eviction, leases, expiry.
+"""Unit tests of the engine (kvstore.engine): index, arena extents, eviction, holds, expiry.
 
 The engine is used directly, with a real (small, not pre-faulted) shared-memory
 arena. What is checked:
@@ -8,7 +8,12 @@ arena. What is checked:
 - a full arena: `noeviction` raises OutOfMemory, `allkeys-lru` evicts and
   stays within the arena, and prefers chain leaves (the survivors of each
   chain form a prefix of it);
-- leases: a leased value deleted or overwritten keeps its bytes until unlease;
+- holds: a value held by a read and deleted or overwritten keeps its bytes
+  until the hold is released, and a hold counts only for the value it was
+  taken on (not for a later value in the same slot, nor lost when the value
+  moves home from a staged copy);
+- chain links from clients: a key that names itself as parent, or a re-put
+  that would close a parent cycle, is evicted like any other key;
 - expiry, lazily on access and by the active cycle; SCAN sees every key that
   is present throughout exactly once;
 - metadata per key, measured with tracemalloc over 100,000 keys of 32 hex
@@ -23,6 +28,7 @@ import numpy as np
 import pytest
 
 from kvstore.engine import Engine, OutOfMemory, now_ms
+from kvstore.eviction import NO_PARENT
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 64 * KiB
@@ -261,6 +267,44 @@ def test_overwriting_a_parent_keeps_its_children_linked(make_engine):
     assert not engine.eviction.is_leaf(engine.lookup(b"p"))
 
 
+def parents_form_a_forest(engine: Engine) -> bool:
+    """Walking up from any key ends within as many steps as there are keys."""
+    for slot in engine.index.values():
+        node, steps = slot, 0
+        while node != NO_PARENT:
+            node, steps = engine.eviction.parent_of(node), steps + 1
+            if steps > len(engine.index):
+                return False
+    return True
+
+
+@pytest.mark.timeout(30)
+def test_a_key_that_is_its_own_parent_is_evicted_like_any_other(make_engine):
+    """KV.PUT a x PARENT a: the key must not become its own parent (eviction would loop)."""
+    engine = make_engine(1 * MiB)
+    engine.put(b"a", pattern(0), parent=b"a")
+    assert engine.eviction.parent_of(engine.lookup(b"a")) == NO_PARENT
+    engine.put(b"a", pattern(1, 2 * BLOCK), parent=b"a")      # a re-put of another size
+    assert engine.eviction.parent_of(engine.lookup(b"a")) == NO_PARENT
+    for i in range(40):
+        engine.put(b"k%d" % i, pattern(i))
+    assert engine.lookup(b"a") is None and engine.stats.evictions >= 24
+
+
+@pytest.mark.timeout(30)
+def test_a_parent_cycle_through_several_keys_cannot_form(make_engine):
+    """a <- b <- c, then a re-put under c: a's children must not follow it (a -> c -> b -> a)."""
+    engine = make_engine(1 * MiB)
+    keys = put_chain(engine, 0, 3)
+    engine.put(keys[0], pattern(9, 2 * BLOCK), parent=keys[2])
+    assert parents_form_a_forest(engine)
+    engine.put(keys[1], pattern(8, 2 * BLOCK), parent=keys[0])     # and a re-put under a descendant
+    assert parents_form_a_forest(engine)
+    for i in range(40):
+        engine.put(b"k%d" % i, pattern(i))
+    assert not any(engine.lookup(k) for k in keys)
+
+
 def test_the_newest_chain_survives_whole(make_engine):
     engine = make_engine(2 * MiB)
     chains = [put_chain(engine, c, 8) for c in range(20)]
@@ -268,62 +312,94 @@ def test_the_newest_chain_survives_whole(make_engine):
     assert engine.allocator.used <= 2 * MiB
 
 
-# ----------------------------------------------------------------- leases
+# ----------------------------------------------------------------- holds (reads in flight)
 
-def test_a_leased_value_outlives_its_delete(make_engine):
+def test_a_held_value_outlives_its_delete(make_engine):
     engine = make_engine(1 * MiB, "noeviction")
     engine.put(b"k", pattern(7, 512 * KiB))
     slot = engine.get_slot(b"k")
     sending = engine.view(slot)
-    token = engine.lease(slot)
+    token = engine.hold(slot)
     assert engine.delete(b"k") and engine.lookup(b"k") is None
     engine.put(b"other", pattern(8, 512 * KiB))          # the other half of the arena
     with pytest.raises(OutOfMemory):
-        engine.put(b"third", b"x")                       # the leased half is still taken
+        engine.put(b"third", b"x")                       # the held half is still taken
     assert sending == pattern(7, 512 * KiB)
-    engine.unlease(token, slot, b"k")
+    engine.release_hold(token)
     engine.delete(b"other")
     engine.put(b"third", pattern(9, 1 * MiB))            # everything is free again
     assert engine.allocator.used == 1 * MiB
 
 
-def test_a_leased_value_is_not_overwritten_in_place(make_engine):
+def test_a_held_value_is_not_overwritten_in_place(make_engine):
     engine = make_engine()
     engine.put(b"k", pattern(1))
     slot = engine.get_slot(b"k")
     sending = engine.view(slot)
-    token = engine.lease(slot)
+    token = engine.hold(slot)
     engine.put(b"k", pattern(2))                         # same size: would fit in place
     assert sending == pattern(1) and get(engine, b"k") == pattern(2)
     assert engine.allocator.used == 2 * BLOCK
-    engine.unlease(token, slot, b"k")
+    engine.release_hold(token)
     assert engine.allocator.used == BLOCK
 
 
-def test_a_leased_value_is_not_evicted(make_engine):
+def test_a_held_value_is_not_evicted(make_engine):
     engine = make_engine(1 * MiB)
-    engine.put(b"leased", pattern(0))
-    slot = engine.get_slot(b"leased")
-    token = engine.lease(slot)
+    engine.put(b"held", pattern(0))
+    slot = engine.get_slot(b"held")
+    token = engine.hold(slot)
     for i in range(1, 64):
         engine.put(b"k%d" % i, pattern(i))
-    assert get(engine, b"leased") == pattern(0)
-    engine.unlease(token, slot, b"leased")
+    assert get(engine, b"held") == pattern(0)
+    engine.release_hold(token)
     for i in range(64, 128):
         engine.put(b"k%d" % i, pattern(i))
-    assert engine.lookup(b"leased") is None
+    assert engine.lookup(b"held") is None
 
 
-def test_two_leases_free_on_the_last(make_engine):
+def test_two_holds_free_on_the_last(make_engine):
     engine = make_engine()
     engine.put(b"k", pattern(1))
     slot = engine.get_slot(b"k")
-    first, second = engine.lease(slot), engine.lease(slot)
+    first, second = engine.hold(slot), engine.hold(slot)
     engine.delete(b"k")
-    engine.unlease(first, slot, b"k")
+    engine.release_hold(first)
     assert engine.allocator.used == BLOCK
-    engine.unlease(second, slot, b"k")
+    engine.release_hold(second)
     assert engine.allocator.used == 0
+
+
+def test_a_hold_on_a_deleted_value_leaves_the_next_value_in_its_slot_alone(make_engine):
+    engine = make_engine()
+    engine.put(b"k", pattern(1))
+    slot = engine.lookup(b"k")
+    old_read = engine.hold(slot)
+    engine.delete(b"k")
+    engine.put(b"k", pattern(2))
+    assert engine.lookup(b"k") == slot, "the slot id is handed out again"
+    new_read = engine.hold(slot)
+    engine.release_hold(old_read)
+    assert engine.eviction.is_held(slot)
+    engine.release_hold(new_read)
+    assert not engine.eviction.is_held(slot)
+
+
+def test_a_hold_on_a_staged_copy_is_released_after_the_value_moves_home(make_engine):
+    """A read sends an SSD value's staged copy; a second read makes the value hot and
+    gives it a DRAM home; the first read's release must still count."""
+    engine = make_engine()
+    engine.put(b"k", pattern(1))
+    slot = engine.lookup(b"k")
+    engine.moves.mark_on_ssd(slot)
+    engine.moves.demoted_to_ssd(slot)
+    engine.moves.stage(slot, engine.reserve(BLOCK))
+    read = engine.hold(slot)
+    engine.moves.home_in_dram(slot, engine.reserve(BLOCK))
+    assert engine.allocator.used == 2 * BLOCK, "the staged copy is still being sent"
+    engine.release_hold(read)
+    assert not engine.eviction.is_held(slot)
+    assert engine.allocator.used == BLOCK and engine.tier_of(slot) == "dram"
 
 
 # ----------------------------------------------------------------- expiry

@@ -23,8 +23,7 @@ from conftest import free_port, start_kvstore, wait_until
 from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import VALUE_CF
 from test_tier_ssd import flip_byte, private_mount_prefix
-from test_tiering import (KIB, LEAF_BUG, MIB, client, digest, key_of, restart, start_tiered, value_of,
-                          write_values)
+from test_tiering import KIB, MIB, client, digest, key_of, restart, start_tiered, value_of, write_values
 
 RECOVERED = re.compile(r"Recovered (\d+) values from the SSD tier in ([\d.]+) s \(([\d.]+) values/s\)")
 
@@ -64,7 +63,6 @@ def test_ssd_dir_that_cannot_be_a_directory(tmp_path):
         daemon.stop()
 
 
-@LEAF_BUG
 def test_ssd_dir_locked_by_another_kvstore(tmp_path):
     first = start_tiered(tmp_path)
     second = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"))

@@ -30,27 +30,6 @@ KIB, MIB = 1 << 10, 1 << 20
 RECOVERED_LINE = "Recovered "
 
 
-def _leaf_below_broken() -> bool:
-    """Whether SampledLRU.victim(among=...) raises on a chain (the _leaf_below indexing bug)."""
-    from array import array
-    from kvstore.eviction import SampledLRU
-    policy, tier = SampledLRU(capacity=4), array("b", [0, 0])
-    policy.insert(0)
-    policy.insert(1, 0)
-    try:
-        policy.victim(among=[(tier, 0)])
-    except IndexError:
-        return True
-    return False
-
-
-# While the bug is in kvstore/eviction.py every demotion under a tier mask fails ("internal
-# error" on the put that triggers it, "cron job failed" in the log); these tests show it.
-LEAF_BUG = pytest.mark.xfail(_leaf_below_broken(), strict=True,
-                             reason="SampledLRU._leaf_below indexes m[0][node] where m is already the column "
-                                    "view: IndexError on every victim chosen under a tier mask")
-
-
 # ------------------------------------------------------------------ helpers
 
 
@@ -121,7 +100,6 @@ def on_ssd(r: redis.Redis, keys: list[bytes]) -> list[bytes]:
 # ------------------------------------------------------------------ spilling and reading back
 
 
-@LEAF_BUG
 def test_values_spill_to_ssd_and_read_back_byte_identical(tmp_path):
     daemon = start_tiered(tmp_path)
     try:
@@ -154,7 +132,6 @@ def test_puts_faster_than_demotion_lose_no_values(tmp_path):
         daemon.stop()
 
 
-@LEAF_BUG
 def test_mget_across_tiers_returns_every_value_and_loses_none(tmp_path):
     daemon = start_tiered(tmp_path)
     try:
@@ -168,7 +145,6 @@ def test_mget_across_tiers_returns_every_value_and_loses_none(tmp_path):
         daemon.stop()
 
 
-@LEAF_BUG
 def test_chains_spill_tail_first_and_read_back(tmp_path):
     """8 chains of 8 blocks (16 MiB, KV.PUT ... PARENT): SSD takes their tails, DRAM keeps prefixes."""
     daemon = start_tiered(tmp_path)
@@ -191,7 +167,6 @@ def test_chains_spill_tail_first_and_read_back(tmp_path):
         daemon.stop()
 
 
-@LEAF_BUG
 def test_promotion_after_promote_hits_within_the_window(tmp_path):
     daemon = start_tiered(tmp_path, "--promote-hits", "3", "--promote-window-ms", "500")
     try:
@@ -239,7 +214,6 @@ def test_write_back_puts_stay_in_dram_until_demoted(tmp_path):
         daemon.stop()
 
 
-@LEAF_BUG
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["clean-stop", "kill-9"])
 def test_delete_and_overwrite_of_ssd_values_never_resurrect(tmp_path, sig):
     daemon = start_tiered(tmp_path)
@@ -265,7 +239,6 @@ def test_delete_and_overwrite_of_ssd_values_never_resurrect(tmp_path, sig):
         daemon.stop()
 
 
-@LEAF_BUG
 def test_get_during_demotion_returns_the_whole_value(tmp_path):
     """Readers hammer keys while a writer keeps pushing older values down to SSD."""
     daemon = start_tiered(tmp_path, "--promote-hits", "1")
@@ -313,7 +286,6 @@ def test_get_during_demotion_returns_the_whole_value(tmp_path):
 # ------------------------------------------------------------------ pins and leases
 
 
-@LEAF_BUG
 def test_pinned_values_are_evicted_last_and_pins_expire(tmp_path):
     daemon = start_tiered(tmp_path)
     try:
@@ -352,7 +324,7 @@ def hold_lease(daemon: Daemon, key: bytes) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("ssd", [False, pytest.param(True, marks=LEAF_BUG)], ids=["dram-only", "with-ssd"])
+@pytest.mark.parametrize("ssd", [False, True], ids=["dram-only", "with-ssd"])
 def test_store_full_of_leased_values_answers_oom_instead_of_stalling(tmp_path, ssd):
     flags = ("--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd")) if ssd else ("--dram-size", "8mb")
     daemon = start_kvstore(tmp_path, *flags)
@@ -413,7 +385,6 @@ def scrape(port: int) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-@LEAF_BUG
 def test_info_tier_sections_and_metrics_endpoint_agree(tmp_path):
     metrics_port = free_port()
     daemon = start_tiered(tmp_path, "--metrics-port", str(metrics_port), "--promote-hits", "1")

@@ -1,0 +1,126 @@
+"""Per-slot state of the index: where each value lives, in flat columns.
+
+A key maps to a small integer slot (`Engine.index`); everything else the node
+knows about the value sits in columns indexed by that slot. Python objects per
+entry would cost twice the memory: with 4-byte offsets and sizes and 1-byte
+codes the index stays near 200 bytes a key, key included (see
+tests/test_engine.py).
+
+Tier codes (the ``tier`` column) and flags (the ``flags`` column) are defined
+here and nowhere else:
+
+- ``DRAM``: the value is in the node's shared-memory arena, at
+  ``offset_units << OFFSET_SHIFT``;
+- ``SSD``: the value is only in RocksDB;
+- ``GPU``: the value is in the GPU tier's arena (its offset is the tier
+  manager's, kvstore/tiering.py);
+- ``ON_SSD``: a verified copy is on SSD, so dropping the DRAM copy loses nothing;
+- ``STAGED``: an SSD or GPU value has a temporary copy for one command, in the
+  arena at ``offset_units`` or, when DRAM was full, on the heap
+  (``heap_copies``).
+
+One owner: every change of a slot's tier or flags goes through `SlotTable`,
+which keeps the per-tier counts and bytes that INFO reports and tells the
+eviction policy where each entry lives and whether it is clean (its candidate
+lists depend on both), so the three can never disagree.
+"""
+from __future__ import annotations
+
+from array import array
+
+from kvstore.eviction import NO_PARENT, SampledLRU
+
+DRAM, SSD, GPU = 0, 1, 2
+TIERS = (DRAM, SSD, GPU)
+ON_SSD = 1
+STAGED = 2
+# DRAM offsets are kept in units of the allocator's smallest extent (64 bytes), so
+# 4 bytes address a 256 GiB arena.
+OFFSET_SHIFT = 6
+OFFSET_UNIT = 1 << OFFSET_SHIFT
+
+
+class SlotTable:
+    """The columns of every slot, the free slot ids, and counts and bytes per tier."""
+
+    def __init__(self, policy: SampledLRU):
+        self.policy = policy
+        self.keys: list[bytes | None] = []
+        self.offset_units = array("I")
+        self.size = array("I")
+        self.tier = array("b")
+        self.flags = array("b")
+        self.heap_copies: dict[int, bytearray] = {}    # slot -> staged copy outside the arena
+        self.count_in = [0] * len(TIERS)
+        self.bytes_in = [0] * len(TIERS)
+        self._free: list[int] = []
+
+    def nbytes_per_slot(self) -> int:
+        """Bytes of the columns per slot, the key list's pointer included."""
+        return (self.offset_units.itemsize + self.size.itemsize + self.tier.itemsize + self.flags.itemsize
+                + 8)
+
+    # ------------------------------------------------------------ slots
+
+    def add(self, key: bytes, size: int, tier: int, flags: int = 0, offset: int = 0,
+            parent: int = NO_PARENT) -> int:
+        """A slot for a new value of ``key`` (tracked by the policy under ``parent``)."""
+        if self._free:
+            slot = self._free.pop()
+            self.keys[slot] = key
+            self.offset_units[slot] = offset >> OFFSET_SHIFT
+            self.size[slot] = size
+            self.tier[slot] = tier
+            self.flags[slot] = flags
+        else:
+            slot = len(self.keys)
+            self.keys.append(key)
+            self.offset_units.append(offset >> OFFSET_SHIFT)
+            self.size.append(size)
+            self.tier.append(tier)
+            self.flags.append(flags)
+        self.count_in[tier] += 1
+        self.bytes_in[tier] += size
+        self.policy.insert(slot, parent, tier)
+        if flags & ON_SSD:
+            self.policy.mark_clean(slot)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """Forget ``slot``; its id is handed out again."""
+        tier = self.tier[slot]
+        self.count_in[tier] -= 1
+        self.bytes_in[tier] -= self.size[slot]
+        self.heap_copies.pop(slot, None)
+        self.policy.remove(slot)
+        self.keys[slot] = None
+        self._free.append(slot)
+
+    # ------------------------------------------------------------ columns
+
+    def dram_offset(self, slot: int) -> int:
+        """Where the value (or its staged copy) starts in the DRAM arena."""
+        return self.offset_units[slot] << OFFSET_SHIFT
+
+    def set_dram_offset(self, slot: int, offset: int) -> None:
+        self.offset_units[slot] = offset >> OFFSET_SHIFT
+
+    def resize(self, slot: int, size: int) -> None:
+        """The value was rewritten in place with ``size`` bytes."""
+        self.bytes_in[self.tier[slot]] += size - self.size[slot]
+        self.size[slot] = size
+
+    def set_tier(self, slot: int, tier: int, flags: int) -> None:
+        """The value now lives in ``tier`` with ``flags``."""
+        old, size = self.tier[slot], self.size[slot]
+        self.count_in[old] -= 1
+        self.bytes_in[old] -= size
+        self.count_in[tier] += 1
+        self.bytes_in[tier] += size
+        self.tier[slot] = tier
+        self.policy.move(slot, tier)
+        self.set_flags(slot, flags)
+
+    def set_flags(self, slot: int, flags: int) -> None:
+        self.flags[slot] = flags
+        self.policy.mark_clean(slot, bool(flags & ON_SSD))
