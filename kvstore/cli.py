@@ -60,6 +60,13 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     tiers.add_argument("--promote-hits", type=int, metavar="N", help="hits within the window that make a "
                        "value in a lower tier move up (default 2)")
     tiers.add_argument("--promote-window-ms", type=int, metavar="MS", help="the heat window (default 10000)")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--cluster", metavar="URL", help="join the cluster etcd://HOST:PORT/NAME "
+                         "(membership and the slot map live in that etcd)")
+    cluster.add_argument("--announce", metavar="HOST:PORT", help="address other nodes and clients reach "
+                         "this node at (default: the first bound address and the port)")
+    cluster.add_argument("--cluster-node-timeout", type=float, metavar="S",
+                         help="seconds without a keep-alive before a node counts as gone (default 5)")
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port "
                    "(default: off)")
     return p

@@ -91,10 +91,13 @@ class Config:
     promote_hits: int = 2
     promote_window_ms: int = 10000
     metrics_port: int = 0             # 0: no /metrics endpoint
+    cluster: str | None = None        # etcd://HOST:PORT/NAME: join that cluster
+    announce: str | None = None       # host:port other nodes and clients reach this node at
+    cluster_node_timeout: float = 5.0  # seconds without a keep-alive before a node is gone
 
     SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size")
     INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port")
-    FLOAT_FIELDS = ("high_watermark", "low_watermark")
+    FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout")
     LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel")
 
     def __post_init__(self) -> None:
@@ -124,6 +127,8 @@ class Config:
         _check(self.promote_hits >= 1, "promote-hits", "promote-hits must be at least 1")
         _check(self.promote_window_ms >= 1, "promote-window-ms", "promote-window-ms must be at least 1")
         _check(0 <= self.metrics_port < 65536, "metrics-port", f"metrics-port {self.metrics_port} out of range")
+        _check(0.5 <= self.cluster_node_timeout <= 3600, "cluster-node-timeout",
+               "cluster-node-timeout must be between 0.5 and 3600 seconds")
 
     @classmethod
     def names(cls) -> list[str]:

@@ -67,6 +67,8 @@ class Connection:
         self.writing = False
         self.multi: list | None = None      # commands queued since MULTI
         self.multi_dirty = False
+        self.asking = False                 # cluster: ASKING was sent (the next command may run here)
+        self.readonly = False               # cluster: READONLY was sent (copies of hot blocks may serve reads)
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
         self.backlog: deque = deque()       # parsed commands not run yet
         self.prefetched: list[int] = []     # slots staged for commands still in the backlog

@@ -2,7 +2,9 @@
 
 This is Redis's processCommand. A parsed request is looked up in the command
 table once, then checked in the order Redis checks it: known command, arity,
-subcommand, authentication, the loading state. Inside MULTI it is queued
+subcommand, authentication, the loading state and, in a cluster, whether
+this node serves the command's keys (else Redis Cluster's MOVED/ASK). Inside
+MULTI it is queued
 instead of run. Before the handler runs, the values it reads are brought up
 from SSD or GPU into DRAM (`TierManager.fetch` on worker threads): the client
 is deferred meanwhile, and the command runs again once they are staged, so a
@@ -27,6 +29,8 @@ import asyncio
 import logging
 from itertools import islice
 
+from kvstore.cluster.routing import redirect
+from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.table import Command, CommandError, lookup
 from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
 from kvstore.protocol import writer
@@ -39,6 +43,14 @@ NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
 INTERNAL_ERROR = writer.error("internal error while running the command")
 # Commands that run at once inside MULTI instead of being queued (Redis's list).
 RUN_INSIDE_MULTI = frozenset((b"exec", b"discard", b"multi", b"quit"))
+
+
+class Redirected(Exception):
+    """Another node serves the command's keys: ``reply`` is the redirection to send."""
+
+    def __init__(self, reply: bytes):
+        super().__init__(reply)
+        self.reply = reply
 
 
 def value_destination(conn, args: list, size: int):
@@ -81,6 +93,8 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
         settled = False
         conn.defer(conn.engine.tiers.make_room(exc.size),
                    lambda _: dispatch(conn, args, None, has_holders))
+    except Redirected as exc:
+        _fail(conn, exc.reply)
     except CommandError as exc:
         _fail(conn, writer.error(str(exc), exc.code))
     except OutOfMemory:
@@ -90,6 +104,8 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
         _fail(conn, INTERNAL_ERROR)
     finally:
         if settled:
+            if conn.asking and conn.multi is None and args[0].lower() != b"asking":
+                conn.asking = False     # ASKING covers the next command only, as in Redis
             if has_holders:
                 release_holders(conn.engine, args)
             conn.server.stats.commands += 1
@@ -111,7 +127,31 @@ def _checked(conn, args: list) -> Command | None:
     tiers = conn.engine.tiers
     if tiers is not None and tiers.loading and "loading" not in cmd.flags:
         raise CommandError("kvstore is loading the dataset in memory", "LOADING")
+    if conn.server.cluster is not None:
+        reply = _route(conn, cmd, args)
+        if reply is not None:
+            raise Redirected(reply)
     return cmd
+
+
+def _route(conn, cmd: Command, args: list) -> bytes | None:
+    """None when this node serves the command's keys, else Redis Cluster's redirection
+    (MOVED, ASK, CROSSSLOT, TRYAGAIN, CLUSTERDOWN: kvstore/cluster/routing.py)."""
+    keys = cmd.keys_of(args)
+    if not keys:
+        return None
+    cluster, engine = conn.server.cluster, conn.engine
+
+    def has_key(key: bytes) -> bool:
+        return engine.lookup(key) is not None
+
+    if not cmd.spans_slots:
+        return redirect(cluster, keys, conn.asking, has_key)
+    for same_slot in keys_by_slot(keys).values():
+        reply = redirect(cluster, same_slot, conn.asking, has_key)
+        if reply is not None:
+            return reply
+    return None
 
 
 def _run(conn, cmd: Command, args: list) -> None:

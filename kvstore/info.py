@@ -15,7 +15,7 @@ import time
 from kvstore import __version__
 from kvstore.engine import DRAM, GPU, SSD, now_ms
 
-DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "keyspace", "kvcache", "gpu", "dram", "ssd")
+DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd")
 
 
 def human(n: float) -> str:
@@ -66,6 +66,10 @@ def stats_section(server) -> dict:
     return {"total_connections_received": s.connections, "total_commands_processed": s.commands,
             "rejected_connections": s.rejected, "expired_keys": e.expired, "evicted_keys": e.evictions,
             "keyspace_hits": e.hits, "keyspace_misses": e.misses, "oom_rejections": e.oom_rejections}
+
+
+def cluster_section(server) -> dict:
+    return {"cluster_enabled": int(server.cluster is not None)}
 
 
 def keyspace_section(server) -> dict:
@@ -152,7 +156,7 @@ def gpu_section(server) -> dict:
 
 
 SECTIONS = {"server": server_section, "clients": clients_section, "memory": memory_section,
-            "stats": stats_section, "keyspace": keyspace_section, "kvcache": kvcache_section,
+            "stats": stats_section, "cluster": cluster_section, "keyspace": keyspace_section, "kvcache": kvcache_section,
             "gpu": gpu_section, "dram": dram_section, "ssd": ssd_section}
 
 TITLES = {"kvcache": "KVCache", "gpu": "GPU", "dram": "DRAM", "ssd": "SSD"}

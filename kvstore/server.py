@@ -15,6 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from kvstore.cluster.membership import ClusterError
 from kvstore.config import Config
 from kvstore.connection import Connection
 from kvstore.engine import Engine
@@ -56,6 +57,7 @@ class Server:
         self.leases = LeaseTable(self.engine)
         self.blocks = BlockTable(self.engine)
         self._arena_identity: tuple[int, bytes] | None = None
+        self.cluster = None            # kvstore.cluster.node.ClusterState in cluster mode
         self.engine.drop_listeners.append(self.leases.on_drop)
         self.add_cron(self.leases.expire)
         self.add_cron(self.blocks.reclaim)
@@ -76,6 +78,8 @@ class Server:
         self.started_at = time.time()
         self._stopped = self.loop.create_future()
         self._listen()
+        if self.config.cluster:
+            await self._join_cluster()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.request_shutdown, f"Received {signal.Signals(sig).name}")
         self.loop.call_later(CRON_SECONDS, self._cron)
@@ -87,7 +91,16 @@ class Server:
         log.info("Ready to accept connections (dram %d bytes, prefault %.2fs, %s)",
                  self.config.dram_size, self.engine.arena.prefault_seconds, self.loop_name)
         await self._stopped
+        if self.cluster is not None:
+            await self.cluster.stop()       # a clean leave: the leader moves our slots at once
         self._close()
+
+    async def _join_cluster(self) -> None:
+        """Register in etcd and take this node's share of the slots (kvstore/cluster/)."""
+        from kvstore.cluster.runner import announce_address, start_cluster
+        port = self.listeners[0].getsockname()[1]
+        announce = announce_address(self.config.bind, port, self.config.announce)
+        self.cluster = await start_cluster(self.config.cluster, announce, self.config.cluster_node_timeout)
 
     def _listen(self) -> None:
         cfg = self.config
@@ -199,7 +212,7 @@ def run(config: Config, config_file: str | None = None) -> int:
         return 1
     try:
         runner(server.serve())
-    except OSError as exc:
+    except (OSError, ClusterError) as exc:
         log.error("Could not start: %s", exc)
         return 1
     finally:

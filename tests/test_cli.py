@@ -125,6 +125,9 @@ BAD_TOML = [
     ("promote-hits = 0", "promote-hits must be at least 1"),
     ("promote-window-ms = -5", "promote-window-ms must be at least 1"),
     ("metrics-port = 70000", "metrics-port 70000 out of range"),
+    ("cluster = 5", "cluster must be a string"),
+    ("announce = 1", "announce must be a string"),
+    ("cluster-node-timeout = 0.1", "cluster-node-timeout must be between 0.5 and 3600 seconds"),
 ]
 
 

@@ -48,6 +48,14 @@ def keyslot(key: bytes) -> int:
     return _crc16(key, 0) & (SLOTS - 1)
 
 
+def keys_by_slot(keys: list[bytes]) -> dict[int, list[bytes]]:
+    """The keys grouped by their slot, in first-seen order."""
+    groups: dict[int, list[bytes]] = {}
+    for key in keys:
+        groups.setdefault(keyslot(key), []).append(key)
+    return groups
+
+
 class SlotMapError(ValueError):
     """A slot map that must not be applied; the message says what is wrong."""
 

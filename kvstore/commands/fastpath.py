@@ -62,7 +62,7 @@ def _lease_reads(conn, args: list) -> list[bytes]:
 @command(fp.KV_LEASE, -4, "readonly fast", "fastpath",
          "Pins values for a direct read from the arena; per key [lease id, offset, size, word, tag, "
          "hold ms] or nil.",
-         keys=(3, -1, 1), reads=_lease_reads)
+         keys=(3, -1, 1), spans_slots=True, reads=_lease_reads)
 def kv_lease(conn, args):
     check_arena_token(conn, args[1])
     ttl = parse_ttl_ms(args[2])
@@ -204,7 +204,7 @@ def _ssd_reads(conn, args: list) -> list[bytes]:
 
 @command(fp.KV_LEASEGPU, -4, "readonly fast", "fastpath",
          "Pins values where they live; per key [lease id, tier, offset, size] or nil.",
-         keys=(3, -1, 1), reads=_ssd_reads)
+         keys=(3, -1, 1), spans_slots=True, reads=_ssd_reads)
 def kv_leasegpu(conn, args):
     check_arena_token(conn, args[1])
     ttl = parse_ttl_ms(args[2])

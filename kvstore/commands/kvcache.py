@@ -45,13 +45,13 @@ def kv_unpin(conn, args):
 
 
 @command(wire.KV_MATCH, -2, "readonly fast", "kvcache",
-         "Returns how many leading keys of a block chain are cached.", keys=(1, -1, 1))
+         "Returns how many leading keys of a block chain are cached.", keys=(1, -1, 1), spans_slots=True)
 def kv_match(conn, args):
     return writer.integer(conn.engine.match_prefix(args[1:]))
 
 
 @command(wire.KV_LOCATE, -2, "readonly fast", "kvcache",
-         "Returns, per key, the tier and size of the block or nil.", keys=(1, -1, 1))
+         "Returns, per key, the tier and size of the block or nil.", keys=(1, -1, 1), spans_slots=True)
 def kv_locate(conn, args):
     engine = conn.engine
     items = []

@@ -88,7 +88,7 @@ def hello(conn, args):
     b = writer.bulk
     return conn.enc.map([
         (b("server"), b("redis")), (b("version"), b(COMPAT_VERSION)), (b("proto"), writer.integer(protocol)),
-        (b("id"), writer.integer(conn.id)), (b("mode"), b("standalone")), (b("role"), b("master")),
+        (b("id"), writer.integer(conn.id)), (b("mode"), b("standalone" if conn.server.cluster is None else "cluster")), (b("role"), b("master")),
         (b("modules"), writer.EMPTY_ARRAY)])
 
 

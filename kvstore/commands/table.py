@@ -37,6 +37,15 @@ class Command:
     value_args: Callable[[int], bool] | None = None   # argument index -> carries a value?
     reads: Callable[[object, list], list[bytes]] | None = None  # keys whose values it reads
     subcommands: dict[str, tuple[int, str]] = field(default_factory=dict)   # name -> (arity, summary)
+    spans_slots: bool = False       # in a cluster: keys may be in any slots this node serves
+
+    def keys_of(self, args: list) -> list[bytes]:
+        """The key arguments, from the legacy key spec (first, last, step) Redis's COMMAND reports;
+        a negative last counts from the end."""
+        if self.first_key <= 0 or len(args) <= self.first_key:
+            return []
+        last = self.last_key if self.last_key >= 0 else len(args) + self.last_key
+        return args[self.first_key:last + 1:self.step]
 
     def arity_ok(self, argc: int) -> bool:
         return argc == self.arity if self.arity > 0 else argc >= -self.arity
@@ -56,17 +65,22 @@ TABLE: dict[bytes, Command] = {}
 
 
 def command(name: str, arity: int, flags: str, group: str, summary: str, *,
-            keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None, reads=None):
+            keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None, reads=None,
+            spans_slots: bool = False):
     """Register the decorated function as the handler of ``name``.
 
     ``values(i)`` says whether argument ``i`` is a value to store (received
     straight into the arena); ``reads(conn, args)`` names the keys whose
     values the command reads (fetched into DRAM first when they live on SSD
-    or GPU, so handlers only ever see DRAM).
+    or GPU, so handlers only ever see DRAM). ``spans_slots``: in a cluster the
+    command's keys need not share a hash slot, only be served by this node
+    (the SDK sends each node the keys of a prefix that live there, unlike
+    Redis's multi-key commands, which must stay in one slot).
     """
     def register(fn: Callable) -> Callable:
         cmd = Command(name.lower(), arity, tuple(flags.split()), fn, group, summary,
-                      *keys, value_args=values, reads=reads, subcommands=subcommands or {})
+                      *keys, value_args=values, reads=reads, subcommands=subcommands or {},
+                      spans_slots=spans_slots)
         TABLE[name.upper().encode()] = cmd
         TABLE[name.lower().encode()] = cmd
         return fn
