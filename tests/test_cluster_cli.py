@@ -1,8 +1,4 @@
-"""`kvstore cluster status` against a real etcd, and `kvstore cluster up` with real node processes.
-
-`up` needs `kvstore serve --cluster`; until the node has that flag the end-to-end
-test says so and skips.
-"""
+"""`kvstore cluster status` against a real etcd, and `kvstore cluster up` with real node processes."""
 from __future__ import annotations
 
 import asyncio
@@ -56,17 +52,12 @@ def test_status_of_an_empty_cluster_and_of_an_unreachable_etcd(etcd):
     assert bad.returncode == 1 and "want etcd://HOST:PORT/NAME" in bad.stderr
 
 
-def serve_knows_cluster() -> bool:
-    return "--cluster " in kvstore("serve", "--help").stdout
-
-
 def test_up_fails_clearly_when_a_node_cannot_start():
     done = kvstore("cluster", "up", "--nodes", "1", "--dram-size", "1kb")
     assert done.returncode == 1
     assert "error: node 127.0.0.1:" in done.stderr and "exited with" in done.stderr
 
 
-@pytest.mark.skipif(not serve_knows_cluster(), reason="kvstore serve has no --cluster flag yet")
 def test_up_starts_a_cluster_redis_cluster_clients_use_and_stops_it_on_sigterm():
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "cluster", "up", "--nodes", "3", "--dram-size", "64mb"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
