@@ -16,7 +16,6 @@ computed once.
 """
 from __future__ import annotations
 
-import binascii
 import json
 import re
 from dataclasses import dataclass, field
@@ -24,29 +23,12 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-SLOTS = 16384
+from proto.slots import SLOTS, keyslot
+
 MAX_MAP_BYTES = 2 * 1024 * 1024       # well above a fully fragmented map (16,384 ranges), below etcd's limits
 NODE_ID = re.compile(r"[0-9a-f]{40}")
 ADDRESS = re.compile(r"(\S+):(\d{1,5})")
 UNASSIGNED = -1
-
-_crc16 = binascii.crc_hqx
-
-
-def keyslot(key: bytes) -> int:
-    """The Redis Cluster slot of ``key``.
-
-    Only the part between the first ``{`` and the first ``}`` after it is
-    hashed, when that part is not empty (``{user1}.a`` and ``{user1}.b`` share a
-    slot; ``{}x`` hashes whole), as Redis's keyHashSlot.
-    """
-    start = key.find(b"{")
-    if start >= 0:
-        end = key.find(b"}", start + 1)
-        if end > start + 1:
-            key = key[start + 1:end]
-    return _crc16(key, 0) & (SLOTS - 1)
-
 
 def keys_by_slot(keys: list[bytes]) -> dict[int, list[bytes]]:
     """The keys grouped by their slot, in first-seen order."""
