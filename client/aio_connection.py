@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import (Endpoint, check_handshake, handshake, idle_poller, is_stale,
+from client.sockets import (Endpoint, PeerWatch, check_handshake, handshake, idle_poller, is_stale,
                             socket_errors, tune)
 
 
@@ -27,6 +27,7 @@ class AsyncConnection:
         self.endpoint = endpoint
         self._sock = sock
         self._poller = idle_poller(sock)
+        self._peer = PeerWatch(sock)
         self._timeout = timeout
         self._loop = asyncio.get_running_loop()
         self._reader = resp.ReplyReader()
@@ -58,6 +59,9 @@ class AsyncConnection:
 
     def is_stale(self) -> bool:
         return self._reader.buffered > 0 or is_stale(self._poller)
+
+    def peer_closed(self) -> bool:
+        return self._peer.closed()
 
     def close(self) -> None:
         self._sock.close()

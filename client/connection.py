@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import (Endpoint, check_handshake, handshake, idle_poller, is_stale,
+from client.sockets import (Endpoint, PeerWatch, check_handshake, handshake, idle_poller, is_stale,
                             socket_errors, tune)
 
 MAX_FDS = 4             # file descriptors accepted with one reply
@@ -28,6 +28,7 @@ class Connection:
         with socket_errors(f"connecting to {endpoint}"):
             self._sock = _connect(endpoint, timeout)
         self._poller = idle_poller(self._sock)
+        self._peer = PeerWatch(self._sock)
         self._reader = resp.ReplyReader()
         try:
             check_handshake(self.round_trip(handshake(password)))
@@ -54,6 +55,9 @@ class Connection:
 
     def is_stale(self) -> bool:
         return self._reader.buffered > 0 or is_stale(self._poller)
+
+    def peer_closed(self) -> bool:
+        return self._peer.closed()
 
     def close(self) -> None:
         self._sock.close()

@@ -1,5 +1,5 @@
-"""Tensor values and layer-wise blocks: what `KVClient.put_tensor`, `put_layer`,
-`get_tensor`, `get_layers` and their relatives do.
+"""Tensor values and layer-wise blocks: what `put_tensor`, `put_layer`, `get_tensor`,
+`get_tensor_into`, `get_layers` and the tensor batches send, over the wire or through the arena.
 
 A tensor value is a one-layer block, so both use the same commands: a writer
 opens the block with its header (KV.BLOCK, idempotent, so every layer's
@@ -8,136 +8,240 @@ when the last slot is in. A reader asks for a range of layers, optionally
 waiting for a writer that is still at work, and gets the header with them, so
 the dtype and shape are checked before a byte lands in the caller's tensor.
 
-Through the fast path a layer is one memcpy into the block's extent followed
-by KV.LAYERDONE, and a read is a lease (KV.LEASELAYERS) with one memcpy out,
-whole when the lease's validity word still holds its tag after the copy
-(the release rides along with the next request);
-over the wire the layer travels as a KV.PUTLAYER argument pipelined with
-KV.BLOCK, and a read is KV.GETLAYERS. CUDA tensors are staged through host
-memory here (the GPU fast path is `gpu`).
+Over the wire a layer travels as a KV.PUTLAYER argument pipelined with
+KV.BLOCK, and a read is KV.GETLAYERS. Through the fast path a layer is one
+memcpy into the block's extent between KV.BLOCK and KV.LAYERDONE, both
+carrying the token of the mapping (a restarted node answers STALEARENA, and
+the core maps its new arena before anything is marked written), and a read is
+a lease (KV.LEASELAYERS) with one memcpy out, whole when the lease's validity
+word still holds its tag after the copy. A CUDA source is staged through host
+memory; a CUDA destination of a whole tensor is read device to device where
+the node has a GPU tier (`gpu`), else staged too. Destinations must be
+contiguous (a strided view would be written past, or a temporary written
+instead) and are refused before anything is sent.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Sequence
 
 import numpy as np
 
-from client import tensors
+from client import gpu, tensors
+from client.buffers import Key, readable_view
 from client.errors import KVError, LeaseExpired
-from client.fastpath import LEASE_RETRIES, FastPath
+from client.fastpath import LEASE_RETRIES, REMAPPED, Detour, FastPath
+from client.operations import Items, with_parents
+from client.steps import Local, RoundTrip, Steps, copied
 from client.tensors import TensorSpec
 from proto import fastpath as fp
 
 
-class LayerIO:
-    """Tensor and layer operations over a client's wire transport and fast path."""
+@dataclass
+class Each:
+    """Operations run one after another as one call (the tensor batches)."""
 
-    def __init__(self, wire, fast: FastPath | None):
-        self.wire = wire
-        self.fast = fast
+    ops: list
 
-    def _arena(self):
-        return None if self.fast is None or self.fast.unavailable is not None else self.fast.arena()
 
-    # ------------------------------------------------------------ writes
+# ------------------------------------------------------------------ writes
 
-    def put(self, key, data: Any, spec: TensorSpec, layer: int, parent=None, timeout_ms: int | None = None) -> bool:
-        """Write slot ``layer`` of the block ``key`` described by ``spec``; False when the key is cached."""
-        host = tensors.to_host(data) if tensors.is_cuda(data) else tensors.host_view(data)
-        view = memoryview(host).cast("B") if not isinstance(host, memoryview) else host
-        if view.nbytes != spec.layer_bytes:
-            raise ValueError(f"layer data is {view.nbytes} bytes, the block's layers are {spec.layer_bytes}")
-        opened = (fp.KV_BLOCK, key, spec.header(), *(("PARENT", parent) if parent is not None else ()),
-                  *(("TIMEOUT", timeout_ms) if timeout_ms is not None else ()))
-        arena = self._arena()
-        if arena is None:
-            return self.wire.run(lambda conn: _finish_put(conn.round_trip([opened, (fp.KV_PUTLAYER, key, layer, view)])),
-                                 True)
+@dataclass
+class LayerWrite:
+    """Slot ``layer`` of the block ``key`` that ``spec`` describes, from ``data``."""
 
-        def direct(conn) -> Callable[[], bool]:
-            block = conn.round_trip([opened])[0]
-            if isinstance(block, KVError) or block == 0:
-                return _finish_put([block])
-            offset, n_layers, layer_bytes = block
-            if not 0 <= layer < n_layers:
-                return _raise(KVError(f"layer index {layer} is out of range for a block of {n_layers} layers"))
-            arena.write(offset + fp.HEADER_SIZE + layer * layer_bytes, view)
-            return _finish_put([block, conn.round_trip([(fp.KV_LAYERDONE, key, layer)])[0]])
-        return self.wire.run(direct, True)
+    key: Key
+    data: Any
+    spec: TensorSpec
+    layer: int
+    parent: Key | None = None
+    timeout_ms: int | None = None
+    _host: memoryview | None = field(default=None, init=False, repr=False)
 
-    # ------------------------------------------------------------ reads
+    def over_wire(self, core) -> Steps:
+        view = yield from self._staged()
+        return (yield from core.on_connection(partial(self._send, view), True))
 
-    def read(self, key, start: int, stop: int, into: Any = None, wait_s: float | None = None,
-             framework: str = "numpy") -> Any:
-        """Layers start..stop-1 (stop -1: to the last), into ``into`` or a new tensor; None when absent."""
-        wait = () if wait_s is None else ("WAIT", max(1, int(wait_s * 1000)))
-        arena = self._arena()
-        if arena is None:
-            return self.wire.run(lambda conn: self._from_wire(conn.round_trip(
-                [(fp.KV_GETLAYERS, key, start, stop, *wait)])[0], start, into, framework), True)
-        return self.wire.run(lambda conn: self._direct_read(conn, arena, key, start, stop, wait, into, framework),
-                             True)
+    def through_arena(self, core) -> Steps:
+        view = yield from self._staged()
+        return (yield from core.on_connection(partial(_open_copy_mark, core.fast, self, view), True))
 
-    def _from_wire(self, reply, start: int, into, framework: str) -> Callable[[], Any]:
-        if isinstance(reply, KVError):
-            return _raise(reply)
-        if reply is None:
-            return lambda: None
-        spec, data = tensors.parse_header(reply[0]), reply[1]
-        layers = len(data) // spec.layer_bytes if spec.layer_bytes else spec.n_layers - start
-        if into is None:
-            return lambda: tensors.from_bytes(spec, data, framework, layers)
-        tensors.check_matches(spec, into, layers)
-        _copy_into(into, np.frombuffer(data, np.uint8))
-        return lambda: into
+    def open_request(self, token: bytes | None = None) -> tuple:
+        return (fp.KV_BLOCK, self.key, self.spec.header(),
+                *(("PARENT", self.parent) if self.parent is not None else ()),
+                *(("TIMEOUT", self.timeout_ms) if self.timeout_ms is not None else ()),
+                *(("TOKEN", token) if token is not None else ()))
 
-    def _direct_read(self, conn, arena, key, start, stop, wait, into, framework) -> Callable[[], Any]:
-        fast = self.fast
-        for _ in range(LEASE_RETRIES):
-            reply = conn.round_trip([*fast.housekeeping(), (fp.KV_LEASELAYERS, arena.token, fast.lease_ttl_ms,
-                                                            key, start, stop, *wait)])[-1]
-            if isinstance(reply, KVError) or reply is None:
-                return _raise(reply) if reply is not None else (lambda: None)
-            lease_id, offset, nbytes, header, word, tag = reply
-            spec = tensors.parse_header(header)
-            layers = nbytes // spec.layer_bytes if spec.layer_bytes else 1
-            if into is not None:
-                tensors.check_matches(spec, into, layers)
-                _copy_into(into, arena.view(offset, nbytes))
-                result = into
+    def _staged(self) -> Steps:
+        """The layer as a flat host byte view (a CUDA tensor is copied to host memory once)."""
+        if self._host is None:
+            if tensors.is_cuda(self.data):
+                self._host = readable_view((yield Local(partial(tensors.to_host, self.data))))
             else:
-                out = bytearray(nbytes)
-                arena.read_into(offset, nbytes, memoryview(out))
-                result = tensors.from_bytes(spec, out, framework, layers)
-            if arena.still_valid(word, tag):
-                fast.release_later([lease_id])
-                return lambda: result
-            if word < 0 and conn.round_trip([(fp.KV_RELEASE, lease_id)])[0] == [1]:
-                return lambda: result
-            fast.stats.lease_retries += 1
-        return _raise(LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row"))
+                self._host = tensors.host_view(self.data)
+        return self._host
 
-
-def _copy_into(tensor: Any, data: np.ndarray) -> None:
-    if tensors.is_cuda(tensor):
-        tensors.from_host(tensor, data)
-    else:
-        np.copyto(np.frombuffer(tensors.host_view(tensor), np.uint8), data)
-
-
-def _finish_put(replies: list) -> Callable[[], bool]:
-    """KV.BLOCK's reply says whether the key was cached already; a layer's reply says it went in."""
-    def finish() -> bool:
-        for reply in replies:
+    def _send(self, view: memoryview, conn) -> Steps:
+        opened, written = yield RoundTrip([self.open_request(), (fp.KV_PUTLAYER, self.key, self.layer, view)])
+        if opened == 0:
+            return False                    # cached already: the layer was refused, as it should be
+        for reply in (opened, written):
             if isinstance(reply, KVError):
                 raise reply
-        return replies[0] != 0
-    if replies[0] == 0:
-        return lambda: False
-    return finish
+        return True
 
 
-def _raise(error: KVError) -> Callable[[], Any]:
-    def fail() -> Any:
-        raise error
-    return fail
+def _open_copy_mark(fast: FastPath, op: LayerWrite, view: memoryview, conn) -> Steps:
+    """Open the block, copy the layer into its slot, mark it written; False when cached."""
+    arena = fast.mapping
+    if arena is None:
+        return REMAPPED
+    block = (yield RoundTrip([*fast.housekeeping(), op.open_request(arena.token)]))[-1]
+    if (detour := fast.detour(block)) is not None:
+        return detour
+    if block == 0:
+        return False
+    offset, n_layers, layer_bytes = block
+    if not 0 <= op.layer < n_layers or layer_bytes != view.nbytes:
+        raise KVError(f"the block holds {n_layers} layers of {layer_bytes} bytes, "
+                      f"not layer {op.layer} of {view.nbytes} bytes")
+    yield from copied(partial(arena.write, offset + fp.HEADER_SIZE + op.layer * layer_bytes, view), view.nbytes)
+    marked = (yield RoundTrip([(fp.KV_LAYERDONE, arena.token, op.key, op.layer)]))[0]
+    if (detour := fast.detour(marked)) is not None:
+        return detour
+    return True
+
+
+def put_tensor(key: Key, tensor: Any, parent: Key | None) -> LayerWrite:
+    return LayerWrite(key, tensor, tensors.spec_of(tensor), 0, parent)
+
+
+def put_layer(key: Key, layer: int, data: Any, n_layers: int, parent: Key | None,
+              timeout_ms: int | None) -> LayerWrite:
+    if n_layers < 1 or not 0 <= layer < n_layers:
+        raise ValueError(f"layer index {layer} is out of range for a block of {n_layers} layers")
+    return LayerWrite(key, data, tensors.spec_of(data, n_layers, layered=True), layer, parent, timeout_ms)
+
+
+def batch_put_tensors(items: Items, parents: Sequence[Key | None] | None) -> Each:
+    pairs, links = with_parents(items, parents)
+    return Each([put_tensor(key, tensor, parent) for (key, tensor), parent in zip(pairs, links)])
+
+
+# ------------------------------------------------------------------ reads
+
+@dataclass
+class LayerRead:
+    """Layers start..stop-1 (stop -1: to the last) of ``key``, into ``into`` or a new tensor.
+
+    ``found_only``: the result is whether the value was there (get_tensor_into),
+    and a CUDA ``into`` may be read device to device."""
+
+    key: Key
+    start: int
+    stop: int
+    into: Any = None
+    wait_s: float | None = None
+    framework: str = "numpy"
+    found_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.into is not None:
+            tensors.check_destination(self.into)
+
+    def over_wire(self, core) -> Steps:
+        return self._result((yield from core.on_connection(self._fetch, True)))
+
+    def through_arena(self, core) -> Steps:
+        if self.found_only and tensors.is_cuda(self.into):
+            device = yield from gpu.opened(core)
+            if device is not None:
+                return self._result((yield from gpu.read_into(core, device, self.key, self.into)))
+        return self._result((yield from core.on_connection(partial(_lease_and_copy, core.fast, self), True)))
+
+    def lease_request(self, fast: FastPath, token: bytes) -> tuple:
+        return (fp.KV_LEASELAYERS, token, fast.lease_ttl_ms, self.key, self.start, self.stop, *self._wait())
+
+    def copy_out(self, spec: TensorSpec, layers: int, source: Any) -> Any:
+        """The layers from ``source`` (host bytes) into ``into`` or a new tensor."""
+        if self.into is None:            # a reply's bytearray is ours already; arena bytes are copied out
+            owned = source if isinstance(source, bytearray) else bytearray(source)
+            return tensors.from_bytes(spec, owned, self.framework, layers)
+        if tensors.is_cuda(self.into):
+            tensors.from_host(self.into, np.frombuffer(source, np.uint8))
+        else:
+            np.copyto(np.frombuffer(tensors.host_view(self.into), np.uint8), np.frombuffer(source, np.uint8))
+        return self.into
+
+    def checked_spec(self, header: Any, nbytes: int) -> tuple[TensorSpec, int]:
+        """The stored spec and how many layers ``nbytes`` hold, after checking ``into`` against them."""
+        spec = tensors.parse_header(header)
+        layers = nbytes // spec.layer_bytes if spec.layer_bytes else spec.layers_in(self.start, self.stop)
+        if self.into is not None:
+            tensors.check_matches(spec, self.into, layers)
+        return spec, layers
+
+    def _fetch(self, conn) -> Steps:
+        reply = (yield RoundTrip([(fp.KV_GETLAYERS, self.key, self.start, self.stop, *self._wait())]))[0]
+        if isinstance(reply, KVError):
+            raise reply
+        if reply is None:
+            return None
+        header, data = reply
+        spec, layers = self.checked_spec(header, len(data))
+        return (yield from copied(partial(self.copy_out, spec, layers, data), len(data)))
+
+    def _wait(self) -> tuple:
+        return () if self.wait_s is None else ("WAIT", max(1, int(self.wait_s * 1000)))
+
+    def _result(self, value: Any) -> Any:
+        if isinstance(value, Detour) or not self.found_only:
+            return value
+        return value is not None
+
+
+def _lease_and_copy(fast: FastPath, op: LayerRead, conn) -> Steps:
+    """Lease the layers, copy them out, and check the copy; None when the block is absent."""
+    arena = fast.mapping
+    if arena is None:
+        return REMAPPED
+    for _ in range(LEASE_RETRIES):
+        reply = (yield RoundTrip([*fast.housekeeping(), op.lease_request(fast, arena.token)]))[-1]
+        if (detour := fast.detour(reply)) is not None:
+            return detour
+        if reply is None:
+            return None
+        lease_id, offset, nbytes, header, word, tag = reply
+        try:
+            spec, layers = op.checked_spec(header, nbytes)
+        except KVError:
+            yield RoundTrip([(fp.KV_RELEASE, lease_id)])      # a mismatch leaves nothing held
+            raise
+        result = yield from copied(partial(op.copy_out, spec, layers, arena.view(offset, nbytes)), nbytes)
+        if arena.still_valid(word, tag):
+            fast.release_later([lease_id])
+            return result
+        if word < 0 and (yield RoundTrip([(fp.KV_RELEASE, lease_id)]))[0] == [1]:
+            return result
+        fast.stats.lease_retries += 1
+    raise LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row")
+
+
+def get_layers(key: Key, start: int, stop: int | None, into: Any, wait_s: float | None,
+               framework: str) -> LayerRead:
+    return LayerRead(key, start, -1 if stop is None else stop, into, wait_s, framework)
+
+
+def get_tensor(key: Key, framework: str) -> LayerRead:
+    return LayerRead(key, 0, -1, framework=framework)
+
+
+def get_tensor_into(key: Key, tensor: Any) -> LayerRead:
+    return LayerRead(key, 0, -1, tensor, found_only=True)
+
+
+def batch_get_tensors_into(keys: Sequence[Key], tensors_: Sequence[Any]) -> Each:
+    if len(keys) != len(tensors_):
+        raise ValueError(f"{len(keys)} keys but {len(tensors_)} tensors")
+    return Each([get_tensor_into(key, tensor) for key, tensor in zip(keys, tensors_)])

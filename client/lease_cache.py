@@ -7,7 +7,9 @@ while the lease is live, and the node clears it before it lets the bytes go
 closed). So a client that still holds a lease can copy the value again from
 its own mapping and then read the word: the tag means the copy is the current
 value, whole; anything else means the lease is over (the node already ended
-it: nothing to release) and the get goes to the node.
+it) and the get goes to the node. A node that dies cannot clear its words,
+but its death closes the connection that took the lease, so a held lease
+vouches for a copy only while that connection is open (`arena_reads`).
 
 What this module decides is which leases to keep and for how long:
 
@@ -26,13 +28,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from client.buffers import Key
 
 
 @dataclass(slots=True)
 class HeldLease:
-    """A lease on one value: where it is, its validity word and tag, until when it may be used."""
+    """A lease on one value: where it is, its validity word and tag, until when it may be used,
+    and the connection that took it (the lease ends when that connection closes)."""
 
     lease_id: int
     offset: int
@@ -40,6 +44,7 @@ class HeldLease:
     word: int
     tag: int
     use_until: float
+    owner: Any
 
 
 def cache_key(key: Key) -> bytes:
@@ -61,10 +66,12 @@ class LeaseCache:
     def lookup(self, key: bytes) -> HeldLease | None:
         return self._held.get(key)
 
-    def forget(self, key: bytes, held: HeldLease) -> None:
-        """Drop a lease the node has already ended (its word no longer holds its tag)."""
-        if self._held.get(key) is held:
-            self._pop(key)
+    def forget(self, key: bytes, held: HeldLease) -> bool:
+        """Drop a lease that can no longer vouch for a copy; whether it was still held."""
+        if self._held.get(key) is not held:
+            return False
+        self._pop(key)
+        return True
 
     def keep(self, key: bytes, held: HeldLease) -> list[int]:
         """Hold ``held`` for ``key``; the ids of leases given up to make room (to release)."""

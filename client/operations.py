@@ -1,17 +1,18 @@
 """What each SDK method sends, and how its replies become the method's result.
 
-Every public method of `KVClient` and `AsyncKVClient` is a one-line call into
-this module, which returns a `Call`: the commands of one round trip (a batch
-is one pipelined round trip), the sink for each reply (where a bulk value is
-received), whether the call may be retried on a new connection, and the
-function that turns the replies into the result. The clients hand Calls to a
-transport (see `transport`), blocking or asyncio, so the command logic exists
-once for both.
+Every public method of `KVClient` and `AsyncKVClient` (but the tensor and
+layer methods: `layers`) is a one-line call into this module, which returns
+a `Call`: the commands of one round trip (a batch is one pipelined round
+trip), the sink for each reply (where a bulk value is received), whether the
+call may be retried on a new connection, and the function that turns the
+replies into the result. The clients hand Calls to a transport, blocking or
+asyncio, which runs them through the sans-I/O `core`, so the command logic
+exists once for both.
 
 A Call for a get or a put also describes itself as a `LocalRead` or
-`LocalWrite`, so the local fast path (`fastpath`) can move the same bytes
-through the node's arena instead and still finish with the same function:
-its results have the shapes the wire replies have.
+`LocalWrite`, so the local fast path (`arena_reads`, `arena_writes`) can move
+the same bytes through the node's arena instead and still finish with the
+same function: its results have the shapes the wire replies have.
 
 Retrying is safe for reads and for overwriting puts. A put-once (`NX`) put
 and DEL are not retried once sent: had the first attempt landed, the retry
@@ -26,6 +27,7 @@ from client import resp
 from client.buffers import Key, readable_view, writable_view
 from client.errors import BufferTooSmall, KVError, ProtocolError
 from client.hashing import BlockHasher
+from client.steps import RoundTrip, Steps
 from proto import wire
 
 Value = Any        # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
@@ -72,6 +74,15 @@ class Call:
     idempotent: bool = True
     local: LocalRead | LocalWrite | None = None
 
+    def over_wire(self, core) -> Steps:
+        """The round trip on a pooled connection (none at all for an empty batch)."""
+        if not self.requests:
+            return self.finish([])
+        return (yield from core.on_connection(self._exchange, self.idempotent))
+
+    def _exchange(self, conn) -> Steps:
+        return self.finish((yield RoundTrip(self.requests, self.sinks)))
+
 
 def put(key: Key, value: Value, parent: Key | None, overwrite: bool) -> Call:
     return Call([_put_args(key, value, parent, overwrite)], lambda replies: bool(_only(replies)),
@@ -79,10 +90,7 @@ def put(key: Key, value: Value, parent: Key | None, overwrite: bool) -> Call:
 
 
 def batch_put(items: Items, parents: Sequence[Key | None] | None, overwrite: bool) -> Call:
-    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
-    links = [None] * len(pairs) if parents is None else list(parents)
-    if len(links) != len(pairs):
-        raise ValueError(f"{len(pairs)} items but {len(links)} parents")
+    pairs, links = with_parents(items, parents)
     requests = [_put_args(k, v, p, overwrite) for (k, v), p in zip(pairs, links)]
     local = LocalWrite([k for k, _ in pairs], [readable_view(v) for _, v in pairs], links, overwrite)
     return Call(requests, lambda replies: [bool(r) for r in _checked(replies)], idempotent=overwrite,
@@ -148,13 +156,22 @@ def execute(args: Sequence[Any]) -> Call:
     return Call([tuple(args)], _only, idempotent=False)
 
 
+def with_parents(items: Items, parents: Sequence[Key | None] | None) -> tuple[list[tuple[Key, Any]], list]:
+    """A batch's (key, value) pairs and one parent key (or None) for each."""
+    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+    links = [None] * len(pairs) if parents is None else list(parents)
+    if len(links) != len(pairs):
+        raise ValueError(f"{len(pairs)} items but {len(links)} parents")
+    return pairs, links
+
+
+def put_options(parent: Key | None, overwrite: bool) -> tuple:
+    """The options of a put (KV.PUT, KV.PUBLISH): its parent link and put-once."""
+    return (*(("PARENT", parent) if parent is not None else ()), *(() if overwrite else ("NX",)))
+
+
 def _put_args(key: Key, value: Value, parent: Key | None, overwrite: bool) -> tuple:
-    args: tuple = (wire.KV_PUT, key, value)
-    if parent is not None:
-        args += ("PARENT", parent)
-    if not overwrite:
-        args += ("NX",)
-    return args
+    return (wire.KV_PUT, key, value, *put_options(parent, overwrite))
 
 
 def _counting(command: str, keys: Sequence[Key], idempotent: bool) -> Call:

@@ -8,13 +8,16 @@ The staleness check is what lets a server restart go unnoticed: an idle
 pooled connection has nothing to read, so if poll() says it is readable the
 peer closed it (or sent something unasked) and the pool replaces it before a
 request is written on it. That matters most for puts, which are not retried
-once sent.
+once sent. `PeerWatch` asks only whether the node closed its end (it died
+or restarted), from any thread: a lease taken on a connection is trusted only
+while the node that granted it is alive.
 """
 from __future__ import annotations
 
 import builtins
 import select
 import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -50,6 +53,38 @@ def idle_poller(sock: socket.socket) -> select.poll:
 def is_stale(poller: select.poll) -> bool:
     """True when an idle connection is readable: closed by the peer, or out of step."""
     return bool(poller.poll(0))
+
+
+class PeerWatch:
+    """Whether the node has closed its end of a socket (it died or restarted).
+
+    Safe from any thread while another uses the socket: it polls with a fresh
+    registration, not the connection's `idle_poller`, and sees the peer's
+    close even behind unread data. A poll is a system call, and a held lease
+    asks before every copy it vouches for, so an answer "open" stands for
+    `RECHECK_S`: far less than any node takes to start again on the same
+    address (a new process, a new arena), so nothing a restarted node could
+    say is ever contradicted by a dead one's bytes.
+    """
+
+    RECHECK_S = 0.001
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._open_until = 0.0
+
+    def closed(self) -> bool:
+        now = time.monotonic()
+        if now < self._open_until:
+            return False
+        if self._sock.fileno() < 0:
+            return True
+        poller = select.poll()
+        poller.register(self._sock, select.POLLRDHUP)
+        if poller.poll(0):
+            return True
+        self._open_until = now + self.RECHECK_S
+        return False
 
 
 def handshake(password: str | None) -> list[tuple[str, ...]]:

@@ -1,9 +1,11 @@
 """KVClient: the blocking SDK for putting and getting KV-cache blocks.
 
-Each method builds a `Call` (see `operations`) and hands it to the transport,
-which runs it as one round trip on a connection borrowed from a thread-safe
-pool, so one client can be shared by many threads. Batches are pipelined: all
-requests are written with one `sendmsg`, then all replies are read.
+Each method builds an operation (a `Call` from `operations`, or a tensor or
+layer operation from `layers`) and hands it to the blocking transport, which
+runs it through the sans-I/O `core` on connections borrowed from a
+thread-safe pool, so one client can be shared by many threads. Batches are
+pipelined: all requests are written with one `sendmsg`, then all replies are
+read.
 Connection errors are retried on a new connection where `RetryPolicy`
 allows; server error replies are raised as `ResponseError` after the whole
 round trip has been read.
@@ -18,34 +20,19 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from client import layers
 from client import operations as ops
+from client.base import BaseClient
 from client.buffers import Key
 from client.hashing import BlockHasher
-from client import tensors
-from client.fastpath import FastPath, FastTransport
-from client.gpu import GPUPath
-from client.layers import LayerIO
 from client.operations import Items, Location, Value
-from client.sockets import Endpoint
-from client.transport import WireTransport
-from proto.fastpath import LEASE_TTL_MS
-from proto.wire import DEFAULT_HOST, DEFAULT_PORT
+from client.transport import Transport
 
 
-class KVClient:
-    """A client of one store node, over TCP or a Unix socket (the socket wins when both are given)."""
+class KVClient(BaseClient):
+    """A blocking client of one store node, shared safely by many threads."""
 
-    def __init__(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
-                 password: str | None = None, unix_socket: str | None = None,
-                 timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8,
-                 fast_path: str = "auto", lease_ttl_ms: int = LEASE_TTL_MS):
-        self.endpoint = Endpoint(host, port, unix_socket)
-        self.fast_path = FastPath(self.endpoint, password, timeout, fast_path, lease_ttl_ms)
-        wire = WireTransport(self.endpoint, password=password, timeout=timeout,
-                             retries=retries, pool_size=pool_size)
-        self._transport = wire if fast_path == "off" else FastTransport(wire, self.fast_path)
-        self._layers = LayerIO(wire, None if fast_path == "off" else self.fast_path)
-        self._gpu: GPUPath | None | bool = False         # False: not looked for yet
+    transport_class = Transport
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         """Store value under key (KV.PUT); False when the key existed and overwrite is False."""
@@ -90,36 +77,26 @@ class KVClient:
 
     def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
         """Store a numpy array, torch tensor or cupy array with its dtype and shape (put-once)."""
-        return self._layers.put(key, tensor, tensors.spec_of(tensor), 0, parent)
+        return self._transport.execute(layers.put_tensor(key, tensor, parent))
 
     def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
         """The tensor stored under key ("numpy", "torch" or "cupy"), or None when not cached."""
-        return self._layers.read(key, 0, -1, framework=framework)
+        return self._transport.execute(layers.get_tensor(key, framework))
 
     def get_tensor_into(self, key: Key, tensor: Any) -> bool:
-        """Copy the stored tensor into ``tensor``; False when not cached.
+        """Copy the stored tensor into ``tensor`` (contiguous); False when not cached.
 
         Raises TensorMismatch when the dtype or shape differ (nothing is copied).
         """
-        gpu = self._gpu_path() if tensors.is_cuda(tensor) else None
-        if gpu is not None:
-            return gpu.read_into(self._layers.wire, self.fast_path, key, tensor)
-        return self._layers.read(key, 0, -1, into=tensor) is not None
-
-    def _gpu_path(self) -> GPUPath | None:
-        """The node's GPU arena over CUDA IPC, opened on first use (None without one)."""
-        if self._gpu is False:
-            local = self.fast_path.mode != "off" and self.fast_path.arena() is not None
-            self._gpu = GPUPath.open(self._layers.wire, self.fast_path) if local else None
-        return self._gpu
+        return self._transport.execute(layers.get_tensor_into(key, tensor))
 
     def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
-        pairs = list(items.items()) if isinstance(items, dict) else list(items)
-        links = parents or [None] * len(pairs)
-        return [self.put_tensor(k, t, parent=p) for (k, t), p in zip(pairs, links)]
+        """put_tensor() for many (key, tensor) pairs (a mapping or pairs), one after another."""
+        return self._transport.execute(layers.batch_put_tensors(items, parents))
 
-    def batch_get_tensors_into(self, keys: Sequence[Key], tensors_: Sequence[Any]) -> list[bool]:
-        return [self.get_tensor_into(k, t) for k, t in zip(keys, tensors_)]
+    def batch_get_tensors_into(self, keys: Sequence[Key], tensors: Sequence[Any]) -> list[bool]:
+        """get_tensor_into() for many keys, one tensor each, one after another."""
+        return self._transport.execute(layers.batch_get_tensors_into(keys, tensors))
 
     def put_layer(self, key: Key, layer: int, data: Any, *, n_layers: int, parent: Key | None = None,
                   timeout_ms: int | None = None) -> bool:
@@ -129,20 +106,17 @@ class KVClient:
         unfinished for ``timeout_ms`` (30 s by default) after its last progress is dropped.
         False when the block is already cached.
         """
-        if n_layers < 1 or not 0 <= layer < n_layers:
-            raise ValueError(f"layer index {layer} is out of range for a block of {n_layers} layers")
-        return self._layers.put(key, data, tensors.spec_of(data, n_layers, layered=True), layer, parent,
-                                timeout_ms)
+        return self._transport.execute(layers.put_layer(key, layer, data, n_layers, parent, timeout_ms))
 
     def get_layers(self, key: Key, start: int = 0, stop: int | None = None, *, into: Any = None,
                    wait: float | None = None, framework: str = "numpy") -> Any:
         """Layers start..stop-1 of a block (shape (stop-start, *layer shape)), or None when absent.
 
-        ``into`` receives them (a tensor of that shape, or of one layer's shape for a
-        single layer); ``wait`` seconds waits for a writer still at work (an error on
+        ``into`` receives them (a contiguous tensor of that shape, or of one layer's shape
+        for a single layer); ``wait`` seconds waits for a writer still at work (an error on
         timeout; keep it under the client's ``timeout``, which bounds every reply).
         """
-        return self._layers.read(key, start, -1 if stop is None else stop, into, wait, framework)
+        return self._transport.execute(layers.get_layers(key, start, stop, into, wait, framework))
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are cached (KV.MATCH, one round trip)."""
@@ -170,8 +144,6 @@ class KVClient:
 
     def close(self) -> None:
         """Close the pooled connections; the client cannot be used afterwards."""
-        if self._gpu:
-            self._gpu.close()
         self._transport.close()
 
     def __enter__(self) -> KVClient:
@@ -179,6 +151,3 @@ class KVClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"KVClient({self.endpoint})"

@@ -11,7 +11,8 @@ Tensors are moved as flat byte views of their own memory: a numpy array or a
 CPU torch tensor is viewed in place (bfloat16 included, through a uint8 view
 of the same storage); a CUDA tensor (torch or cupy) is staged through host
 memory unless the GPU fast path (`gpu`) can copy it device to device. Only
-C-contiguous tensors are accepted: a strided one would need a hidden copy.
+C-contiguous tensors are accepted, as sources and as destinations: a strided
+one would need a hidden copy.
 """
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ class TensorSpec:
     @property
     def layer_bytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+
+    def layers_in(self, start: int, stop: int) -> int:
+        """How many layers start..stop-1 name (stop -1: to the last)."""
+        return (self.n_layers if stop == -1 else stop) - start
 
     def full_shape(self, layers: int | None = None) -> tuple[int, ...]:
         """The shape of ``layers`` consecutive layers (all of them by default)."""
@@ -104,10 +109,17 @@ def spec_of(tensor: Any, n_layers: int = 1, layered: bool = False) -> TensorSpec
     return TensorSpec(dtype_name(tensor), tuple(int(d) for d in tensor.shape), n_layers, layered)
 
 
-def _check_contiguous(tensor: Any) -> None:
+def check_destination(tensor: Any) -> None:
+    """Refuse a destination the SDK cannot fill in place: not a tensor, or not contiguous
+    (a copy through its data pointer would run past a strided view, and one through a
+    reshape would fill a temporary and leave the tensor as it was)."""
+    _check_contiguous(tensor, "destination tensor")
+
+
+def _check_contiguous(tensor: Any, what: str = "tensor") -> None:
     contiguous = tensor.is_contiguous() if kind_of(tensor).startswith("torch") else tensor.flags.c_contiguous
     if not contiguous:
-        raise TypeError("the tensor must be contiguous (call .contiguous() / numpy.ascontiguousarray)")
+        raise TypeError(f"the {what} must be contiguous (call .contiguous() / numpy.ascontiguousarray)")
 
 
 def host_view(tensor: Any) -> memoryview:

@@ -1,109 +1,114 @@
-"""Transports: how a `Call` reaches the node and its replies come back.
+"""Transports: the I/O shells that drive the sans-I/O core, one blocking and one asyncio.
 
-The clients describe every operation as a `Call` (see `operations`) and hand
-it to a transport; they never touch sockets. `WireTransport` and
-`AsyncWireTransport` run Calls as RESP round trips on pooled connections
-(TCP or Unix socket) and retry connection failures where `RetryPolicy`
-allows. The local fast path (`fastpath`) is another transport with the same
-`execute` and `close`: it moves the bytes of the calls it can serve itself
-through the node's shared-memory arena, running its control round trips on
-the wire transport's pooled connections through `run`, and passes the other
-calls to the wire transport it wraps.
+A client hands each operation to its transport, which runs the core's
+generator (`core.Core.run`) and takes the steps it yields (`steps`): round
+trips on a connection borrowed from its pool (TCP or Unix socket), local
+copies (on a worker thread in the asyncio transport when they are large),
+and pauses between retries. What to send, which path to take, what a reply
+means and when to retry are the core's; a transport only moves bytes and
+waits, so the two differ in little more than ``await``.
+
+A connection goes back to its pool when the procedure that borrowed it ends,
+even by raising (the core raises only between round trips, with every reply
+read); an error from the I/O itself, or a cancelled task, closes it.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any
 
 from client.aio_connection import AsyncConnection
 from client.connection import Connection
+from client.core import Core
 from client.errors import ConnectionError
-from client.operations import Call
 from client.pool import AsyncConnectionPool, ConnectionPool
-from client.retry import RetryPolicy
 from client.sockets import Endpoint
+from client.steps import Borrow, Broken, Ended, Local, Pause, RoundTrip, Step, Steps, advance
 
-T = TypeVar("T")
 
+class Transport:
+    """Blocking: steps taken in the calling thread, over a thread-safe connection pool."""
 
-class WireTransport:
-    """Blocking RESP round trips over a thread-safe connection pool."""
-
-    def __init__(self, endpoint: Endpoint, *, password: str | None, timeout: float | None,
-                 retries: int, pool_size: int):
+    def __init__(self, endpoint: Endpoint, core: Core, *, password: str | None, timeout: float | None,
+                 pool_size: int):
         self.endpoint = endpoint
-        self._retry = RetryPolicy(retries)
+        self.core = core
         self._pool: ConnectionPool[Connection] = ConnectionPool(
             lambda: Connection(endpoint, timeout, password), pool_size, timeout)
 
-    def execute(self, call: Call) -> Any:
-        if not call.requests:
-            return call.finish([])
-        return self.run(lambda conn: _finisher(call, conn.round_trip(call.requests, call.sinks)),
-                        call.idempotent)
+    def execute(self, op: Any) -> Any:
+        return self._drive(self.core.run(op)).result()
 
-    def run(self, work: Callable[[Connection], Callable[[], T]], idempotent: bool) -> T:
-        """Run ``work`` on a pooled connection, retried where allowed; then call what it returns.
+    def _drive(self, steps: Steps, conn: Connection | None = None) -> Ended:
+        outcome = None
+        while not isinstance(step := advance(steps, outcome), Ended):
+            outcome = self._take(step, conn)
+        return step
 
-        ``work`` returns a thunk that makes the result (raising server errors),
-        so an error reply never costs the pooled connection.
-        """
-        attempt = 0
-        while True:
-            sent = False
-            try:
-                with self._pool.connection() as conn:
-                    sent = True
-                    done = work(conn)
-                return done()
-            except ConnectionError:
-                if not self._retry.should_retry(attempt, sent, idempotent):
-                    raise
-            time.sleep(self._retry.delay(attempt))
-            attempt += 1
+    def _take(self, step: Step, conn: Connection | None) -> Any:
+        if isinstance(step, RoundTrip):
+            return conn.round_trip(step.requests, step.sinks)
+        if isinstance(step, Local):
+            return step.run()
+        if isinstance(step, Borrow):
+            return self._borrow(step)
+        assert isinstance(step, Pause)
+        time.sleep(step.seconds)
+
+    def _borrow(self, step: Borrow) -> Ended | Broken:
+        sent = False
+        try:
+            with self._pool.connection() as conn:
+                sent = True
+                return self._drive(step.start(conn), conn)
+        except ConnectionError as exc:
+            return Broken(exc, sent)
 
     def close(self) -> None:
         self._pool.close()
+        self.core.fast.close()
 
 
-class AsyncWireTransport:
-    """asyncio RESP round trips over a connection pool bound to one event loop."""
+class AsyncTransport:
+    """asyncio: steps taken on the event loop (large copies on a worker thread), over a
+    connection pool bound to one loop."""
 
-    def __init__(self, endpoint: Endpoint, *, password: str | None, timeout: float | None,
-                 retries: int, pool_size: int):
+    def __init__(self, endpoint: Endpoint, core: Core, *, password: str | None, timeout: float | None,
+                 pool_size: int):
         self.endpoint = endpoint
-        self._retry = RetryPolicy(retries)
+        self.core = core
         self._pool: AsyncConnectionPool[AsyncConnection] = AsyncConnectionPool(
             lambda: AsyncConnection.open(endpoint, timeout, password), pool_size, timeout)
 
-    async def execute(self, call: Call) -> Any:
-        if not call.requests:
-            return call.finish([])
+    async def execute(self, op: Any) -> Any:
+        return (await self._drive(self.core.run(op))).result()
 
-        async def work(conn: AsyncConnection) -> Callable[[], Any]:
-            return _finisher(call, await conn.round_trip(call.requests, call.sinks))
-        return await self.run(work, call.idempotent)
+    async def _drive(self, steps: Steps, conn: AsyncConnection | None = None) -> Ended:
+        outcome = None
+        while not isinstance(step := advance(steps, outcome), Ended):
+            outcome = await self._take(step, conn)
+        return step
 
-    async def run(self, work: Callable[[AsyncConnection], Awaitable[Callable[[], T]]], idempotent: bool) -> T:
-        """The asyncio form of `WireTransport.run`."""
-        attempt = 0
-        while True:
-            sent = False
-            try:
-                async with self._pool.connection() as conn:
-                    sent = True
-                    done = await work(conn)
-                return done()
-            except ConnectionError:
-                if not self._retry.should_retry(attempt, sent, idempotent):
-                    raise
-            await asyncio.sleep(self._retry.delay(attempt))
-            attempt += 1
+    async def _take(self, step: Step, conn: AsyncConnection | None) -> Any:
+        if isinstance(step, RoundTrip):
+            return await conn.round_trip(step.requests, step.sinks)
+        if isinstance(step, Local):
+            return await asyncio.to_thread(step.run)
+        if isinstance(step, Borrow):
+            return await self._borrow(step)
+        assert isinstance(step, Pause)
+        await asyncio.sleep(step.seconds)
+
+    async def _borrow(self, step: Borrow) -> Ended | Broken:
+        sent = False
+        try:
+            async with self._pool.connection() as conn:
+                sent = True
+                return await self._drive(step.start(conn), conn)
+        except ConnectionError as exc:
+            return Broken(exc, sent)
 
     def close(self) -> None:
         self._pool.close()
-
-
-def _finisher(call: Call, replies: list[Any]) -> Callable[[], Any]:
-    return lambda: call.finish(replies)
+        self.core.fast.close()

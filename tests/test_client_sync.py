@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import signal
 import socket
 import subprocess
 import threading
@@ -58,9 +59,10 @@ def payload(size: int, seed: int = 0) -> bytes:
 
 # --- helpers shared with test_client_async.py -------------------------------------
 
-def restart(daemon: Daemon) -> Daemon:
-    """Stop the daemon and start a fresh one with the same flags (same port, same socket)."""
-    daemon.stop()
+def restart(daemon: Daemon, sig: int = signal.SIGTERM) -> Daemon:
+    """Stop the daemon (``sig``: SIGKILL for a crash) and start a fresh one with the same
+    flags (same port, same socket)."""
+    daemon.stop(sig)
     with open(daemon.log_path, "ab") as log:
         proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
     fresh = dataclasses.replace(daemon, proc=proc)

@@ -22,10 +22,12 @@ MIB = 1 << 20
 
 
 def counters(kv: KVClient) -> dict[str, int]:
+    """The node's lease counters (KV.LEASES), its DRAM in use and its connections so far."""
     reply = kv.execute("KV.LEASES")
     fields = {bytes(k).decode(): v for k, v in zip(reply[::2], reply[1::2])}
-    info = kv.execute("INFO", "kvcache").decode()
+    info = kv.execute("INFO").decode()
     fields["dram_used"] = int(info.split("dram_used:")[1].split()[0])
+    fields["connections"] = int(info.split("total_connections_received:")[1].split()[0])
     return fields
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import start_kvstore
 
-from client import KVClient, ResponseError
+from client import KVClient, ResponseError, tensors
 
 ROOT = str(Path(__file__).resolve().parents[1])
 LAYER = (2, 16, 64)          # one layer's K/V slice: (kv, tokens, head dim)
@@ -87,6 +87,26 @@ def test_an_abandoned_block_is_reclaimed_and_its_waiter_told(kv, key):
     assert kv.get_layers(key, 0, 1) is None
     after = counters(kv)
     assert after["partial_blocks_abandoned"] == before["partial_blocks_abandoned"] + 1
+
+
+def test_arena_writes_name_the_arena_they_mapped(node, key):
+    """KV.BLOCK with TOKEN and KV.LAYERDONE refuse a mapping of another arena (a node that
+    restarted since) before they open or mark anything."""
+    stale = b"x" * 16
+    header = tensors.spec_of(layer_value(0), 2, layered=True).header()
+    with KVClient(unix_socket=node.unix_socket, fast_path="required") as kv:
+        token = kv.fast_path.arena().token
+        before = counters(kv)["partial_blocks"]
+        with pytest.raises(ResponseError, match="STALEARENA"):
+            kv.execute("KV.BLOCK", key, header, "TOKEN", stale)
+        assert counters(kv)["partial_blocks"] == before
+        offset, n_layers, layer_bytes = kv.execute("KV.BLOCK", key, header, "TOKEN", token)
+        assert (n_layers, layer_bytes) == (2, layer_value(0).numel() * 2)
+        kv.fast_path.mapping.write(offset + 128, tensors.host_view(layer_value(0)))
+        with pytest.raises(ResponseError, match="STALEARENA"):
+            kv.execute("KV.LAYERDONE", stale, key, 0)
+        assert kv.execute("KV.LAYERDONE", token, key, 0) == 1       # the stale one marked nothing
+        assert kv.execute("KV.BLOCK", key, header) == [offset, 2, layer_bytes]   # the wire needs no token
 
 
 def counters(kv: KVClient) -> dict[str, int]:

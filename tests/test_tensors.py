@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import start_kvstore
+from test_fastpath_faults import counters
 
 from client import KVClient, ResponseError, TensorMismatch
 
@@ -72,3 +73,51 @@ def test_missing_tensor_and_tensor_read_as_plain_bytes(kv):
     kv.put_tensor("t", array)
     raw = kv.get("t")
     assert len(raw) == 128 + array.nbytes and bytes(raw[128:]) == array.tobytes()
+
+
+def test_a_mismatch_leaves_no_lease_held_and_the_connection_open(kv):
+    kv.put_tensor("t", torch.ones(4, 8, dtype=torch.bfloat16))
+    before = counters(kv)
+    for _ in range(3):
+        with pytest.raises(TensorMismatch):
+            kv.get_tensor_into("t", torch.zeros(4, 8, dtype=torch.float16))
+        with pytest.raises(TensorMismatch):
+            kv.get_layers("t", into=torch.zeros(8, 4, dtype=torch.bfloat16))
+    after = counters(kv)
+    assert after["leases_active"] == 0
+    assert after["connections"] == before["connections"]          # the pooled connection was kept
+    into = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert kv.get_tensor_into("t", into) and torch.equal(into, torch.ones(4, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("destination", [
+    lambda: torch.zeros(8, 4).t(),                          # a transposed view: (4, 8), strided
+    lambda: np.zeros((4, 16), np.float32)[:, ::2],          # every other column: (4, 8), strided
+], ids=["torch-transposed", "numpy-strided"])
+def test_a_non_contiguous_destination_is_refused_before_anything_is_sent(kv, destination):
+    kv.put_tensor("t", np.ones((4, 8), np.float32))
+    into = destination()
+    before = counters(kv)
+    with pytest.raises(TypeError, match="destination tensor must be contiguous"):
+        kv.get_tensor_into("t", into)
+    with pytest.raises(TypeError, match="destination tensor must be contiguous"):
+        kv.get_layers("t", into=into)
+    with pytest.raises(TypeError, match="destination tensor must be contiguous"):
+        kv.batch_get_tensors_into(["t"], [into])
+    assert not into.any()
+    after = counters(kv)
+    assert after["leases_active"] == 0 and after["connections"] == before["connections"]
+
+
+def test_tensor_batches(kv):
+    arrays = {f"t{i}": np.full((16, 64), i, np.float32) for i in range(3)}
+    assert kv.batch_put_tensors(arrays, parents=[None, "t0", "t1"]) == [True, True, True]
+    assert kv.batch_put_tensors(list(arrays.items())[:1]) == [False]
+    assert kv.match_prefix(list(arrays)) == 3
+    into = np.zeros((4, 16, 64), np.float32)
+    assert kv.batch_get_tensors_into([*arrays, "absent"], list(into)) == [True, True, True, False]
+    assert all((into[i] == i).all() for i in range(3)) and not into[3].any()
+    with pytest.raises(ValueError, match="parents"):
+        kv.batch_put_tensors(arrays, parents=[None])
+    with pytest.raises(ValueError, match="tensors"):
+        kv.batch_get_tensors_into(["t0", "t1"], [into[0]])

@@ -1,8 +1,8 @@
 """Layer-wise block commands: open a block, write layers, read ranges of layers (waiting if asked).
 
-    KV.BLOCK key header [PARENT p] [TIMEOUT ms]   -> [offset, n_layers, layer_bytes], or 0 when cached
+    KV.BLOCK key header [PARENT p] [TIMEOUT ms] [TOKEN t] -> [offset, n_layers, layer_bytes], or 0 when cached
     KV.PUTLAYER key layer data                    -> layers written so far (the last one commits)
-    KV.LAYERDONE key layer                        -> the same, for a layer the client wrote into the arena
+    KV.LAYERDONE token key layer                  -> the same, for a layer the client wrote into the arena
     KV.GETLAYERS key start stop [WAIT ms]         -> [header, bytes of layers start..stop-1] or nil
     KV.LEASELAYERS token ttl key start stop [WAIT ms] -> [lease id, offset, nbytes, header, word, tag] or nil
 
@@ -14,6 +14,12 @@ a read that finds its layers missing (or the block not yet opened) parks the
 client's command stream on the connection (``conn.defer``) until the writer
 catches up, the timeout passes (an error), or the block is abandoned (an
 error). Without WAIT a missing block is nil and missing layers are an error.
+
+A writer that copies layers into the block's extent through its own mapping
+names the arena it mapped, as every fast-path command does: KV.BLOCK with
+TOKEN and KV.LAYERDONE answer STALEARENA to a mapping of an arena this node
+no longer has (it restarted), so a layer copied into a dead node's memory is
+never marked written here.
 """
 from __future__ import annotations
 
@@ -42,7 +48,9 @@ def _layer_errors(fn):
          "Opens a block for layer-wise writing; its header declares dtype, shape and layers.")
 @_layer_errors
 def kv_block(conn, args):
-    opts = option_map(args, 3, {b"PARENT": 1, b"TIMEOUT": 1})
+    opts = option_map(args, 3, {b"PARENT": 1, b"TIMEOUT": 1, b"TOKEN": 1})
+    if b"TOKEN" in opts:
+        check_arena_token(conn, opts[b"TOKEN"])
     timeout = parse_ttl_ms(opts[b"TIMEOUT"]) if b"TIMEOUT" in opts else fp.PARTIAL_TIMEOUT_MS
     block = conn.server.blocks.open(args[1], args[2], opts.get(b"PARENT"), timeout)
     if block is None:
@@ -64,11 +72,12 @@ def kv_putlayer(conn, args):
     return writer.integer(conn.server.blocks.write(args[1], _layer_index(args[2]), data))
 
 
-@command(fp.KV_LAYERDONE, 3, "write fast", "layers",
-         "Marks a layer the client wrote straight into the block's extent as complete.")
+@command(fp.KV_LAYERDONE, 4, "write fast", "layers",
+         "Marks a layer the client wrote straight into the block's extent as complete.", keys=(2, 2, 1))
 @_layer_errors
 def kv_layerdone(conn, args):
-    return writer.integer(conn.server.blocks.mark(args[1], _layer_index(args[2])))
+    check_arena_token(conn, args[1])
+    return writer.integer(conn.server.blocks.mark(args[2], _layer_index(args[3])))
 
 
 # ------------------------------------------------------------------ reads

@@ -1,0 +1,144 @@
+"""Gets through the node's arena: held leases first, then KV.LEASE and one memcpy a value.
+
+- A get of a key whose lease the client holds (`lease_cache`) is a memcpy
+  from the mapping and a look at the lease's validity word, with no round
+  trip at all. The word holds the lease's tag while the lease is live
+  (kvstore/leases.py), and the node clears it before it lets the bytes go,
+  so a word read *after* the copy that still holds the tag proves the copy
+  whole and current. A node that died cannot clear its words, but its death
+  closes the connection that took the lease: a lease is used only while that
+  connection is open, so a restarted node's client never reads the dead
+  node's bytes.
+- Other keys are leased (``KV.LEASE``, carrying the token of the mapping:
+  STALEARENA after a restart), copied, and their words read after the copy;
+  a lease that ended during the copy is taken again (`LEASE_RETRIES` times,
+  then `LeaseExpired`). A lease that got no validity word (the node ran out)
+  is released at once, and the release reply says whether it stayed valid.
+  The node says how long a lease may be kept (half its TTL; 0 for a key
+  with an expiry); kept leases and the releases of the others ride along
+  with the next request.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+from client.arena import Arena
+from client.errors import BufferTooSmall, LeaseExpired
+from client.fastpath import LEASE_RETRIES, REMAPPED, Detour, FastPath
+from client.lease_cache import HeldLease, cache_key
+from client.operations import Call, LocalRead
+from client.steps import RoundTrip, Steps, copied
+from proto import fastpath as fp
+
+
+def read(core, call: Call) -> Steps:
+    """A get or a batch of gets: what held leases serve, then the rest leased on a connection."""
+    fast, local = core.fast, call.local
+    results, misses = yield from copied(partial(read_held, fast, local), _copy_bound(fast, local))
+    if misses:
+        outcome = yield from core.on_connection(partial(_lease_and_copy, fast, local, results, misses), True)
+        if isinstance(outcome, Detour):
+            return outcome
+    return call.finish(results)
+
+
+def read_held(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int]]:
+    """Serve what held leases can: the results so far and the indices still to lease."""
+    results, misses, ended = [None] * len(local.keys), [], []
+    fast.stats.reads += 1
+    with fast.lock:
+        arena = fast.mapping
+        fast.give_up(fast.leases.due(time.monotonic()))
+        held = [fast.leases.lookup(cache_key(key)) for key in local.keys]
+    for i, lease in enumerate(held):
+        if lease is None:
+            misses.append(i)
+            continue
+        results[i] = _copy(arena, local, i, lease.offset, lease.size)
+        if arena.still_valid(lease.word, lease.tag) and not lease.owner.peer_closed():
+            fast.stats.cached_reads += 1
+            continue
+        ended.append((i, lease))
+        misses.append(i)
+    with fast.lock:
+        for i, lease in ended:
+            if fast.leases.forget(cache_key(local.keys[i]), lease):
+                fast.give_up([lease.lease_id])          # an ended lease answers 0: harmless
+    return results, misses
+
+
+def _copy_bound(fast: FastPath, local: LocalRead) -> int:
+    """At most how many bytes held leases will copy: the destinations' sizes when the caller
+    gave them (a larger value is not copied), else the sizes of the leases held."""
+    if None not in local.views:
+        return sum(view.nbytes for view in local.views)
+    with fast.lock:
+        return sum(held.size for key in local.keys if (held := fast.leases.lookup(cache_key(key))))
+
+
+def _lease_and_copy(fast: FastPath, local: LocalRead, results: list[Any], misses: list[int], conn) -> Steps:
+    """Lease the values still missing, copy them, and check the copies; ``results`` when done."""
+    arena = fast.mapping
+    if arena is None:
+        return REMAPPED
+    for _ in range(LEASE_RETRIES):
+        started = time.monotonic()
+        lease = (fp.KV_LEASE, arena.token, fast.lease_ttl_ms, *(local.keys[i] for i in misses))
+        entries = (yield RoundTrip([*fast.housekeeping(), lease]))[-1]
+        if (detour := fast.detour(entries)) is not None:
+            return detour
+        misses, unchecked = yield from copied(partial(_copy_leased, fast, arena, local, misses, entries, results,
+                                                  started, conn), _nbytes(entries))
+        if unchecked:
+            valid = (yield RoundTrip([(fp.KV_RELEASE, *(lease_id for _, lease_id in unchecked))]))[0]
+            misses += [i for (i, _), still in zip(unchecked, valid) if not still]
+        if not misses:
+            return results
+        fast.stats.lease_retries += 1
+    raise LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row")
+
+
+def _copy_leased(fast: FastPath, arena: Arena, local: LocalRead, indices: list[int], entries: list,
+                 results: list[Any], started: float, conn) -> tuple[list[int], list[tuple[int, int]]]:
+    """Copy freshly leased values into ``results``; the indices whose lease ended during the
+    copy (to lease again), and (index, lease id) pairs without a word (to release and check)."""
+    retry, unchecked, keep, done = [], [], [], []
+    for i, entry in zip(indices, entries):
+        if entry is None:
+            results[i] = None
+            continue
+        lease_id, offset, size, word, tag, hold_ms = entry
+        results[i] = _copy(arena, local, i, offset, size)
+        if word < 0:
+            unchecked.append((i, lease_id))
+        elif not arena.still_valid(word, tag):
+            retry.append(i)
+        elif hold_ms > 0:
+            use_until = started + hold_ms / 1000
+            keep.append((cache_key(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until, conn)))
+        else:
+            done.append(lease_id)
+    with fast.lock:
+        fast.give_up(done)
+        if fast.mapping is arena:
+            for key, held in keep:
+                fast.give_up(fast.leases.keep(key, held))
+    return retry, unchecked
+
+
+def _copy(arena: Arena, local: LocalRead, i: int, offset: int, size: int) -> Any:
+    view = local.views[i]
+    if view is None:
+        out = bytearray(size)
+        arena.read_into(offset, size, memoryview(out))
+        return out
+    if size > view.nbytes:
+        return BufferTooSmall(local.keys[i], size, view.nbytes)
+    arena.read_into(offset, size, view)
+    return size
+
+
+def _nbytes(entries: list) -> int:
+    return sum(e[2] for e in entries if e is not None)

@@ -1,0 +1,113 @@
+"""Puts through the node's arena: a reserved extent, one memcpy, and KV.PUBLISH.
+
+A put copies each value into an extent reserved for it: a spare reserved
+ahead by an earlier put of the same size on the same connection
+(`reservation_pool`), or else a fresh one (``KV.RESERVE``, carrying the
+token of the mapping: STALEARENA after a restart, before any byte is
+written). ``KV.PUBLISH`` then commits the values under their keys, and the
+same round trip reserves the spares for the next put. A reservation is
+written only while at least half of its life is left; a copy that took
+longer gives the extents back and fails with `TimeoutError`.
+
+Puts smaller than `FAST_PUT_MIN` in all go over the wire, where one round
+trip is cheaper.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from client.arena import Arena
+from client.errors import KVError, TimeoutError
+from client.fastpath import REMAPPED, FastPath
+from client.operations import Call, LocalWrite, put_options
+from client.reservation_pool import Spare
+from client.steps import RoundTrip, Steps, copied
+from proto import fastpath as fp
+
+FAST_PUT_MIN = 256 * 1024        # a put of fewer bytes in all goes over the wire
+
+
+def worth_writing(local: LocalWrite) -> bool:
+    """Whether the arena beats the wire for this put (no empty values: an extent has a size)."""
+    return local.nbytes >= FAST_PUT_MIN and all(view.nbytes for view in local.views)
+
+
+def write(core, call: Call) -> Steps:
+    """A put or a batch of puts, on one connection (the owner of its spares)."""
+    return (yield from core.on_connection(partial(_reserve_copy_publish, core.fast, call), call.idempotent))
+
+
+@dataclass
+class PublishRound:
+    """The requests that publish a put (after any releases riding along) and reserve ahead."""
+
+    requests: list[tuple]
+    first: int                   # index of the first KV.PUBLISH
+    count: int
+    ahead: list[int]             # sizes reserved ahead by the last request, if any
+    started: float
+
+
+def _reserve_copy_publish(fast: FastPath, call: Call, conn) -> Steps:
+    local, arena = call.local, fast.mapping
+    if arena is None:
+        return REMAPPED
+    spares = _take_spares(fast, local, conn)
+    if None in spares:
+        started = time.monotonic()
+        sizes = [view.nbytes for view, spare in zip(local.views, spares) if spare is None]
+        reply = (yield RoundTrip([*fast.housekeeping(), _reserve_request(fast, arena, sizes)]))[-1]
+        if (detour := fast.detour(reply)) is not None:
+            return detour
+        missing = [i for i, spare in enumerate(spares) if spare is None]
+        for i, spare in zip(missing, _spares_of(fast, reply, sizes, started, conn)):
+            spares[i] = spare
+    sent = yield from copied(partial(_copy_and_publish, fast, arena, local, spares, conn), local.nbytes)
+    if sent is None:
+        yield RoundTrip([(fp.KV_UNRESERVE, *(spare.reservation_id for spare in spares))])
+        raise TimeoutError("the copy into reserved extents took longer than half their lifetime")
+    replies = yield RoundTrip(sent.requests)
+    if sent.ahead and not isinstance(replies[-1], KVError):
+        with fast.lock:
+            fast.spares.add(_spares_of(fast, replies[-1], sent.ahead, sent.started, conn))
+    return call.finish(replies[sent.first:sent.first + sent.count])
+
+
+def _take_spares(fast: FastPath, local: LocalWrite, owner: Any) -> list[Spare | None]:
+    """A spare reservation for each value where the pool has one reserved on ``owner``."""
+    now = time.monotonic()
+    with fast.lock:
+        spares = [fast.spares.take(view.nbytes, now, owner) for view in local.views]
+    fast.stats.pooled_writes += sum(spare is not None for spare in spares)
+    return spares
+
+
+def _reserve_request(fast: FastPath, arena: Arena, sizes: list[int]) -> tuple:
+    return (fp.KV_RESERVE, arena.token, fast.reservation_ttl_ms, *sizes)
+
+
+def _spares_of(fast: FastPath, reply: list, sizes: list[int], started: float, owner: Any) -> list[Spare]:
+    use_until = started + fast.reservation_ttl_ms / 2000
+    return [Spare(rid, offset, size, use_until, owner) for (rid, offset), size in zip(reply, sizes)]
+
+
+def _copy_and_publish(fast: FastPath, arena: Arena, local: LocalWrite, spares: list[Spare],
+                      owner: Any) -> PublishRound | None:
+    """Copy the values into their reservations; the round trip that publishes them and
+    reserves the next put's spares, or None when a reservation is too old to write into
+    safely (the caller gives them back)."""
+    for spare, view in zip(spares, local.views):
+        if time.monotonic() > spare.use_until:
+            return None
+        arena.write(spare.offset, view)
+    fast.stats.writes += 1
+    before = fast.housekeeping()
+    publish = [(fp.KV_PUBLISH, spare.reservation_id, key, *put_options(parent, local.overwrite))
+               for spare, key, parent in zip(spares, local.keys, local.parents)]
+    with fast.lock:
+        ahead = fast.spares.wanted([view.nbytes for view in local.views], owner)
+    requests = [*before, *publish, *([_reserve_request(fast, arena, ahead)] if ahead else [])]
+    return PublishRound(requests, len(before), len(publish), ahead, time.monotonic())

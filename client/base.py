@@ -1,0 +1,40 @@
+"""What both clients share: their arguments, and the core and transport they build from them.
+
+`KVClient` and `AsyncKVClient` take the same arguments and differ only in
+their transport (blocking or asyncio); each method builds an operation
+(`operations`, `layers`) and hands it to the transport, which runs it
+through the one sans-I/O `core`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from client.core import Core
+from client.fastpath import FastPath
+from client.retry import RetryPolicy
+from client.sockets import Endpoint
+from proto.fastpath import LEASE_TTL_MS
+from proto.wire import DEFAULT_HOST, DEFAULT_PORT
+
+
+class BaseClient:
+    """A client of one store node, over TCP or a Unix socket (the socket wins when both are given).
+
+    ``fast_path``: "auto" moves gets, puts, tensors and layers through the node's
+    shared-memory arena when the node is on this host, "required" raises
+    FastPathUnavailable when it is not, "off" always uses the socket.
+    """
+
+    transport_class: Any = None
+
+    def __init__(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
+                 password: str | None = None, unix_socket: str | None = None,
+                 timeout: float | None = 5.0, retries: int = 3, pool_size: int = 8,
+                 fast_path: str = "auto", lease_ttl_ms: int = LEASE_TTL_MS):
+        self.endpoint = Endpoint(host, port, unix_socket)
+        self.fast_path = FastPath(self.endpoint, password, timeout, fast_path, lease_ttl_ms)
+        self._transport = self.transport_class(self.endpoint, Core(self.fast_path, RetryPolicy(retries)),
+                                               password=password, timeout=timeout, pool_size=pool_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.endpoint})"
