@@ -29,6 +29,7 @@ from kvstore.cluster.etcd_kv import EtcdKV
 from kvstore.cluster.etcd_server import EtcdError, ThrowawayEtcd, free_port
 from kvstore.cluster.kv import Unavailable
 from kvstore.cluster.membership import ClusterError
+from kvstore.cluster.netns import HostLab, NetnsUnavailable
 from kvstore.cluster.runner import ClusterURL
 from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
 
@@ -106,18 +107,25 @@ class LocalCluster:
         self.etcd_url = args.etcd
         self.log_dir = tempfile.mkdtemp(prefix="kvstore-cluster-")
         self.nodes: list[tuple[str, subprocess.Popen]] = []        # (addr, process)
+        self.lab: HostLab | None = None
 
     def start(self) -> None:
+        etcd_host = "127.0.0.1"
+        if self.args.netns:
+            self.lab = HostLab(self.args.nodes, self.args.nic_rate).up()
+            etcd_host = self.lab.gateway
         if self.etcd_url is None:
-            self.etcd = ThrowawayEtcd(os.path.join(self.log_dir, "etcd")).start()
+            self.etcd = ThrowawayEtcd(os.path.join(self.log_dir, "etcd"), host=etcd_host).start()
             self.etcd_url = self.etcd.url
         host, _, port = self.etcd_url.removeprefix("http://").rstrip("/").rpartition(":")
         self.url = ClusterURL.parse(f"etcd://{host}:{port}/{self.args.name}")
-        for _ in range(self.args.nodes):
-            self.nodes.append(self._start_node(free_port()))
+        for i in range(self.args.nodes):
+            self.nodes.append(self._start_node(i, free_port()))
 
-    def _start_node(self, port: int) -> tuple[str, subprocess.Popen]:
-        command = [sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--cluster", str(self.url)]
+    def _start_node(self, i: int, port: int) -> tuple[str, subprocess.Popen]:
+        host, prefix = ("127.0.0.1", []) if self.lab is None else (self.lab.address(i), self.lab.prefix(i))
+        command = [*prefix, sys.executable, "-m", "kvstore", "serve", "--bind", host, "--port", str(port),
+                   "--cluster", str(self.url)]
         if self.args.dram_size:
             command += ["--dram-size", self.args.dram_size]
         if self.args.node_timeout:
@@ -125,7 +133,7 @@ class LocalCluster:
         with open(os.path.join(self.log_dir, f"node-{port}.log"), "ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)         # signals reach them through `stop` only
-        return f"127.0.0.1:{port}", proc
+        return f"{host}:{port}", proc
 
     def wait_formed(self) -> list[dict]:
         """Block until the map covers every slot with exactly our nodes; their ids, addresses and pids."""
@@ -168,6 +176,8 @@ class LocalCluster:
                 proc.wait()
         if self.etcd is not None:
             self.etcd.stop()
+        if self.lab is not None:
+            self.lab.close()
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -178,10 +188,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         nodes = cluster.wait_formed()
-        print(json.dumps({"etcd": cluster.etcd_url, "name": args.name, "nodes": nodes}), flush=True)
+        lab = cluster.lab
+        print(json.dumps({"etcd": cluster.etcd_url, "name": args.name, "nodes": nodes,
+                          **({} if lab is None else {"netns": lab.namespaces, "nic_rate": args.nic_rate})}),
+              flush=True)
         print(f"cluster {args.name} is up (logs in {cluster.log_dir}); Ctrl-C stops it", file=sys.stderr)
         stop.wait()
-    except (ClusterError, EtcdError) as e:
+    except (ClusterError, EtcdError, NetnsUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -200,11 +213,16 @@ def cluster_main(argv: list[str]) -> int:
     up.add_argument("--etcd", metavar="URL", help="use this etcd (http://HOST:PORT) instead of starting one")
     up.add_argument("--name", default="kvstore", help="cluster name in etcd (default kvstore)")
     up.add_argument("--node-timeout", type=float, metavar="S", help="passed to each node as --cluster-node-timeout")
+    up.add_argument("--netns", action="store_true", help="run each node in its own network namespace "
+                    "(a host of its own on a bridge; needs root and iproute2)")
+    up.add_argument("--nic-rate", metavar="RATE", help="with --netns: cap each node's link (tc tbf), e.g. 1gbit")
     status = sub.add_parser("status", help="print a cluster's nodes, slot ranges, epoch and coverage")
     status.add_argument("url", metavar="etcd://HOST:PORT/NAME")
     args = parser.parse_args(argv)
     if args.action == "up":
         if args.nodes < 1:
             parser.error("--nodes must be at least 1")
+        if args.nic_rate and not args.netns:
+            parser.error("--nic-rate caps the links of --netns hosts: give --netns too")
         return cmd_up(args)
     return cmd_status(args)

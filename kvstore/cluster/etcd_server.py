@@ -34,20 +34,21 @@ def free_port() -> int:
 class ThrowawayEtcd:
     """One etcd process; ``url`` is its client URL (``http://127.0.0.1:PORT``)."""
 
-    def __init__(self, data_dir: str | None = None, name: str = "kvstore-etcd"):
+    def __init__(self, data_dir: str | None = None, name: str = "kvstore-etcd", host: str = HOST):
         self.exe = shutil.which("etcd")
         if self.exe is None:
             raise EtcdError("etcd is not installed (apt-get install etcd-server, or `make system-deps`)")
         self.owns_dir = data_dir is None
         self.dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-")
         self.name = name
+        self.host = host                # a bridge address when the nodes live in network namespaces
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     @property
     def log_path(self) -> str:
@@ -55,7 +56,7 @@ class ThrowawayEtcd:
 
     def start(self, timeout: float = 20.0) -> "ThrowawayEtcd":
         os.makedirs(self.dir, exist_ok=True)
-        client, peer = f"http://{HOST}:{self.client_port}", f"http://{HOST}:{self.peer_port}"
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
         args = [self.exe, "--name", self.name, "--data-dir", os.path.join(self.dir, "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
