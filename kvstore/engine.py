@@ -334,7 +334,7 @@ class Engine:
     def _forget_holds_of(self, slot: int) -> None:
         """``slot`` is leaving: reads still in flight on its extents no longer
         count in the policy (the slot id may be handed to another value)."""
-        if self.eviction.is_held(slot):
+        if self._held_slot and self.eviction.is_held(slot):
             self._held_slot = {offset: held for offset, held in self._held_slot.items() if held != slot}
 
     # ----------------------------------------------------------- pins

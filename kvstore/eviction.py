@@ -160,7 +160,8 @@ class SampledLRU:
         self._leaf_pos[slot] = -1
         self._place[slot] = -1
         self._marks[slot] = 0
-        self._holds.pop(slot, None)
+        if self._holds:
+            self._holds.pop(slot, None)
         self.count -= 1
 
     def adopt_children(self, old: int, new: int) -> None:
@@ -256,44 +257,42 @@ class SampledLRU:
         than the chain, the oldest unheld entry just above a held leaf. With
         ``clean_only``, the oldest clean leaf and nothing else.
         """
-        base = place * KINDS
+        base, lists = place * KINDS, self._lists
+        dirty, clean = base + DIRTY, base + CLEAN
         if clean_only:
-            return self._oldest((base + CLEAN,))
-        slot = self._oldest((base + DIRTY, base + CLEAN))
-        if slot is None:
-            slot = self._oldest((base + SOFT,))
-        if slot is None and allow_parent:
-            slot = self._above_held(base + HELD)
-        return slot
+            return self._take(clean) if lists[clean] else None
+        if lists[dirty] and lists[clean]:
+            return self._take(dirty if self._pool_head(dirty) < self._pool_head(clean) else clean)
+        if lists[dirty] or lists[clean]:
+            return self._take(dirty if lists[dirty] else clean)
+        if lists[base + SOFT]:
+            return self._take(base + SOFT)
+        return self._above_held(base + HELD) if allow_parent else None
 
-    def _oldest(self, lids: tuple[int, ...]) -> int | None:
-        """Take the oldest pooled candidate of the lists ``lids``."""
-        best, best_lid = None, 0
-        for lid in lids:
-            head = self._pool_head(lid)
-            if head is not None and (best is None or head < best):
-                best, best_lid = head, lid
-        if best is None:
-            return None
-        self._pools[best_lid].pop(0)
-        return best[1]
+    def _take(self, lid: int) -> int:
+        """Take the oldest pooled candidate of the non-empty list ``lid``."""
+        self._pool_head(lid)
+        return self._pools[lid].pop(0)[1]
 
-    def _pool_head(self, lid: int) -> tuple[int, int] | None:
-        """The oldest still-valid (stamp, slot) of list ``lid``'s pool, refilled when empty."""
-        pool = self._pools[lid]
-        while pool and not self._is_current(pool[0], lid):
-            pool.pop(0)
-        if not pool and self._lists[lid]:
-            self._refill(lid)
-        return pool[0] if pool else None
-
-    def _is_current(self, entry: tuple[int, int], lid: int) -> bool:
-        """Whether a pooled entry is still in list ``lid`` and untouched since it was pooled."""
-        stamp, slot = entry
-        return self._stamp[slot] == stamp and self._leaf_pos[slot] >= 0 and self._list_id(slot) == lid
+    def _pool_head(self, lid: int) -> tuple[int, int]:
+        """The oldest (stamp, slot) of the non-empty list ``lid`` that is still in it and
+        untouched since it was pooled; the pool is refilled when none is left."""
+        pool, stamps, places, marks = self._pools[lid], self._stamp, self._place, self._marks
+        while pool:
+            stamp, slot = head = pool[0]
+            if stamps[slot] == stamp and self._leaf_pos[slot] >= 0 \
+                    and places[slot] * KINDS + KIND_OF_MARKS[marks[slot]] == lid:
+                return head
+            del pool[0]
+        self._refill(lid)
+        return pool[0]
 
     def _refill(self, lid: int) -> None:
         """Pool the oldest of ``samples`` random members of list ``lid`` (all of them when fewer)."""
+        if len(self._lists[lid]) <= POOL:       # a chain's tail alone: no numpy round trip
+            stamps = self._stamp
+            self._pools[lid][:] = sorted((stamps[slot], slot) for slot in self._lists[lid])
+            return
         members = np.frombuffer(self._lists[lid], dtype=np.int32)
         if len(members) > self.samples:
             members = members[self._rng.integers(0, len(members), self.samples)]

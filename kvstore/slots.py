@@ -91,7 +91,8 @@ class SlotTable:
         tier = self.tier[slot]
         self.count_in[tier] -= 1
         self.bytes_in[tier] -= self.size[slot]
-        self.heap_copies.pop(slot, None)
+        if self.heap_copies:
+            self.heap_copies.pop(slot, None)
         self.policy.remove(slot)
         self.keys[slot] = None
         self._free.append(slot)
