@@ -466,7 +466,7 @@ class TierManager:
     # ------------------------------------------------------------ restart
 
     async def load_index(self) -> None:
-        """Index every value already on SSD (a warm restart), without blocking the loop."""
+        """Index every value already on SSD (a warm restart), without stalling the loop."""
         if self.ssd is None:
             return
         self.loading = True

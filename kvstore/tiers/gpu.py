@@ -3,9 +3,9 @@
 Why one arena: ``cudaMalloc`` per value costs far more than the copy of a KV
 block and fragments device memory, so the tier allocates its whole size once
 at start-up and hands out extents with the same
-:class:`kvstore.allocator.BuddyAllocator` as the DRAM arena. The engine asks
-for an extent (``alloc``), copies in (``write``) and out (``read_into``), and
-gives it back (``free``).
+:class:`kvstore.allocator.BuddyAllocator` as the DRAM arena. The tier manager
+(kvstore/tiering.py) asks for an extent (``alloc``), copies in (``write``) and
+out (``read_into``) on its worker threads, and gives it back (``free``).
 
 Why ``cupy.cuda.Memory`` and not ``cupy.empty``: ``cupy.empty`` draws from
 cupy's memory pool, whose underlying allocation may start before the array.
@@ -14,7 +14,7 @@ A CUDA IPC handle names a whole allocation, so a peer process opening
 guarantees that.
 
 Copies run on a dedicated non-blocking stream and are synchronized before the
-call returns, so they can be issued from the engine's worker threads without
+call returns, so they can be issued from the tier manager's worker threads without
 queueing behind other work on the default stream, and the caller may reuse
 its host buffer at once. Host buffers are ordinary (pageable) memory; the
 driver stages them. ``device_view`` gives a cupy view of an extent for
@@ -53,19 +53,18 @@ def gpu_available() -> tuple[bool, str]:
 class GPUTier:
     """Extents of one device arena; copies to and from host buffers."""
 
-    def __init__(self, cupy, device_id: int, memory, stream, min_block: int):
+    def __init__(self, cupy, device_id: int, memory, stream, min_unit: int):
         self.device_id = device_id
         self._cupy = cupy
         self._memory = memory
         self._stream = stream
         self._arena = cupy.ndarray((memory.size,), dtype=cupy.uint8,
                                    memptr=cupy.cuda.MemoryPointer(memory, 0))
-        self.allocator = BuddyAllocator(memory.size, min_block)
+        self.allocator = BuddyAllocator(memory.size, min_unit)
         self._lock = threading.Lock()     # guards the allocator
-        self.count = 0
 
     @classmethod
-    def open(cls, size: int, device: int = 0, *, min_block: int = 4096) -> GPUTier:
+    def open(cls, size: int, device: int = 0, *, min_unit: int = 4096) -> GPUTier:
         """Allocate a ``size``-byte arena on CUDA device ``device``; TierError says why not."""
         usable, reason = gpu_available()
         if not usable:
@@ -82,7 +81,7 @@ class GPUTier:
                 stream = cupy.cuda.Stream(non_blocking=True)
         except Exception as exc:  # CUDARuntimeError: out of memory, device busy, ...
             raise TierError(f"GPU tier: cannot allocate {size} bytes on device {device}: {exc}") from exc
-        return cls(cupy, device, memory, stream, min_block)
+        return cls(cupy, device, memory, stream, min_unit)
 
     # -- extents -------------------------------------------------------------
 
@@ -94,21 +93,14 @@ class GPUTier:
     def used_bytes(self) -> int:
         return self.allocator.used
 
-    def fits(self, size: int) -> bool:
-        return self.allocator.fits(size)
-
     def alloc(self, size: int) -> int | None:
         """Offset of a free extent of ``size`` bytes, or None when full."""
         with self._lock:
-            offset = self.allocator.alloc(size)
-            if offset is not None:
-                self.count += 1
-            return offset
+            return self.allocator.alloc(size)
 
     def free(self, offset: int, size: int) -> None:
         with self._lock:
             self.allocator.free(offset, size)
-            self.count -= 1
 
     # -- copies --------------------------------------------------------------
 

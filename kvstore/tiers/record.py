@@ -55,7 +55,7 @@ KEEP_RATIO = 0.95
 
 class Flags(enum.IntFlag):
     NONE = 0
-    LZ4 = 1        # payload is an lz4 block of the (possibly shuffled) value
+    LZ4 = 1        # payload is the (possibly shuffled) value in lz4's raw format
     SHUFFLE = 2    # value was byte-shuffled as 2-byte elements before lz4
 
 

@@ -9,7 +9,7 @@ touches payloads.
 
 Opening is instant. ``used_bytes`` and ``count`` need every header summed,
 so a background thread does that over the headers as they were at open
-(RocksDB pins that view for the iterator); puts and deletes meanwhile are
+(RocksDB keeps that view for the iterator); puts and deletes meanwhile are
 counted against the headers they replace, so the totals are exact once
 ``accounted`` is set (~1.4 s per 100,000 values on 2 vCPUs). Until then they
 are too low, and the capacity check is lenient by the same amount.
@@ -21,7 +21,7 @@ writes are lost on a crash, but ``atomic_flush`` keeps the two column
 families in step, so a header never outlives its payload.
 
 Verification. ``get`` checks the payload against the header's xxh3 checksum
-before decompressing. Payload reads skip RocksDB's own block checksum: it
+before decompressing. Payload reads skip RocksDB's own checksum: it
 would verify the same bytes again, and skipping it pays for ours (a 1 MiB
 read costs ~35 us less, our xxh3 ~20 us). A read that fails is retried once
 under the write lock (an unlocked read can straddle a concurrent overwrite);
@@ -29,7 +29,7 @@ if it fails again the record is deleted and :class:`CorruptValue` is raised,
 so a bad value is reported once and never served.
 
 Capacity. ``capacity_bytes`` is a hard limit on header + payload bytes; the
-engine keeps the tier under its watermarks by evicting ahead of time, and a
+tier manager keeps the tier under its watermarks by evicting ahead of time, and a
 put that would pass the limit raises :class:`TierFull` and writes nothing.
 
 Threads. RocksDB releases the GIL during I/O, so ``SSDWorker`` (ssd_worker.py) runs the tier
@@ -215,10 +215,6 @@ class SSDTier:
 
     # -- reads ---------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        self._check_open()
-        return self._meta.get(key) is not None
-
     def get(self, key: bytes) -> bytes | None:
         """The value, verified; None when absent. Raises CorruptValue (and drops it)."""
         return self._fetch(key, decode)
@@ -246,7 +242,7 @@ class SSDTier:
         try:
             raw = self._meta.get(key)
             payload = self._values.get(key, read_opt=self._payload_reads) if raw is not None else None
-        except Exception as exc:  # RocksDB status text, e.g. a damaged block on disk
+        except Exception as exc:  # RocksDB status text, e.g. damaged data on disk
             if "corruption" in str(exc).lower():
                 raise CorruptValue(str(exc)) from exc
             raise _describe_failure(self.path, "read", exc) from exc
@@ -270,7 +266,7 @@ class SSDTier:
     def _account_opening_headers(self, view: Iterable[tuple[bytes, bytes]]) -> None:
         """Add the headers present at open to the totals; drop those that do not parse.
 
-        Runs once, on its own thread, over the view RocksDB pinned when the
+        Runs once, on its own thread, over the view RocksDB kept when the
         iterator was made: puts and deletes since open were counted against
         the headers they replaced, so nothing is missed or counted twice.
         """
@@ -381,6 +377,6 @@ def _value_options() -> Options:
     options.set_compression_type(DBCompressionType.none())   # payloads are lz4'd per value already
     options.set_write_buffer_size(64 << 20)
     table = BlockBasedOptions()
-    table.set_checksum_type(ChecksumType.xxh3())             # the cheapest block checksum to write
+    table.set_checksum_type(ChecksumType.xxh3())             # the cheapest checksum for RocksDB to write
     options.set_block_based_table_factory(table)
     return options
