@@ -4,8 +4,9 @@
 
 The clients speak RESP2 to a store node over TCP or a Unix socket with their
 own zero-copy protocol code (`resp`), and never import the store's internals.
-On the node's host, gets and puts move through the node's shared-memory arena
-(`fastpath`); tensors and layer-wise blocks are in `tensors` and `layers`.
+On the node's host, gets, puts, tensors and layer-wise blocks move through the
+node's shared-memory arena (`fastpath`); both clients run every operation
+through one sans-I/O core (`core`), their transports only do the I/O.
 """
 from client.async_client import AsyncKVClient
 from client.errors import (AuthenticationError, BufferTooSmall, ConnectionError, FastPathUnavailable, KVError,

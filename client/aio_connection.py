@@ -16,21 +16,16 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import (Endpoint, PeerWatch, check_handshake, handshake, idle_poller, is_stale,
-                            socket_errors, tune)
+from client.sockets import Endpoint, SocketConnection, check_handshake, handshake, socket_errors, tune
 
 
-class AsyncConnection:
+class AsyncConnection(SocketConnection):
     """A connected, authenticated non-blocking socket and its receive buffer."""
 
     def __init__(self, endpoint: Endpoint, sock: socket.socket, timeout: float | None):
-        self.endpoint = endpoint
-        self._sock = sock
-        self._poller = idle_poller(sock)
-        self._peer = PeerWatch(sock)
+        super().__init__(endpoint, sock)
         self._timeout = timeout
         self._loop = asyncio.get_running_loop()
-        self._reader = resp.ReplyReader()
 
     @classmethod
     async def open(cls, endpoint: Endpoint, timeout: float | None,
@@ -56,15 +51,6 @@ class AsyncConnection:
             async with asyncio.timeout(self._timeout) as deadline:
                 await self._send(resp.pack(requests), deadline)
                 return [await self._drive(self._reader.read(sink), deadline) for sink in sinks]
-
-    def is_stale(self) -> bool:
-        return self._reader.buffered > 0 or is_stale(self._poller)
-
-    def peer_closed(self) -> bool:
-        return self._peer.closed()
-
-    def close(self) -> None:
-        self._sock.close()
 
     async def _send(self, buffers: list, deadline: asyncio.Timeout) -> None:
         while buffers:

@@ -14,22 +14,17 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import (Endpoint, PeerWatch, check_handshake, handshake, idle_poller, is_stale,
-                            socket_errors, tune)
+from client.sockets import Endpoint, SocketConnection, check_handshake, handshake, socket_errors, tune
 
 MAX_FDS = 4             # file descriptors accepted with one reply
 
 
-class Connection:
+class Connection(SocketConnection):
     """A connected, authenticated socket and its receive buffer."""
 
     def __init__(self, endpoint: Endpoint, timeout: float | None, password: str | None = None):
-        self.endpoint = endpoint
         with socket_errors(f"connecting to {endpoint}"):
-            self._sock = _connect(endpoint, timeout)
-        self._poller = idle_poller(self._sock)
-        self._peer = PeerWatch(self._sock)
-        self._reader = resp.ReplyReader()
+            super().__init__(endpoint, _connect(endpoint, timeout))
         try:
             check_handshake(self.round_trip(handshake(password)))
         except BaseException:
@@ -52,15 +47,6 @@ class Connection:
         with socket_errors(f"request to {self.endpoint}"):
             self._send(resp.pack(requests))
             return [self._drive(self._reader.read(None), fds) for _ in requests], fds
-
-    def is_stale(self) -> bool:
-        return self._reader.buffered > 0 or is_stale(self._poller)
-
-    def peer_closed(self) -> bool:
-        return self._peer.closed()
-
-    def close(self) -> None:
-        self._sock.close()
 
     def _send(self, buffers: list) -> None:
         while buffers:

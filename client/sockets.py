@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from client import resp
 from client.errors import AuthenticationError, ConnectionError, KVError, ResponseError, TimeoutError
 
 
@@ -43,28 +44,16 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def idle_poller(sock: socket.socket) -> select.poll:
-    """A poll registration for `is_stale`, made once per connection."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLPRI)
-    return poller
-
-
-def is_stale(poller: select.poll) -> bool:
-    """True when an idle connection is readable: closed by the peer, or out of step."""
-    return bool(poller.poll(0))
-
-
 class PeerWatch:
     """Whether the node has closed its end of a socket (it died or restarted).
 
     Safe from any thread while another uses the socket: it polls with a fresh
-    registration, not the connection's `idle_poller`, and sees the peer's
-    close even behind unread data. A poll is a system call, and a held lease
-    asks before every copy it vouches for, so an answer "open" stands for
-    `RECHECK_S`: far less than any node takes to start again on the same
-    address (a new process, a new arena), so nothing a restarted node could
-    say is ever contradicted by a dead one's bytes.
+    registration, not the connection's own, and sees the peer's close even
+    behind unread data. A poll is a system call and a held lease asks before
+    every copy it vouches for, so an answer "open" stands for `RECHECK_S`: far
+    less than any node takes to start again on the same address (a new process,
+    a new arena), so nothing a restarted node says is ever contradicted by a
+    dead one's bytes.
     """
 
     RECHECK_S = 0.001
@@ -85,6 +74,30 @@ class PeerWatch:
             return True
         self._open_until = now + self.RECHECK_S
         return False
+
+
+class SocketConnection:
+    """What both connection kinds keep and answer alike: the socket, its receive buffer,
+    and whether it is fit to reuse or was closed by the node."""
+
+    def __init__(self, endpoint: Endpoint, sock: socket.socket):
+        self.endpoint = endpoint
+        self._sock = sock
+        self._reader = resp.ReplyReader()
+        self._poller = select.poll()         # made once: `is_stale` runs on every borrow
+        self._poller.register(sock, select.POLLIN | select.POLLPRI)
+        self._peer = PeerWatch(sock)
+
+    def is_stale(self) -> bool:
+        """True when an idle connection is readable (closed by the peer, or out of step)
+        or holds unread bytes."""
+        return self._reader.buffered > 0 or bool(self._poller.poll(0))
+
+    def peer_closed(self) -> bool:
+        return self._peer.closed()
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def handshake(password: str | None) -> list[tuple[str, ...]]:
