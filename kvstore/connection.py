@@ -214,7 +214,7 @@ class Connection:
             self.wbuf += engine.view(slot)
             self.wbuf += b"\r\n"
             return
-        lease = (engine.lease(slot), slot, engine.key_of(slot))     # None token: heap-staged copy
+        lease = (engine.hold(slot), slot, engine.key_of(slot))     # None token: heap-staged copy
         self.out.append((self.wbuf, None))
         self.out.append((engine.view(slot), lease))
         self.wbuf = bytearray(b"\r\n")
@@ -287,7 +287,7 @@ class Connection:
             sent -= n
             out.popleft()
             if lease is not None:
-                self.engine.unlease(*lease)
+                self.engine.release_hold(lease[0])
         return not out
 
     def _update_interest(self) -> None:
@@ -338,7 +338,7 @@ class Connection:
             self.prefetched = []
         for _, lease in self.out:
             if lease is not None:
-                self.engine.unlease(*lease)
+                self.engine.release_hold(lease[0])
         self.out.clear()
         for callback in self.close_callbacks:
             try:

@@ -115,8 +115,8 @@ def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
     if slot is None:
         return None
     size = engine.size_of(slot)
-    token = engine.lease(slot)
-    lease = table.grant(conn, size, ttl_ms, lambda: engine.unlease(token, slot, key), slot=slot)
+    token = engine.hold(slot)
+    lease = table.grant(conn, size, ttl_ms, lambda: engine.release_hold(token), slot=slot)
     return DramLease(lease.id, token, size, lease.word, lease.tag)
 
 
@@ -227,16 +227,16 @@ def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> tuple[int, in
     """Pin a GPU-tier value against demotion; a delete or move shows at release."""
     engine = conn.engine
     engine.get_slot(key)
-    offset, size = engine.tiers._gpu_offset[slot], engine.size_of(slot)
-    engine.eviction.pin(slot)
+    offset, size = engine.tiers.gpu_offset(slot), engine.size_of(slot)
+    engine.eviction.hold(slot)
 
     def unpin() -> None:
         if engine.index.get(key) == slot:
-            engine.eviction.unpin(slot)
+            engine.eviction.release_hold(slot)
 
     def unchanged() -> bool:
         return (engine.index.get(key) == slot and engine.tier_code(slot) == GPU
-                and engine.tiers._gpu_offset.get(slot) == offset)
+                and engine.tiers.gpu_offset(slot) == offset)
 
     lease = table.grant(conn, size, ttl_ms, unpin, unchanged)
     return lease.id, offset, size

@@ -166,10 +166,10 @@ def kv_leaselayers(conn, args):
         else:
             key, slot = engine.key_of(found), found
             engine.get_slot(key)
-            base = engine.lease(found)         # the token is the value's arena offset
+            base = engine.hold(found)         # the token is the value's arena offset
             if base is None:
                 refuse_outside_arena(conn.server.leases, [])
-            unpin = lambda: engine.unlease(base, found, key)    # noqa: E731
+            unpin = lambda: engine.release_hold(base)    # noqa: E731
         lease = conn.server.leases.grant(conn, len(data), ttl, unpin, slot=slot)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
                              writer.bulk(bytes(header)), writer.integer(lease.word), writer.integer(lease.tag)])
