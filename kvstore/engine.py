@@ -318,12 +318,6 @@ class Engine:
         if offset in self._doomed:
             self.allocator.free(offset, self._doomed.pop(offset))
 
-    def lease(self, slot):  # TEMP-ALIAS
-        return self.hold(slot)
-
-    def unlease(self, offset, slot, key):  # TEMP-ALIAS
-        self.release_hold(offset)
-
     def free_dram(self, offset: int, size: int) -> None:
         """Free a DRAM extent now, or when its last reader lets go."""
         if offset in self._readers:

@@ -224,9 +224,6 @@ class SampledLRU:
             del self._holds[slot]
             self._set_mark(slot, HELD_MARK, False)
 
-    pin = hold  # TEMP-ALIAS
-    unpin = release_hold  # TEMP-ALIAS
-
     def is_held(self, slot: int) -> bool:
         return slot in self._holds
 
