@@ -11,8 +11,9 @@ A write is two steps so a value is never visible half-written: ``reserve``
 hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
 under ``noeviction``) that the connection receives the bytes straight into,
 and ``commit`` publishes it under its key. A reader that sends a value from
-the arena holds it (``hold``); a delete or overwrite during the send hides the
-key at once but frees the bytes only when the hold is released.
+the arena holds it (``hold``, kvstore/holds.py); a delete or overwrite during
+the send hides the key at once but frees the bytes only when the hold is
+released.
 
 Lower tiers (kvstore/tiering.py) are told what happens through listeners:
 ``commit_listeners`` (a value was published), ``drop_listeners`` (a value is
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from kvstore.allocator import BuddyAllocator
 from kvstore.arena import Arena
 from kvstore.eviction import NO_PARENT, SampledLRU
+from kvstore.holds import ExtentHolds
 from kvstore.slots import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, SlotTable
 from kvstore.tier_moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
@@ -94,7 +96,8 @@ class Engine:
         self.allocator = BuddyAllocator(dram_size, OFFSET_UNIT)
         self.eviction = SampledLRU(capacity=1024, places=len(TIERS))
         self.slots = SlotTable(self.eviction)
-        self.moves = TierMoves(self.slots, self.free_dram)
+        self.holds = ExtentHolds(self.allocator, self.eviction)
+        self.moves = TierMoves(self.slots, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
@@ -106,9 +109,6 @@ class Engine:
         self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(slot, key) before a drop
         self.hit_listeners: list[Callable[[int], None]] = []                # fn(slot) on a read hit
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
-        self._readers: dict[int, int] = {}      # held DRAM offset -> reads in flight
-        self._held_slot: dict[int, int] = {}    # held DRAM offset -> the slot whose policy entry it holds
-        self._doomed: dict[int, int] = {}       # held offset -> size, freed when the last read ends
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
 
     @property
@@ -202,7 +202,7 @@ class Engine:
         slots, alloc = self.slots, self.allocator
         offset = slots.dram_offset(slot)
         old = slots.size[slot]
-        if offset in self._readers or alloc.order_for(size) != alloc.order_for(old) \
+        if self.holds.is_held(offset) or alloc.order_for(size) != alloc.order_for(old) \
                 or slots.tier[slot] != DRAM or slots.flags[slot]:
             return False
         self.arena.view[offset:offset + size] = src
@@ -297,39 +297,13 @@ class Engine:
         if self.slots.heap_copies and slot in self.slots.heap_copies:
             return None
         offset = self.slots.dram_offset(slot)
-        self._readers[offset] = self._readers.get(offset, 0) + 1
-        self._held_slot[offset] = slot
-        self.eviction.hold(slot)
+        self.holds.hold(offset, slot)
         return offset
 
     def release_hold(self, offset: int | None) -> None:
         """One read of the value held at ``offset`` is done."""
-        if offset is None:
-            return
-        slot = self._held_slot.get(offset)
-        if slot is not None:
-            self.eviction.release_hold(slot)
-        left = self._readers[offset] - 1
-        if left:
-            self._readers[offset] = left
-            return
-        del self._readers[offset]
-        self._held_slot.pop(offset, None)
-        if offset in self._doomed:
-            self.allocator.free(offset, self._doomed.pop(offset))
-
-    def free_dram(self, offset: int, size: int) -> None:
-        """Free a DRAM extent now, or when its last reader lets go."""
-        if offset in self._readers:
-            self._doomed[offset] = size
-        else:
-            self.allocator.free(offset, size)
-
-    def _forget_holds_of(self, slot: int) -> None:
-        """``slot`` is leaving: reads still in flight on its extents no longer
-        count in the policy (the slot id may be handed to another value)."""
-        if self._held_slot and self.eviction.is_held(slot):
-            self._held_slot = {offset: held for offset, held in self._held_slot.items() if held != slot}
+        if offset is not None:
+            self.holds.release(offset)
 
     # ----------------------------------------------------------- pins
 
@@ -451,10 +425,10 @@ class Engine:
         if not keep_ttl:
             self.expires.pop(key, None)
         if slots.tier[slot] == DRAM:
-            self.free_dram(slots.dram_offset(slot), slots.size[slot])
+            self.holds.free(slots.dram_offset(slot), slots.size[slot])
         else:
             self.moves.unstage(slot)
-        self._forget_holds_of(slot)
+        self.holds.forget_slot(slot)
         slots.remove(slot)
 
     def _evict_one(self, clean_only: bool = False) -> bool:

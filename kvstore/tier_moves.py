@@ -3,8 +3,9 @@
 kvstore/tiering.py decides what moves and copies the bytes on worker threads;
 when a copy is done it calls one of these, on the loop thread, to flip the
 slot's tier and flags (`SlotTable`) and to free or take over DRAM extents.
-That is all they need: the slot table and the engine's ``free_dram``, which
-frees an extent now or, when a reader still holds it, when the reader lets go.
+That is all they need: the slot table and ``free_dram`` (``ExtentHolds.free``,
+kvstore/holds.py), which frees an extent now or, when a reader still holds
+it, when the reader lets go.
 """
 from __future__ import annotations
 

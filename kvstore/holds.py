@@ -1,0 +1,64 @@
+"""Reads in flight on DRAM extents, and the frees that wait for them.
+
+A value is sent from the arena (or copied to another tier) on the socket's or
+a worker thread's time, after the command that asked for it has returned.
+Meanwhile a delete, an overwrite or a move may let the value go: its extent
+must not be handed out again, nor rewritten, until the last reader is done.
+
+A hold names the extent by its offset (the token a reader carries), counts
+the extent's readers, and remembers which slot's eviction entry it counts in,
+so that the release of a hold taken before the value moved home from a staged
+copy, or before its slot id went to another value, counts against the right
+entry (or against none).
+"""
+from __future__ import annotations
+
+from kvstore.allocator import BuddyAllocator
+from kvstore.eviction import SampledLRU
+
+
+class ExtentHolds:
+    """Readers per held DRAM extent; frees of held extents deferred to the last release."""
+
+    def __init__(self, allocator: BuddyAllocator, policy: SampledLRU):
+        self.allocator = allocator
+        self.policy = policy
+        self._readers: dict[int, int] = {}      # held offset -> reads in flight
+        self._slot: dict[int, int] = {}         # held offset -> the slot whose entry it holds
+        self._doomed: dict[int, int] = {}       # held offset -> size, freed at the last release
+
+    def hold(self, offset: int, slot: int) -> None:
+        """A read of ``slot``'s value at ``offset`` starts: the policy keeps the value."""
+        self._readers[offset] = self._readers.get(offset, 0) + 1
+        self._slot[offset] = slot
+        self.policy.hold(slot)
+
+    def release(self, offset: int) -> None:
+        """One read at ``offset`` is done."""
+        slot = self._slot.get(offset)
+        if slot is not None:
+            self.policy.release_hold(slot)
+        left = self._readers[offset] - 1
+        if left:
+            self._readers[offset] = left
+            return
+        del self._readers[offset]
+        self._slot.pop(offset, None)
+        if offset in self._doomed:
+            self.allocator.free(offset, self._doomed.pop(offset))
+
+    def is_held(self, offset: int) -> bool:
+        return offset in self._readers
+
+    def free(self, offset: int, size: int) -> None:
+        """Free an extent now, or when its last reader lets go."""
+        if offset in self._readers:
+            self._doomed[offset] = size
+        else:
+            self.allocator.free(offset, size)
+
+    def forget_slot(self, slot: int) -> None:
+        """``slot`` is leaving the index: reads still in flight on its extents no
+        longer count in the policy (the slot id may go to another value)."""
+        if self._slot and self.policy.is_held(slot):
+            self._slot = {offset: held for offset, held in self._slot.items() if held != slot}
