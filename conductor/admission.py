@@ -15,18 +15,33 @@ arrival check knows:
   request will meet a prefill later: while decode is full everything is
   refused and prefill idles, then decode drains, a burst is admitted and
   overloads it again (the oscillation of the paper's section 7).
-- `predictive`: the arrival check uses the decode load predicted for the time
-  the request would reach decode: residents and requests whose KV arrives
-  before then count by the chance that they are still decoding, judged from
-  the output lengths of finished requests (never the request's own), plus the
-  requests admitted later that will get there first (`overtaking`). This
-  damps the oscillation and wastes the least prefill.
+- `predictive`: the arrival check asks how likely the request is to fit
+  when its KV reaches decode (now + its predicted TTFT + the transfer), and
+  admits it when that chance pays for the prefill it risks.
+  - The forecast (`DecodeInstance.predicted_load`) counts residents by their
+    chance of still decoding then, from the output lengths seen so far with
+    the ones still running as censored lengths (`outputs`), never the
+    request's own; the requests in flight due before it, in the order the
+    decode check will meet them; and the requests admitted later that will
+    get there first (`overtaking`).
+  - The chance (`fit_odds`) is how often requests given as much room by such
+    a forecast, as far ahead, really fitted lately, scored online for every
+    request checked, admitted or not. A hard threshold on the forecast
+    rejected requests that would have fitted: the forecast is too pessimistic
+    by up to a fifth of a node when a burst is in flight.
+  - The price: admitting costs the prefill (`service_s`) if the request is
+    turned away at decode, and gains one served request if it fits. A prefill
+    second is worth what prefill has cost per request that reached decode so
+    far (learned during the run), so with w = service_s / that cost the
+    request is admitted when chance >= w / (1 + w): a request of average
+    prefill needs even odds, a long prefill better ones, a short one less.
+  This damps the oscillation and wastes the least prefill.
 
 The decode-stage check stays in every mode but `none`: memory is physical.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conductor.decode import DecodeView
 from conductor.policy import Placement
@@ -47,6 +62,8 @@ class Slo:
 class Admission:
     mode: str
     slo: Slo
+    prefill_spent_s: float = field(default=0.0, init=False)   # on requests admitted
+    joined: int = field(default=0, init=False)                # requests the decode check took
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -54,25 +71,38 @@ class Admission:
                              f"(choose from {', '.join(MODES)})")
 
     def at_arrival(self, now_s: float, placement: Placement, decode: DecodeView,
-                   input_length: int, output_estimate: float) -> str | None:
-        """The reason to reject at arrival, or None to admit."""
+                   input_length: int, output_estimate: float,
+                   least_queue_s: float = 0.0) -> str | None:
+        """The reason to reject at arrival, or None to admit (``least_queue_s``: the
+        shortest prefill queue now)."""
         if self.mode == "none":
             return None
         if placement.ttft_s > self.slo.ttft_s:
             return REJECT_TTFT
         if self.mode == "early":
-            load = decode.load()
+            if not decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s):
+                return REJECT_DECODE
         elif self.mode == "predictive":
-            load = decode.predicted_load(now_s + placement.ttft_s)
-        else:
-            return None
-        if not decode.fits(load, input_length, output_estimate, self.slo.tbt_s):
-            return REJECT_DECODE
+            due_s = now_s + placement.ttft_s + decode.cost.transfer_s(input_length)
+            chance = decode.fit_chance(now_s, due_s, input_length, output_estimate,
+                                       self.slo.tbt_s, least_queue_s)
+            if chance < self.chance_needed(placement.service_s):
+                return REJECT_DECODE
+            self.prefill_spent_s += placement.service_s
         return None
+
+    def chance_needed(self, service_s: float) -> float:
+        """The least chance of fitting that pays for risking ``service_s`` of prefill."""
+        if not self.joined or not self.prefill_spent_s:
+            return 0.5
+        w = service_s * self.joined / self.prefill_spent_s
+        return w / (1 + w)
 
     def at_decode(self, decode: DecodeView, input_length: int,
                   output_estimate: float) -> bool:
         """Whether the decode instance takes the request now that its KV has arrived."""
         if self.mode == "none":
             return True
-        return decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s)
+        taken = decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s)
+        self.joined += taken
+        return taken

@@ -15,7 +15,10 @@ import heapq
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
+
 from conductor.costmodel import CostModel
+from conductor.fit_odds import FitOdds
 from conductor.outputs import OutputLengths
 from conductor.overtaking import RecentAdmissions
 from conductor.policy import DecodeLoad
@@ -38,6 +41,7 @@ class DecodeView(ABC):
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.capacity_tokens = cost.decode_capacity_tokens
+        self.odds: FitOdds | None = None     # set where forecasts can be scored
 
     @abstractmethod
     def load(self) -> DecodeLoad:
@@ -48,16 +52,34 @@ class DecodeView(ABC):
         """Now, plus requests already bound here and still in prefill."""
 
     @abstractmethod
-    def predicted_load(self, at_s: float) -> DecodeLoad:
-        """The load expected at ``at_s``."""
+    def predicted_load(self, at_s: float, least_queue_s: float = 0.0) -> DecodeLoad:
+        """The load expected at ``at_s``; ``least_queue_s`` is the shortest prefill queue now."""
+
+    def slack(self, load: DecodeLoad, input_length: int, output_estimate: float,
+              tbt_slo_s: float) -> float:
+        """Room left under the tightest of memory, batch and TBT limits once a request joins
+        ``load``, as a share of that limit; negative when it does not fit."""
+        kv = load.kv_tokens + input_length
+        return min(1 - (kv + output_estimate) / self.capacity_tokens,
+                   1 - (load.batch + 1) / self.cost.decode_max_batch,
+                   1 - self.cost.decode_step_s(load.batch + 1, kv) / tbt_slo_s)
 
     def fits(self, load: DecodeLoad, input_length: int, output_estimate: float,
              tbt_slo_s: float) -> bool:
         """Whether a request still meets the TBT SLO, memory and batch limit with ``load`` present."""
-        kv = load.kv_tokens + input_length
-        return (kv + output_estimate <= self.capacity_tokens
-                and load.batch + 1 <= self.cost.decode_max_batch
-                and self.cost.decode_step_s(load.batch + 1, kv) <= tbt_slo_s)
+        return self.slack(load, input_length, output_estimate, tbt_slo_s) >= 0
+
+    def fit_chance(self, now_s: float, at_s: float, input_length: int, output_estimate: float,
+                   tbt_slo_s: float, least_queue_s: float = 0.0) -> float:
+        """The chance that a request whose KV arrives at ``at_s`` fits then: the forecast's
+        verdict, weighed by how such verdicts turned out lately (`fit_odds`)."""
+        forecast = self.predicted_load(at_s, least_queue_s)
+        slack = self.slack(forecast, input_length, output_estimate, tbt_slo_s)
+        if self.odds is None:
+            return 1.0 if slack >= 0 else 0.0
+        self.odds.file(now_s, at_s, slack, forecast.kv_tokens,
+                       (input_length, output_estimate, tbt_slo_s))
+        return self.odds.chance(at_s - now_s, slack)
 
 
 class DecodeInstance(DecodeView):
@@ -72,6 +94,7 @@ class DecodeInstance(DecodeView):
         # request -> (input length, when its KV is due): bound here, still in prefill
         self.inflight: dict[int, tuple[int, float]] = {}
         self.recent = RecentAdmissions()
+        self.odds = FitOdds()
         self._leaves: list[tuple[float, int]] = []
         self._sum_input = 0
         self._sum_start = 0.0
@@ -82,6 +105,7 @@ class DecodeInstance(DecodeView):
         return len(self.residents)
 
     def advance(self, now_s: float) -> None:
+        self.odds.score_due(now_s, self._judge)
         if self.residents and now_s > self.clock_s:
             self.generated += (now_s - self.clock_s) / self.step_s
         self.clock_s = max(self.clock_s, now_s)
@@ -92,6 +116,13 @@ class DecodeInstance(DecodeView):
     def load(self) -> DecodeLoad:
         return DecodeLoad(self.batch, self.kv_tokens())
 
+    def _judge(self, at_s: float, request: tuple[int, float, float]) -> tuple[bool, float]:
+        """Whether ``request`` would fit at ``at_s``, no later than the next join or leave
+        (the batch is fixed in between, so the KV grows linearly), and the KV then."""
+        ahead = max(0.0, at_s - self.clock_s) / self.step_s if self.residents else 0.0
+        load = DecodeLoad(self.batch, self.kv_tokens() + self.batch * ahead)
+        return self.fits(load, *request), load.kv_tokens
+
     def committed_load(self) -> DecodeLoad:
         """Residents plus requests already bound here and still in prefill.
 
@@ -101,37 +132,66 @@ class DecodeInstance(DecodeView):
         pending = sum(length for length, _ in self.inflight.values())
         return DecodeLoad(self.batch + len(self.inflight), self.kv_tokens() + pending)
 
-    def bind(self, request: int, input_length: int, now_s: float, due_s: float) -> None:
-        """A request admitted now whose KV is due here at ``due_s``."""
+    def bind(self, request: int, input_length: int, now_s: float, start_s: float,
+             due_s: float) -> None:
+        """A request admitted now whose prefill starts at ``start_s`` and whose KV is due
+        here at ``due_s``."""
         self.inflight[request] = (input_length, due_s)
-        self.recent.record(now_s, due_s - now_s, input_length)
+        self.recent.record(now_s, due_s - start_s, input_length)
 
-    def predicted_load(self, at_s: float) -> DecodeLoad:
+    def predicted_load(self, at_s: float, least_queue_s: float = 0.0) -> DecodeLoad:
         """Load expected at ``at_s``, when a request admitted now would reach decode.
 
-        A scheduler does not know output lengths, only those of the requests
-        that finished (`OutputLengths`). Each resident, having made m tokens,
-        is still there after the k more it has time for (at the current step
-        time) with probability P(out > m + k | out > m), and counts that much
-        of its batch slot and KV. A request already bound here whose KV is
-        due by then counts by its chance of still decoding at ``at_s``.
-        Requests not yet admitted that will get here first are estimated
-        from recent admissions (`overtaking`).
+        A scheduler does not know output lengths, only their distribution
+        (`OutputLengths`, with the residents as censored lengths). Each
+        resident, having made m tokens, is still there after the k more it has
+        time for (at the current step time) with probability
+        P(out > m + k | out > m), and counts that much of its batch slot and
+        KV. Requests already bound here and due by then pass the decode check
+        in the order they arrive, as the real check would take them: one that
+        would not fit beside the residents expected then and those taken before
+        it is left out, so a backlog in prefill cannot count for more memory
+        than there is. Those taken count by their chance of still decoding at
+        ``at_s``. Requests admitted after now that will get here first
+        (`overtaking`) fill at most the memory left: they too pass the check.
         """
-        ahead = max(0.0, at_s - self.clock_s) / self.step_s
-        batch, kv = self.recent.overtaking(self.clock_s, at_s - self.clock_s)
-        for r in self.residents.values():
-            made = self.generated - r.start_count
-            p = self.outputs.still_running(made, made + ahead)
-            batch += p
-            kv += p * (r.input_length + made + ahead)
-        for input_length, due_s in self.inflight.values():
-            if due_s <= at_s:
-                made = (at_s - due_s) / self.step_s
-                p = self.outputs.still_running(0.0, made)
-                batch += p
-                kv += p * (input_length + made)
-        return DecodeLoad(batch, kv)
+        residents = list(self.residents.values())
+        made = np.array([self.generated - r.start_count for r in residents])
+        inputs = np.array([r.input_length for r in residents], dtype=float)
+        survival = self.outputs.survival(made)
+        due = sorted((d, n) for n, d in self.inflight.values() if d <= at_s)
+        times = np.array([d for d, _ in due] + [at_s])
+        later = made[None, :] + (np.maximum(times - self.clock_s, 0.0) / self.step_s)[:, None]
+        alive = survival.still_running(made[None, :], later)
+        batch = alive.sum(axis=1)
+        kv = (alive * (inputs[None, :] + later)).sum(axis=1)
+        taken = self._decode_check_order(due, batch[:-1], kv[:-1])
+        made_then = (at_s - taken[:, 0]) / self.step_s
+        alive = survival.still_running(0, made_then)
+        batch_then = batch[-1] + alive.sum()
+        kv_then = kv[-1] + (alive * (taken[:, 1] + made_then)).sum()
+        over_batch, over_kv = self.recent.overtaking(self.clock_s, at_s - self.clock_s,
+                                                     least_queue_s)
+        room = max(0.0, self.capacity_tokens - kv_then)
+        if over_kv > room:
+            over_batch, over_kv = over_batch * room / over_kv, room
+        return DecodeLoad(batch_then + over_batch, kv_then + over_kv)
+
+    def _decode_check_order(self, due: list[tuple[float, int]], resident_batch: np.ndarray,
+                            resident_kv: np.ndarray) -> np.ndarray:
+        """(due time, input length) of the requests in flight that the decode check would
+        take, given the residents' expected load at each one's arrival (memory and batch
+        limit; those taken count in full, having just joined)."""
+        out = self.outputs.mean
+        taken = []
+        batch = kv = 0.0
+        for (due_s, tokens), r_batch, r_kv in zip(due, resident_batch, resident_kv):
+            if (r_kv + kv + tokens + out <= self.capacity_tokens
+                    and r_batch + batch + 1 <= self.cost.decode_max_batch):
+                taken.append((due_s, tokens))
+                batch += 1
+                kv += tokens
+        return np.array(taken, dtype=float).reshape(-1, 2)
 
     def join(self, request: int, input_length: int, output_length: int, now_s: float) -> None:
         self.advance(now_s)

@@ -49,7 +49,7 @@ class ReportedDecode(DecodeView):
         return DecodeLoad(self.reported.batch + self.pending,
                           self.reported.kv_tokens + self.pending_tokens)
 
-    def predicted_load(self, at_s: float) -> DecodeLoad:
+    def predicted_load(self, at_s: float, least_queue_s: float = 0.0) -> DecodeLoad:
         # A report carries no per-sequence ages, so the best prediction is
         # what is there now plus what is already on its way.
         return self.committed_load()

@@ -123,7 +123,7 @@ class Simulator:
         self._sample_load(now, queue)
         self.out.input_tokens[rid] = req.input_length
         reason = self.admission.at_arrival(now, placement, self.decodes[j], req.input_length,
-                                           self.outputs.mean)
+                                           self.outputs.mean, min(queue))
         if reason is not None:
             self.out.status[rid] = REJECTED_AT_ARRIVAL
             return
@@ -139,13 +139,14 @@ class Simulator:
         held = tuple(b for b in reused if b in cache)
         cache.touch(held)
         cache.pin(held)
-        finish = max(now, self.busy_until[p.prefill]) + p.service_s
+        start = max(now, self.busy_until[p.prefill])
+        finish = start + p.service_s
         self.busy_until[p.prefill] = finish
         self.out.prefill_busy_s += p.service_s
         self.out.reused_tokens[rid] = min(p.reused_blocks * self.cfg.block_tokens,
                                           req.input_length - 1)
         self._inflight[rid] = _Inflight(p, j, held)
-        self.decodes[j].bind(rid, req.input_length, now,
+        self.decodes[j].bind(rid, req.input_length, now, start,
                              finish + self.cost.transfer_s(req.input_length))
         self._push(finish, _PREFILL_DONE, rid)
 

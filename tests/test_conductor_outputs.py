@@ -3,6 +3,7 @@
 Cost model: a decode step of 10 ms whatever the batch, 10,000 tokens of
 decode memory and at most 2 sequences per batch.
 """
+import numpy as np
 import pytest
 
 from conductor.costmodel import CostModel
@@ -18,8 +19,8 @@ COST = CostModel(p_fixed=0, p_token=0.001, p_attention=0, p_load=0, t_fixed=0, t
 def test_prior_alone_is_a_uniform_decode_length():
     o = OutputLengths(prior_tokens=100)
     assert o.mean == 100
-    assert o.still_running(0, 99) == 1.0
-    assert o.still_running(0, 100) == 0.0
+    assert o.survival().still_running(0, 99) == 1.0
+    assert o.survival().still_running(0, 100) == 0.0
 
 
 def test_survival_comes_from_finished_lengths():
@@ -27,9 +28,20 @@ def test_survival_comes_from_finished_lengths():
     for length in (10, 100, 1000):
         o.observe(length)
     assert o.mean == pytest.approx((512 + 10 + 100 + 1000) / 4)
-    assert o.still_running(0, 50) == pytest.approx(3 / 4)      # 100, 512, 1000 of 4
-    assert o.still_running(200, 600) == pytest.approx(1 / 2)   # 1000 of {512, 1000}
-    assert o.still_running(2000, 3000) == 0.0                  # past anything seen
+    s = o.survival()
+    assert s.still_running(0, 50) == pytest.approx(3 / 4)      # 100, 512, 1000 of 4
+    assert s.still_running(200, 600) == pytest.approx(1 / 2)   # 1000 of {512, 1000}
+    assert s.still_running(2000, 3000) == 0.0                  # past anything seen
+
+
+def test_sequences_still_running_count_as_lengths_at_least_what_they_made():
+    # Finished: 10 and the prior 100. One sequence has made 50 and runs on.
+    # From finished lengths alone P(out > 60) = 1/2; Kaplan-Meier keeps the
+    # runner at risk until 50: S(10) = 1 - 1/3, and nothing ends in 11..99.
+    o = OutputLengths(prior_tokens=100)
+    o.observe(10)
+    assert o.survival().still_running(0, 60) == pytest.approx(1 / 2)
+    assert o.survival(np.array([50.0])).still_running(0, 60) == pytest.approx(2 / 3)
 
 
 def test_prediction_weights_residents_and_inflight_by_survival():
@@ -45,6 +57,20 @@ def test_prediction_weights_residents_and_inflight_by_survival():
     # by 0.5 s, P(out > 20) = 2/3.
     assert load.batch == pytest.approx(4 / 3)
     assert load.kv_tokens == pytest.approx(2 / 3 * 1050 + 2 / 3 * 2020)
+
+
+def test_a_backlog_in_flight_counts_only_what_the_decode_check_would_take():
+    # Five requests of 3,000 tokens due at 0.1-0.5 s, answers of ~100 tokens:
+    # the decode check takes three (9,000 + 3,000 + 100 > 10,000), not 15,000.
+    cost = CostModel(p_fixed=0, p_token=0.001, p_attention=0, p_load=0, t_fixed=0,
+                     t_token=0, d_fixed=0.01, d_seq=0, d_kv=0,
+                     decode_capacity_tokens=10_000, decode_max_batch=256)
+    d = DecodeInstance(0, cost, OutputLengths(prior_tokens=100))
+    for i in range(5):
+        d.inflight[i] = (3000, 0.1 * (i + 1))
+    load = d.predicted_load(0.5)
+    assert load.batch == pytest.approx(3)
+    assert load.kv_tokens == pytest.approx(9000 + 40 + 30 + 20)    # tokens made by 0.5 s
 
 
 def test_batch_limit_refuses_a_third_sequence():

@@ -7,11 +7,12 @@ from conductor.overtaking import MIN_HISTORY, RecentAdmissions
 from tests.test_conductor_outputs import COST
 
 
-def steady(horizons: list[float], tokens: int = 1000, every_s: float = 1.0) -> RecentAdmissions:
-    """One admission per ``every_s`` seconds from t=0, cycling through ``horizons``."""
+def steady(services: list[float], tokens: int = 1000, every_s: float = 1.0) -> RecentAdmissions:
+    """One admission per ``every_s`` seconds from t=0, cycling through ``services`` (seconds
+    from the start of its prefill to its KV at decode)."""
     r = RecentAdmissions()
     for i in range(16):
-        r.record(i * every_s, horizons[i % len(horizons)], tokens)
+        r.record(i * every_s, services[i % len(services)], tokens)
     return r
 
 
@@ -24,8 +25,9 @@ def test_nothing_is_estimated_before_enough_history():
 
 def test_rate_times_expected_lead():
     # 16 admissions of 1000 tokens over 16 s (t=0..15, asked at t=16): rate
-    # 1 request/s, 1000 tokens/s. Horizons alternate 2 s and 6 s; asked for a
-    # horizon of 5 s, leads are (5-2)+ = 3 and (5-6)+ = 0: mean 1.5 s.
+    # 1 request/s, 1000 tokens/s. Services alternate 2 s and 6 s; asked for a
+    # horizon of 5 s with a prefill node idle, leads are (5-2)+ = 3 and (5-6)+ = 0:
+    # mean 1.5 s.
     batch, kv = steady([2.0, 6.0]).overtaking(16.0, 5.0)
     assert batch == pytest.approx(1.5)
     assert kv == pytest.approx(1500.0)
@@ -45,10 +47,22 @@ def test_the_ring_forgets_old_admissions():
     assert kv == pytest.approx(100.0)            # 100 tokens/s x 1 s lead
 
 
+def test_no_overtaking_from_behind_queues_deeper_than_the_wait():
+    # Services alternate 1 s and 6 s; every prefill queue is at least 3 s deep.
+    # For a request due in 5 s, a later one waits >= 3 - u, so it overtakes
+    # when max(u, 3) + s' < 5: for u < 3 if s' < 2 (half of them: 3 x 1/2),
+    # and for u in [3, 5) when u < 5 - s' (E[(2 - s')+] = 1/2). Lead 2 s at
+    # one request of 1,000 tokens per second.
+    batch, kv = steady([1.0, 6.0]).overtaking(16.0, 5.0, least_queue_s=3.0)
+    assert batch == pytest.approx(2.0)
+    assert kv == pytest.approx(2000.0)
+    assert steady([2.0, 6.0]).overtaking(16.0, 5.0, least_queue_s=3.0) == (0.0, 0.0)
+
+
 def test_prediction_adds_overtakers_to_residents():
     d = DecodeInstance(0, COST, OutputLengths(prior_tokens=10_000))
     for i in range(16):                          # admitted at 0..15 s, due 1 s later
-        d.bind(100 + i, 500, float(i), float(i) + 1.0)
+        d.bind(100 + i, 500, float(i), float(i), float(i) + 1.0)
         d.inflight.pop(100 + i)                  # ... and since joined and left
     d.advance(16.0)
     # nothing resident or in flight; 500 tokens/s with horizon 1 s, so a
