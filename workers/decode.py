@@ -53,6 +53,7 @@ class DecodeSequence:
     pending: list[int] = field(default_factory=list)
     produced: int = 1
     recomputed: bool = False
+    first_step_at: float = 0.0            # perf_counter() when its first step began
 
 
 class DecodeEngine:
@@ -179,6 +180,8 @@ class DecodeEngine:
         if seq.cancelled.is_set():
             seq.cache = None
             return
+        if not seq.first_step_at:
+            seq.first_step_at = time.perf_counter()
         try:
             ids = torch.tensor([seq.pending], dtype=torch.long)
             out = self.loaded.model(input_ids=ids, past_key_values=seq.cache, use_cache=True, logits_to_keep=1)
