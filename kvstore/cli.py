@@ -69,6 +69,24 @@ def serve_parser(sub) -> argparse.ArgumentParser:
                          help="seconds without a keep-alive before a node counts as gone (default 5)")
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port "
                    "(default: off)")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--aclfile", metavar="FILE", help="ACL users, one 'user NAME rules...' line each; "
+                          "ACL LOAD and ACL SAVE read and write it")
+    security.add_argument("--protected-mode", choices=("yes", "no"), help="refuse clients from other hosts "
+                          "while the default user has no password (default yes)")
+    security.add_argument("--tls-port", type=int, metavar="N", help="also accept TLS clients on this port")
+    security.add_argument("--tls-cert-file", metavar="FILE", help="the node's certificate (PEM)")
+    security.add_argument("--tls-key-file", metavar="FILE", help="the certificate's private key (PEM)")
+    security.add_argument("--tls-ca-cert-file", metavar="FILE", help="CA that signs client (and node) "
+                          "certificates")
+    security.add_argument("--tls-auth-clients", choices=("yes", "no", "optional"),
+                          help="require a client certificate, verify one if offered, or ask for none "
+                          "(default yes)")
+    security.add_argument("--client-output-buffer-limit", metavar="LIMITS", help="'normal HARD SOFT SECONDS': "
+                          "close a client whose unread replies pass HARD, or SOFT for SECONDS (default "
+                          "'normal 0 0 0': no limit)")
+    security.add_argument("--client-query-buffer-limit", type=_size, metavar="SIZE",
+                          help="close a client whose request in progress holds more (default 1gb)")
     return p
 
 
@@ -110,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "conductor":
         from conductor.cli import conductor_main
         return conductor_main(argv[1:])
+    if argv and argv[0] == "tracegen":
+        from conductor.cli import tracegen_main
+        return tracegen_main(argv[1:])
     if argv and argv[0] == "cluster":
         from kvstore.cluster.cli import cluster_main
         return cluster_main(argv[1:])
@@ -127,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("replay", help="replay a Mooncake trace through the conductor's simulator "
                    "(kvstore replay --help)", add_help=False)
     sub.add_parser("conductor", help="run the cache-aware conductor service (kvstore conductor --help)",
+                   add_help=False)
+    sub.add_parser("tracegen", help="generate a Mooncake-format trace (kvstore tracegen --help)",
                    add_help=False)
     sub.add_parser("cluster", help="start a local cluster or show one's slots (kvstore cluster --help)",
                    add_help=False)

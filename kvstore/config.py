@@ -17,6 +17,12 @@ from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 EVICTION_POLICIES = ("allkeys-lru", "noeviction")
 SSD_WRITE_POLICIES = ("write-back", "write-through")
 SSD_COMPRESSIONS = ("auto", "off")
+YES_NO = ("yes", "no")
+TLS_AUTH_CLIENTS = ("yes", "no", "optional")
+# Redis's client classes for client-output-buffer-limit; only "normal" clients exist here,
+# the others are kept so the setting reads and writes as in Redis.
+BUFFER_LIMIT_CLASSES = {"normal": "normal", "slave": "slave", "replica": "slave", "pubsub": "pubsub"}
+DEFAULT_OUTPUT_BUFFER_LIMIT = "normal 0 0 0 slave 268435456 67108864 60 pubsub 33554432 8388608 60"
 LOG_LEVELS = {"debug": logging.DEBUG, "verbose": logging.DEBUG, "notice": logging.INFO,
               "warning": logging.WARNING}
 # CONFIG SET answers a bad policy with Redis's own list, word for word, as clients expect.
@@ -94,11 +100,22 @@ class Config:
     cluster: str | None = None        # etcd://HOST:PORT/NAME: join that cluster
     announce: str | None = None       # host:port other nodes and clients reach this node at
     cluster_node_timeout: float = 5.0  # seconds without a keep-alive before a node is gone
+    aclfile: str | None = None        # users, one "user NAME rules..." line each (ACL LOAD/SAVE)
+    protected_mode: str = "yes"       # refuse remote clients while the default user has no password
+    tls_port: int = 0                 # 0: no TLS listener
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_cert_file: str | None = None
+    tls_auth_clients: str = "yes"     # yes: clients need a certificate the CA signed; optional; no
+    client_output_buffer_limit: str = DEFAULT_OUTPUT_BUFFER_LIMIT   # class hard soft soft-seconds
+    client_query_buffer_limit: int = 1024**3
 
-    SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size")
-    INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port")
+    SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size", "client_query_buffer_limit")
+    INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port",
+                  "tls_port")
     FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout")
-    LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel")
+    LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel", "protected_mode",
+                        "tls_auth_clients")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,6 +146,27 @@ class Config:
         _check(0 <= self.metrics_port < 65536, "metrics-port", f"metrics-port {self.metrics_port} out of range")
         _check(0.5 <= self.cluster_node_timeout <= 3600, "cluster-node-timeout",
                "cluster-node-timeout must be between 0.5 and 3600 seconds")
+        _one_of("protected-mode", self.protected_mode, YES_NO)
+        self._validate_tls()
+        _check(self.client_query_buffer_limit >= 1024 * 1024, "client-query-buffer-limit",
+               "client-query-buffer-limit must be at least 1mb",
+               "argument must be between 1048576 and 9223372036854775807 inclusive")
+        merge_output_buffer_limits(DEFAULT_OUTPUT_BUFFER_LIMIT, self.client_output_buffer_limit)
+
+    def _validate_tls(self) -> None:
+        _check(0 <= self.tls_port < 65536, "tls-port", f"tls-port {self.tls_port} out of range")
+        _one_of("tls-auth-clients", self.tls_auth_clients, TLS_AUTH_CLIENTS)
+        if not self.tls_port:
+            return
+        _check(bool(self.tls_cert_file and self.tls_key_file), "tls-port",
+               "tls-port needs tls-cert-file and tls-key-file")
+        _check(self.tls_auth_clients == "no" or bool(self.tls_ca_cert_file), "tls-auth-clients",
+               "tls-ca-cert-file must be given when tls-auth-clients is yes or optional")
+
+    def output_buffer_limit(self) -> tuple[int, int, int]:
+        """(hard, soft, soft seconds) for normal clients; 0 turns a limit off."""
+        values = self.client_output_buffer_limit.split()
+        return tuple(int(v) for v in values[1:4]) if values[0] == "normal" else (0, 0, 0)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -144,7 +182,10 @@ class Config:
         attr = name.replace("-", "_").lower()
         if attr not in {f.name for f in fields(self)}:
             raise ConfigError(f"unknown setting '{name}'")
-        setattr(self, attr, self._convert(attr, value))
+        value = self._convert(attr, value)
+        if attr == "client_output_buffer_limit":         # the classes not named keep their limits
+            value = merge_output_buffer_limits(self.client_output_buffer_limit, value)
+        setattr(self, attr, value)
 
     def _convert(self, attr: str, value):
         setting = attr.replace("_", "-")
@@ -181,6 +222,33 @@ class Config:
             cfg.set(key, value)
         cfg.validate()
         return cfg
+
+
+def merge_output_buffer_limits(current: str, text: str) -> str:
+    """client-output-buffer-limit as Redis reads it: ``class hard soft seconds`` groups
+    (sizes with units) override those classes in ``current``; the result lists every class."""
+    words = text.lower().split()
+    setting = "client-output-buffer-limit"
+    if not words or len(words) % 4:
+        raise ConfigError(f"{setting}: expected groups of class, hard, soft and soft-seconds", (setting,),
+                          "Wrong number of arguments in buffer limit configuration.")
+    known = current.split()
+    limits = {known[i]: known[i + 1:i + 4] for i in range(0, len(known), 4)}
+    bad_values = ConfigError(f"{setting}: hard and soft must be sizes, soft-seconds an integer", (setting,),
+                             "Error in hard, soft or soft_seconds setting in buffer limit configuration.")
+    for i in range(0, len(words), 4):
+        cls = BUFFER_LIMIT_CLASSES.get(words[i])
+        if cls is None:
+            raise ConfigError(f"{setting}: unknown client class '{words[i]}'", (setting,),
+                              "Invalid client class specified in buffer limit configuration.")
+        try:
+            hard, soft = parse_size(words[i + 1]), parse_size(words[i + 2])
+        except ConfigError:
+            raise bad_values from None
+        if not words[i + 3].isdigit():
+            raise bad_values
+        limits[cls] = [str(hard), str(soft), str(int(words[i + 3]))]
+    return " ".join(f"{cls} {' '.join(limits[cls])}" for cls in ("normal", "slave", "pubsub"))
 
 
 def _integer(setting: str, value) -> int:

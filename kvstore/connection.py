@@ -14,15 +14,24 @@ the arena, each under a read lease until the kernel has taken its last byte.
 
 Backpressure: while replies are waiting for the socket we stop reading from
 that client, so a client that does not read cannot make us buffer without
-bound.
+bound. Two limits close a client, as in Redis: replies queued past
+client-output-buffer-limit (hard, or soft for too long), and a request in
+progress past client-query-buffer-limit (its unparsed bytes, the arguments
+read so far and the part of a big bulk received).
+
+TLS: an `ssl.SSLSocket` has no ``sendmsg``/``recvmsg_into`` and says "would
+block" with SSLWantRead/WriteError, so a TLS client sends one buffer per call
+and receives into one buffer per call, and decrypted bytes OpenSSL already
+holds (``pending()``) are read without waiting for the socket to be readable.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
-from array import array
+import ssl
 import time
+from array import array
 from collections import deque
 from itertools import islice
 
@@ -37,6 +46,8 @@ log = logging.getLogger("kvstore")
 BIG_REPLY = 64 * 1024      # values at least this big are sent from the arena, not copied
 IOV_MAX = 512
 READS_PER_EVENT = 64
+ARG_OVERHEAD = 48          # bytes a parsed argument costs beyond its length (object, list slot)
+WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class Connection:
@@ -55,7 +66,9 @@ class Connection:
         self.created = self.last_active = time.monotonic()
         self.last_command = "NULL"
         self.addr, self.laddr = _addresses(sock)
-        self.authenticated = server.config.requirepass is None
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.user = server.users.default
+        self.authenticated = self.user.enabled and self.user.nopass
         self.reader = RequestReader(server.config.proto_max_bulk_len,
                                     lambda args, size: value_destination(self, args, size))
         self.reader.authenticated = self.authenticated
@@ -76,10 +89,16 @@ class Connection:
         self.later: deque = deque()         # (future, resume) deferred behind ``waiting``
         self.protocol_error: ProtocolError | None = None
         self.pending_fds: list[int] = []    # sent with the next reply bytes (SCM_RIGHTS)
+        self.out_bytes = 0                  # bytes queued in ``out``
+        self.soft_limit_since: float | None = None
+        self.over_output_limit = False      # replies past the limit: closed, nothing more queued
+        self.counted_args: tuple = (None, 0, 0)     # (args list, how many, their bytes) for the query limit
 
     # ------------------------------------------------------------- identity
 
-    def set_authenticated(self) -> None:
+    def log_in(self, user) -> None:
+        """AUTH succeeded: this connection acts as ``user`` from now on."""
+        self.user = user
         self.authenticated = self.reader.authenticated = True
 
     def set_name(self, name: bytes) -> None:
@@ -105,7 +124,7 @@ class Connection:
                 f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
                 f"ssub=0 multi={-1 if self.multi is None else len(self.multi)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
                 f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
-                f"omem=0 tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} user=default redir=-1 "
+                f"omem=0 tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} user={self.user.name} redir=-1 "
                 f"resp={self.enc.protocol} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}")
 
     # ------------------------------------------------------------- reading
@@ -114,7 +133,7 @@ class Connection:
         reader = self.reader
         try:
             for _ in range(READS_PER_EVENT):
-                if reader.big is None and not reader.discarding:
+                if (reader.big is None and not reader.discarding) or self.tls:
                     buf = reader.recv_buffer()
                     n, room = self.sock.recv_into(buf), len(buf)
                 else:
@@ -124,9 +143,9 @@ class Connection:
                     self.close()
                     return
                 reader.received(n)
-                if n < room or (reader.big is None and not reader.discarding):
-                    break
-        except (BlockingIOError, InterruptedError):
+                if (n < room and not self.tls) or (reader.big is None and not reader.discarding):
+                    break           # TLS hands out a record per call: keep reading a big bulk
+        except WOULD_BLOCK:
             pass
         except OSError:
             self.close()
@@ -139,7 +158,37 @@ class Connection:
             log.exception("closing client id=%d after an internal error", self.id)
             self.close()
             return
+        if self._query_bytes() > self.server.config.client_query_buffer_limit:
+            self._close_for_query_limit()
+            return
         self.flush()
+        if self.tls and self.reading and not self.closed and self.sock.pending():
+            self.server.loop.call_soon(self._read_pending_tls)
+
+    def _read_pending_tls(self) -> None:
+        """Read what OpenSSL already decrypted: the socket will not say it is readable."""
+        if not self.closed and self.reading and self.waiting is None:
+            self.on_readable()
+
+    def _query_bytes(self) -> int:
+        """Bytes held for the request being received: unparsed input, the arguments parsed
+        so far (counted once each as they arrive) and the part of a big bulk received."""
+        reader = self.reader
+        size = reader.end - reader.start + reader.big_got
+        args = reader.args
+        if args:
+            counted, count, nbytes = self.counted_args
+            if counted is not args:
+                count, nbytes = 0, 0
+            nbytes += sum(len(a) + ARG_OVERHEAD if type(a) is bytes else ARG_OVERHEAD for a in args[count:])
+            self.counted_args = (args, len(args), nbytes)
+            size += nbytes
+        return size
+
+    def _close_for_query_limit(self) -> None:
+        log.warning("Closing client that reached max query buffer length: %s", self.describe())
+        self.server.stats.query_limit_disconnections += 1
+        self.close()
 
     def _run_parsed(self) -> None:
         if self.protocol_error is None:
@@ -207,6 +256,8 @@ class Connection:
 
     def write_value(self, slot: int) -> None:
         """Queue the value of ``slot`` as a bulk reply, sending big ones from the arena."""
+        if self.over_output_limit:
+            return                  # closing: hold no more values for it
         engine = self.engine
         size = engine.size_of(slot)
         self.wbuf += b"$%d\r\n" % size
@@ -217,39 +268,76 @@ class Connection:
         lease = (engine.hold(slot), slot, engine.key_of(slot))     # None token: heap-staged copy
         self.out.append((self.wbuf, None))
         self.out.append((engine.view(slot), lease))
+        self.out_bytes += len(self.wbuf) + size
         self.wbuf = bytearray(b"\r\n")
+        self._check_output_limit()
 
     def flush(self) -> None:
         if self.closed or self.waiting is not None:
             return                  # replies go out in order, after what we wait for
+        if self.over_output_limit:
+            self.close()
+            return
         if self.wbuf and not self.out and not self.pending_fds and self._send_small():
             return
         if self.wbuf:
             self.out.append((self.wbuf, None))
+            self.out_bytes += len(self.wbuf)
             self.wbuf = bytearray()
         out = self.out
         while out:
             try:
                 if self.pending_fds:
                     sent = self._send_with_fds()
-                elif len(out) == 1:
+                elif len(out) == 1 or self.tls:
                     sent = self.sock.send(out[0][0])
                 else:
                     sent = self.sock.sendmsg([b for b, _ in islice(out, 0, IOV_MAX)])
-            except (BlockingIOError, InterruptedError):
+            except WOULD_BLOCK:
                 break
             except OSError:
                 self.close()
                 return
             if not self._consume(sent):
                 break
+        self._check_output_limit()
+        if self.over_output_limit:
+            self.close()
+            return
         self._update_interest()
+
+    def _check_output_limit(self) -> None:
+        """Redis's client-output-buffer-limit for normal clients: past the hard limit, or
+        past the soft one for longer than its seconds, the client is closed (at once when
+        nothing runs for it, else once its current command ends)."""
+        hard, soft, seconds = self.server.output_limit
+        if not (hard or soft) or self.over_output_limit:
+            return
+        queued, now = len(self.wbuf) + self.out_bytes, time.monotonic()
+        if soft and queued > soft and self.soft_limit_since is None:
+            self.soft_limit_since = now
+            self.server.loop.call_later(seconds + 0.01, self._soft_limit_deadline, now)
+        elif not (soft and queued > soft):
+            self.soft_limit_since = None
+        over_soft = self.soft_limit_since is not None and now - self.soft_limit_since > seconds
+        if (hard and queued > hard) or over_soft:
+            log.warning("Client %s scheduled to be closed ASAP for overcoming of output buffer limits.",
+                        self.describe())
+            self.server.stats.output_limit_disconnections += 1
+            self.over_output_limit = self.close_after_reply = True
+
+    def _soft_limit_deadline(self, since: float) -> None:
+        if self.closed or self.soft_limit_since != since:
+            return                  # gone, or back under the soft limit since
+        self._check_output_limit()
+        if self.over_output_limit and self.waiting is None:
+            self.close()
 
     def _send_small(self) -> bool:
         """The common case, one buffer of small replies: True when it all went out."""
         try:
             sent = self.sock.send(self.wbuf)
-        except (BlockingIOError, InterruptedError):
+        except WOULD_BLOCK:
             return False
         except OSError:
             self.close()
@@ -277,6 +365,7 @@ class Connection:
 
     def _consume(self, sent: int) -> bool:
         """Drop what the kernel took; True when every queued buffer went out."""
+        self.out_bytes -= sent
         out = self.out
         while sent and out:
             buf, lease = out[0]
@@ -308,7 +397,9 @@ class Connection:
         elif not self.reading and self.waiting is None:
             self.reading = True
             loop.add_reader(self.fd, self.on_readable)
-            if self.reader.end > self.reader.start:
+            if self.tls and self.sock.pending():
+                loop.call_soon(self._read_pending_tls)
+            elif self.reader.end > self.reader.start:
                 loop.call_soon(self.on_readable_buffered)
 
     def on_readable_buffered(self) -> None:
@@ -340,6 +431,7 @@ class Connection:
             if lease is not None:
                 self.engine.release_hold(lease[0])
         self.out.clear()
+        self.out_bytes = 0
         for callback in self.close_callbacks:
             try:
                 callback(self)

@@ -29,6 +29,7 @@ import asyncio
 import logging
 from itertools import islice
 
+from kvstore import acl
 from kvstore.cluster.routing import redirect
 from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.table import Command, CommandError, lookup
@@ -74,6 +75,7 @@ def value_destination(conn, args: list, size: int):
 def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
     """Run one request for ``conn``: its reply (or a deferral) is queued on the connection."""
     settled = True          # False while the request is queued in MULTI or deferred
+    cmd = None
     try:
         cmd = _checked(conn, args)
         if cmd is None:
@@ -96,6 +98,8 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
     except Redirected as exc:
         _fail(conn, exc.reply)
     except CommandError as exc:
+        if cmd is None and args[0].lower() == b"exec":
+            exc = _abort_transaction(conn, exc)
         _fail(conn, writer.error(str(exc), exc.code))
     except OutOfMemory:
         _fail(conn, OOM_ERROR)
@@ -124,6 +128,8 @@ def _checked(conn, args: list) -> Command | None:
     if not conn.authenticated and "no-auth" not in cmd.flags:
         conn.write(NOAUTH_ERROR)
         return None
+    if not conn.user.unrestricted:
+        acl.check_command(conn.user, cmd, args)
     tiers = conn.engine.tiers
     if tiers is not None and tiers.loading and "loading" not in cmd.flags:
         raise CommandError("kvstore is loading the dataset in memory", "LOADING")
@@ -223,6 +229,14 @@ def _fail(conn, reply: bytes) -> None:
     if conn.multi is not None:
         conn.multi_dirty = True       # EXEC will answer EXECABORT
     conn.write(reply)
+
+
+def _abort_transaction(conn, refusal: CommandError) -> CommandError:
+    """EXEC refused before it runs (a user without it) ends the transaction, as Redis's execCommandAbort."""
+    if conn.multi is not None:
+        release_queued(conn.engine, conn.multi)
+        conn.multi = None
+    return CommandError(f"Transaction discarded because of: {refusal.code} {refusal}", "EXECABORT")
 
 
 def release_holders(engine, args: list) -> None:

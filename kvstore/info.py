@@ -65,6 +65,8 @@ def stats_section(server) -> dict:
     s, e = server.stats, server.engine.stats
     return {"total_connections_received": s.connections, "total_commands_processed": s.commands,
             "rejected_connections": s.rejected, "expired_keys": e.expired, "evicted_keys": e.evictions,
+            "client_query_buffer_limit_disconnections": s.query_limit_disconnections,
+            "client_output_buffer_limit_disconnections": s.output_limit_disconnections,
             "keyspace_hits": e.hits, "keyspace_misses": e.misses, "oom_rejections": e.oom_rejections}
 
 

@@ -2,7 +2,8 @@
 
 Why a module of its own: a setting changed at run time must reach the part
 that uses it (the engine's limit and policy, each connection's reader, the
-tier manager's watermarks and heat window, the log level), or CONFIG SET
+tier manager's watermarks and heat window, the log level, the default
+user's password, the clients' output buffer limit), or CONFIG SET
 would answer OK for a change that never happens. Settings that shape what
 was built at start-up (the listening sockets, the DRAM arena, the SSD and GPU
 tiers, the metrics endpoint) cannot change without a restart: CONFIG SET
@@ -21,7 +22,8 @@ from kvstore.config import LOG_LEVELS, Config, ConfigError, parse_size
 
 FIXED_AT_START = frozenset({"bind", "port", "unixsocket", "dram-size", "ssd-dir", "ssd-size", "ssd-compression",
                             "gpu-size", "gpu-device", "metrics-port", "save", "appendonly",
-                            "cluster", "announce", "cluster-node-timeout"})
+                            "cluster", "announce", "cluster-node-timeout", "aclfile", "tls-port", "tls-cert-file",
+                            "tls-key-file", "tls-ca-cert-file", "tls-auth-clients"})
 # Redis settings clients ask about; the node persists nothing but its SSD tier (as Redis with save "").
 REDIS_ONLY = {"save": "", "appendonly": "no"}
 
@@ -66,6 +68,8 @@ def apply(server, changes: list[tuple[str, str]]) -> None:
         seen.add(canonical)
     lowered = [(name.lower(), value) for name, value in changes]
     server.config, server.engine.limit = _checked(server, lowered)
+    if "requirepass" in seen:
+        server.users.use_requirepass(server.config.requirepass)
     push_to_running(server)
 
 
@@ -98,6 +102,7 @@ def push_to_running(server) -> None:
     """Make every run-time setting of ``server.config`` the one in force."""
     cfg, engine = server.config, server.engine
     engine.policy = cfg.maxmemory_policy
+    server.output_limit = cfg.output_buffer_limit()
     for conn in server.clients.values():
         conn.reader.max_bulk_len = cfg.proto_max_bulk_len
     tiers = engine.tiers

@@ -1,9 +1,13 @@
 """The node: listening sockets, the accept loop, the cron, and shutdown.
 
 One event loop thread owns the engine; connections are callbacks on it (see
-connection.py for why raw sockets). The cron runs Redis's active expiry every
-100 ms. Shutdown (SIGTERM, SIGINT or SHUTDOWN) stops accepting, closes every
-client and removes the Unix socket file.
+connection.py for why raw sockets). A TLS listener's clients are the same
+connections once their handshake is done (kvstore/tls.py). Before a socket
+becomes a client it may be refused, as Redis refuses it: over maxclients, or
+by protected mode (a remote client while the default user has no password).
+The cron runs Redis's active expiry every 100 ms. Shutdown (SIGTERM, SIGINT
+or SHUTDOWN) stops accepting, closes every client and removes the Unix socket
+file.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from kvstore import acl, tls
 from kvstore.cluster.membership import ClusterError
 from kvstore.config import Config
 from kvstore.connection import Connection
@@ -36,12 +41,19 @@ class ServerStats:
     connections: int = 0
     commands: int = 0
     rejected: int = 0
+    output_limit_disconnections: int = 0
+    query_limit_disconnections: int = 0
 
 
 class Server:
     def __init__(self, config: Config, config_file: str | None = None):
         self.config = config
         self.config_file = config_file
+        self.users = acl.Users(config.requirepass)
+        if config.aclfile:
+            self.users.load(config.aclfile)
+        self.tls_context = tls.server_context(config) if config.tls_port else None
+        self.output_limit = config.output_buffer_limit()
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
         self.tiers = open_tiers(self.engine, config)
         self.clients: dict[int, Connection] = {}
@@ -104,28 +116,33 @@ class Server:
 
     def _listen(self) -> None:
         cfg = self.config
-        for addr in cfg.bind.split():
-            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-            lsock = socket.socket(family, socket.SOCK_STREAM)
-            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lsock.bind((addr, cfg.port))
-            self._add_listener(lsock, tcp=True)
-            log.info("Listening on %s:%d", addr, lsock.getsockname()[1])
+        self._listen_tcp(cfg.port, tls=False)
         if cfg.unixsocket:
             if os.path.exists(cfg.unixsocket):
                 os.unlink(cfg.unixsocket)
             lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             lsock.bind(cfg.unixsocket)
-            self._add_listener(lsock, tcp=False)
+            self._add_listener(lsock, tcp=False, tls=False)
             log.info("Listening on unix socket %s", cfg.unixsocket)
+        if cfg.tls_port:
+            self._listen_tcp(cfg.tls_port, tls=True)
 
-    def _add_listener(self, lsock: socket.socket, tcp: bool) -> None:
+    def _listen_tcp(self, port: int, tls: bool) -> None:
+        for addr in self.config.bind.split():
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            lsock = socket.socket(family, socket.SOCK_STREAM)
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((addr, port))
+            self._add_listener(lsock, tcp=True, tls=tls)
+            log.info("Listening on %s:%d%s", addr, lsock.getsockname()[1], " (TLS)" if tls else "")
+
+    def _add_listener(self, lsock: socket.socket, tcp: bool, tls: bool) -> None:
         lsock.listen(BACKLOG)
         lsock.setblocking(False)
         self.listeners.append(lsock)
-        self.loop.add_reader(lsock.fileno(), self._accept, lsock, tcp)
+        self.loop.add_reader(lsock.fileno(), self._accept, lsock, tcp, tls)
 
-    def _accept(self, lsock: socket.socket, tcp: bool) -> None:
+    def _accept(self, lsock: socket.socket, tcp: bool, tls_on: bool) -> None:
         for _ in range(64):
             try:
                 sock, _ = lsock.accept()
@@ -135,20 +152,38 @@ class Server:
                 log.warning("accept failed: %s", exc)
                 return
             self.stats.connections += 1
-            if len(self.clients) >= self.config.maxclients:
-                self.stats.rejected += 1
-                try:
-                    sock.send(b"-ERR max number of clients reached\r\n")
-                finally:
-                    sock.close()
-                continue
             sock.setblocking(False)
             if tcp:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls_on:
+                tls.Handshake(self.loop, sock, self.tls_context, self._admit)
+            else:
+                self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Make ``sock`` a client, unless maxclients or protected mode refuses it (Redis's errors)."""
+        try:
+            peer = _peer_host(sock)
+        except OSError:             # gone already
+            sock.close()
+            return
+        if len(self.clients) >= self.config.maxclients:
+            refusal = b"-ERR max number of clients reached\r\n"
+        elif self.config.protected_mode == "yes" and acl.protected_mode_refuses(self.users.default, peer):
+            refusal = acl.DENIED
+        else:
             conn = Connection(self, sock, self._next_id)
             self._next_id += 1
             self.clients[conn.id] = conn
             self.loop.add_reader(conn.fd, conn.on_readable)
+            return
+        self.stats.rejected += 1
+        try:
+            sock.send(refusal)
+        except OSError:
+            pass                # the refusal is a courtesy; the close is what matters
+        finally:
+            sock.close()
 
     def forget(self, conn: Connection) -> None:
         self.clients.pop(conn.id, None)
@@ -198,6 +233,11 @@ class Server:
         self.engine.close()
 
 
+def _peer_host(sock: socket.socket) -> str | None:
+    """The client's address (None over the Unix socket)."""
+    return None if sock.family == socket.AF_UNIX else sock.getpeername()[0]
+
+
 def run(config: Config, config_file: str | None = None) -> int:
     """Run a node until it is asked to stop; returns the process exit code."""
     try:
@@ -207,7 +247,7 @@ def run(config: Config, config_file: str | None = None) -> int:
         runner = asyncio.run
     try:
         server = Server(config, config_file)
-    except (TierError, OSError) as exc:        # no tier, no arena (memory, memfd limits)
+    except (TierError, OSError, acl.AclFileError) as exc:   # no tier, no arena, a bad certificate or ACL file
         log.error("Could not start: %s", exc)
         return 1
     try:

@@ -128,6 +128,15 @@ BAD_TOML = [
     ("cluster = 5", "cluster must be a string"),
     ("announce = 1", "announce must be a string"),
     ("cluster-node-timeout = 0.1", "cluster-node-timeout must be between 0.5 and 3600 seconds"),
+    ("aclfile = 1", "aclfile must be a string"),
+    ('protected-mode = "maybe"', "protected-mode must be one of yes, no"),
+    ("tls-port = 70000", "tls-port 70000 out of range"),
+    ("tls-cert-file = 1", "tls-cert-file must be a string"),
+    ("tls-key-file = 1", "tls-key-file must be a string"),
+    ("tls-ca-cert-file = 1", "tls-ca-cert-file must be a string"),
+    ('tls-auth-clients = "sometimes"', "tls-auth-clients must be one of yes, no, optional"),
+    ('client-output-buffer-limit = "normal 1mb"', "client-output-buffer-limit: expected groups of class"),
+    ('client-query-buffer-limit = "1kb"', "client-query-buffer-limit must be at least 1mb"),
 ]
 
 

@@ -148,7 +148,7 @@ def kv_reserve(conn, args):
 
 
 @command(fp.KV_PUBLISH, -3, "write fast", "fastpath",
-         "Commits a written reservation as the value of a key; NX keeps an existing value.")
+         "Commits a written reservation as the value of a key; NX keeps an existing value.", keys=(2, 2, 1))
 def kv_publish(conn, args):
     reservation_id = parse_ids(args[1:2])[0]
     key, opts = args[2], option_map(args, 3, {b"PARENT": 1, b"NX": 0})

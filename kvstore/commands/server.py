@@ -1,4 +1,4 @@
-"""Connection and server commands: PING, ECHO, SELECT, AUTH, HELLO, CLIENT,
+"""Connection and server commands: PING, ECHO, SELECT, HELLO, CLIENT,
 CONFIG, INFO, COMMAND, MEMORY, QUIT, SHUTDOWN.
 
 These are what clients send on connect (redis-py: HELLO, CLIENT SETINFO;
@@ -7,9 +7,7 @@ Redis 7's, word for word.
 """
 from __future__ import annotations
 
-import hmac
-
-from kvstore import info, live_config
+from kvstore import acl, info, live_config
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError, all_commands, command, lookup
 from kvstore.protocol import writer
@@ -37,28 +35,6 @@ def select(conn, args):
     return writer.OK
 
 
-def check_password(conn, user: bytes, password: bytes) -> None:
-    """Authenticate ``conn`` or raise Redis's WRONGPASS error."""
-    required = conn.server.config.requirepass
-    ok = user == b"default" and (required is None or hmac.compare_digest(password, required.encode()))
-    if not ok:
-        raise CommandError("invalid username-password pair or user is disabled.", "WRONGPASS")
-    conn.set_authenticated()
-
-
-@command("AUTH", -2, "noscript loading stale fast no-auth", "connection", "Authenticates the connection.",
-         keys=(0, 0, 0))
-def auth(conn, args):
-    if len(args) > 3:
-        raise CommandError(SYNTAX)
-    if len(args) == 2 and conn.server.config.requirepass is None:
-        raise CommandError("AUTH <password> called without any password configured for the default user. "
-                           "Are you sure your configuration is correct?")
-    user, password = (b"default", args[1]) if len(args) == 2 else (args[1], args[2])
-    check_password(conn, user, password)
-    return writer.OK
-
-
 @command("HELLO", -1, "noscript loading stale fast no-auth", "connection", "Handshakes with the server.",
          keys=(0, 0, 0))
 def hello(conn, args):
@@ -71,7 +47,7 @@ def hello(conn, args):
     while i < len(args):
         opt = args[i].upper()
         if opt == b"AUTH" and i + 2 < len(args):
-            check_password(conn, args[i + 1], args[i + 2])
+            conn.log_in(acl.login(conn.server.users, args[i + 1], args[i + 2]))
             i += 3
         elif opt == b"SETNAME" and i + 1 < len(args):
             name = args[i + 1]
@@ -171,7 +147,8 @@ def _command_info(cmd) -> bytes:
     flags = [writer.simple(f) for f in cmd.flags]
     return writer.array([writer.bulk(cmd.name), writer.integer(cmd.arity), writer.array(flags),
                          writer.integer(cmd.first_key), writer.integer(cmd.last_key), writer.integer(cmd.step),
-                         writer.array([writer.simple("@" + cmd.group)]), writer.EMPTY_ARRAY,
+                         writer.array([writer.simple("@" + c) for c in acl.command_categories(cmd)]),
+                         writer.EMPTY_ARRAY,
                          writer.EMPTY_ARRAY, writer.EMPTY_ARRAY])
 
 

@@ -1,0 +1,182 @@
+"""Users on the wire: AUTH and the ACL container (SETUSER, GETUSER, DELUSER, LIST,
+USERS, WHOAMI, CAT, GENPASS, DRYRUN, LOAD, SAVE).
+
+The rules themselves live in `kvstore.acl`; this module turns requests into
+calls on the node's user table and replies as Redis 7 replies, error text for
+error text. Deleting a user (ACL DELUSER, or ACL LOAD of a file without it)
+disconnects the clients logged in as that user, as Redis does: a client must
+never keep rights its user no longer has.
+"""
+from __future__ import annotations
+
+import logging
+
+from kvstore import acl
+from kvstore.commands.args import SYNTAX, parse_int
+from kvstore.commands.table import CommandError, command, lookup
+from kvstore.protocol import writer
+
+log = logging.getLogger("kvstore")
+
+NO_ACL_FILE = ("This Redis instance is not configured to use an ACL file. You may want to specify users via "
+               "the ACL SETUSER command and then issue a CONFIG REWRITE (assuming you have a Redis "
+               "configuration file set) in order to store users in the Redis configuration.")
+SAVE_FAILED = "There was an error trying to save the ACLs. Please check the server logs for more information"
+GENPASS_RANGE = ("ACL GENPASS argument must be the number of bits for the output password, a positive number "
+                 "up to 4096")
+
+
+@command("AUTH", -2, "noscript loading stale fast no-auth", "connection", "Authenticates the connection.",
+         keys=(0, 0, 0))
+def auth(conn, args):
+    if len(args) > 3:
+        raise CommandError(SYNTAX)
+    if len(args) == 2 and conn.server.users.default.nopass:
+        raise CommandError("AUTH <password> called without any password configured for the default user. "
+                           "Are you sure your configuration is correct?")
+    user, password = (b"default", args[1]) if len(args) == 2 else (args[1], args[2])
+    conn.log_in(acl.login(conn.server.users, user, password))
+    return writer.OK
+
+
+@command("ACL", -2, "noscript loading stale", "server", "A container for Access List Control commands.",
+         keys=(0, 0, 0), subcommands={
+             "cat": (-2, "Lists the ACL categories, or the commands inside a category."),
+             "deluser": (-3, "Deletes ACL users, and terminates their connections."),
+             "dryrun": (-4, "Simulates the execution of a command by a user, without executing the command."),
+             "genpass": (-2, "Generates a pseudorandom, secure password that can be used to identify ACL users."),
+             "getuser": (3, "Lists the ACL rules of a user."),
+             "list": (2, "Dumps the effective rules in ACL file format."),
+             "load": (2, "Reloads the rules from the configured ACL file."),
+             "save": (2, "Saves the effective ACL rules in the configured ACL file."),
+             "setuser": (-3, "Creates and modifies an ACL user and its rules."),
+             "users": (2, "Lists all ACL users."),
+             "whoami": (2, "Returns the authenticated username of the current connection.")})
+def acl_(conn, args):
+    return _SUBCOMMANDS[args[1].lower()](conn, args)
+
+
+def _text(arg: bytes) -> str:
+    return arg.decode(errors="surrogateescape")
+
+
+def _setuser(conn, args):
+    try:
+        conn.server.users.setuser(_text(args[2]), [_text(a) for a in args[3:]])
+    except acl.AclError as exc:
+        raise CommandError(str(exc)) from None
+    return writer.OK
+
+
+def _getuser(conn, args):
+    user = conn.server.users.get(_text(args[2]))
+    if user is None:
+        return conn.enc.null
+    b = writer.bulk
+    return conn.enc.map([
+        (b("flags"), writer.array([b(f) for f in user.flags()])),
+        (b("passwords"), writer.array([b(h) for h in user.passwords])),
+        (b("commands"), b(user.describe_commands())), (b("keys"), b(user.describe_keys())),
+        (b("channels"), b(user.describe_channels())), (b("selectors"), writer.EMPTY_ARRAY)])
+
+
+def _deluser(conn, args):
+    try:
+        removed = conn.server.users.delete([_text(a) for a in args[2:]])
+    except acl.AclError as exc:
+        raise CommandError(str(exc)) from None
+    _disconnect_users(conn, removed)
+    return writer.integer(len(removed))
+
+
+def _disconnect_users(conn, removed: list) -> None:
+    """Close the connections logged in as a user that no longer exists: at once when idle,
+    after its reply for this one and for one whose command is waiting."""
+    for client in list(conn.server.clients.values()):
+        if any(client.user is user for user in removed):
+            if client is conn or client.waiting is not None:
+                client.close_after_reply = True
+            else:
+                client.close()
+
+
+def _list(conn, args):
+    return writer.bulk_array(conn.server.users.describe())
+
+
+def _users(conn, args):
+    return writer.bulk_array(conn.server.users.names())
+
+
+def _whoami(conn, args):
+    return writer.bulk(conn.user.name)
+
+
+def _cat(conn, args):
+    if len(args) > 3:
+        raise CommandError("wrong number of arguments for 'acl|cat' command")
+    if len(args) == 2:
+        return writer.bulk_array(list(acl.CATEGORIES))
+    category = _text(args[2]).lower()
+    names = acl.catalog().by_category.get(category)
+    if names is None:
+        raise CommandError(f"Unknown category '{_text(args[2])}'")
+    return writer.bulk_array(sorted(names))
+
+
+def _genpass(conn, args):
+    if len(args) > 3:
+        raise CommandError("wrong number of arguments for 'acl|genpass' command")
+    bits = parse_int(args[2]) if len(args) == 3 else 256
+    if not 0 < bits <= 4096:
+        raise CommandError(GENPASS_RANGE)
+    return writer.bulk(acl.generate_password(bits))
+
+
+def _dryrun(conn, args):
+    user = conn.server.users.get(_text(args[2]))
+    if user is None:
+        raise CommandError(f"User '{_text(args[2])}' not found")
+    cmd = lookup(args[3])
+    if cmd is None:
+        raise CommandError(f"Command '{_text(args[3])}' not found")
+    request = args[3:]
+    if not cmd.arity_ok(len(request)):
+        raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
+    denied = acl.denial(user, cmd, request)
+    if denied is None:
+        return writer.OK
+    if denied.command is not None:
+        return writer.bulk(f"This user has no permissions to run the '{denied.command}' command")
+    return writer.bulk(f"This user has no permissions to access the '{_text(denied.key)}' key")
+
+
+def _acl_file(conn) -> str:
+    path = conn.server.config.aclfile
+    if not path:
+        raise CommandError(NO_ACL_FILE)
+    return path
+
+
+def _load(conn, args):
+    try:
+        removed = conn.server.users.load(_acl_file(conn))
+    except acl.AclFileError as exc:
+        raise CommandError(str(exc)) from None
+    _disconnect_users(conn, removed)
+    return writer.OK
+
+
+def _save(conn, args):
+    path = _acl_file(conn)
+    try:
+        conn.server.users.save(path)
+    except OSError as exc:
+        log.warning("Saving the ACL file %s failed: %s", path, exc)
+        raise CommandError(SAVE_FAILED) from None
+    return writer.OK
+
+
+_SUBCOMMANDS = {b"setuser": _setuser, b"getuser": _getuser, b"deluser": _deluser, b"list": _list,
+                b"users": _users, b"whoami": _whoami, b"cat": _cat, b"genpass": _genpass, b"dryrun": _dryrun,
+                b"load": _load, b"save": _save}
