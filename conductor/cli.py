@@ -1,7 +1,7 @@
-"""`kvstore replay` and `kvstore conductor`: the conductor's two command lines.
+"""`kvstore replay`, `kvstore conductor` and `kvstore tracegen`: the conductor's command lines.
 
-The `kvstore` dispatcher calls `replay_main(argv)` and `conductor_main(argv)`
-with the arguments after the subcommand. User errors (bad flags, a bad trace,
+The `kvstore` dispatcher calls `replay_main(argv)`, `conductor_main(argv)` and
+`tracegen_main(argv)` with the arguments after the subcommand. User errors (bad flags, a bad trace,
 an unreachable store) print one `error: ...` line on stderr and return 2;
 nothing a user can cause prints a traceback.
 """
@@ -190,11 +190,80 @@ def conductor_main(argv: list[str]) -> int:
         return 2
 
 
+def tracegen_parser() -> argparse.ArgumentParser:
+    from conductor.tracegen import PRESETS, SPEC_FIELDS, Lengths
+
+    p = _Parser(prog="kvstore tracegen",
+                description="Generate a Mooncake-format trace (JSONL) with a chosen arrival "
+                "process, length distributions and prefix sharing. Lengths are "
+                "MEDIAN:SIGMA[:WEIGHT],...[@LOW-HIGH]: a mixture of clipped log-normals.")
+    p.add_argument("--preset", choices=list(PRESETS),
+                   help="start from a named parameter set: conversation (reproduces the public "
+                   "conversation trace's statistics) or documents (shared-document QA, about "
+                   "65 %% of blocks reusable)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here (default stdout)")
+    p.add_argument("--stats", action="store_true",
+                   help="print the generated trace's statistics instead of the trace")
+    p.add_argument("--compare", metavar="TRACE",
+                   help="with --stats: put a trace file's statistics beside them")
+    kinds = {"int": int, "float": float, "str": str, "Lengths": Lengths.parse}
+    for name, f in SPEC_FIELDS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=_spec_value(kinds[f.type]),
+                       metavar=f.type.upper(), help=f"{f.metadata['help']} (default {f.default})")
+    return p
+
+
+def _spec_value(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+def _run_tracegen(args: argparse.Namespace) -> int:
+    from conductor.tracegen import SPEC_FIELDS, generate, spec_from, write_jsonl
+
+    overrides = {k: getattr(args, k) for k in SPEC_FIELDS if getattr(args, k) is not None}
+    try:
+        spec = spec_from(args.preset, **overrides)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.stats:
+        from conductor.tracestats import comparison_table, measure
+
+        columns = {"generated": measure(list(generate(spec)))}
+        if args.compare:
+            columns[args.compare] = measure(load_trace(args.compare))
+        print(comparison_table(columns))
+        return 0
+    if args.output is None:
+        write_jsonl(generate(spec), sys.stdout)
+        return 0
+    try:
+        with open(args.output, "w", encoding="utf-8") as out:
+            write_jsonl(generate(spec), out)
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
+    return 0
+
+
+def tracegen_main(argv: list[str]) -> int:
+    """`kvstore tracegen [--preset NAME] [--FIELD VALUE ...] [-o FILE]`; returns the exit status."""
+    try:
+        return _run_tracegen(tracegen_parser().parse_args(argv))
+    except (UsageError, TraceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main() -> int:
-    """`python -m conductor.cli replay|conductor ...` (the `kvstore` command is the usual door)."""
-    commands = {"replay": replay_main, "conductor": conductor_main}
+    """`python -m conductor.cli replay|conductor|tracegen ...` (the `kvstore` command is the
+    usual door)."""
+    commands = {"replay": replay_main, "conductor": conductor_main, "tracegen": tracegen_main}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print("usage: python -m conductor.cli {replay|conductor} ...", file=sys.stderr)
+        print("usage: python -m conductor.cli {replay|conductor|tracegen} ...", file=sys.stderr)
         return 2
     return commands[sys.argv[1]](sys.argv[2:])
 
