@@ -126,6 +126,9 @@ class LocalCluster:
         host, prefix = ("127.0.0.1", []) if self.lab is None else (self.lab.address(i), self.lab.prefix(i))
         command = [*prefix, sys.executable, "-m", "kvstore", "serve", "--bind", host, "--port", str(port),
                    "--cluster", str(self.url)]
+        if self.lab is not None:
+            # The lab's hosts sit on a private bridge of this machine: its clients are ours.
+            command += ["--protected-mode", "no"]
         if self.args.dram_size:
             command += ["--dram-size", self.args.dram_size]
         if self.args.node_timeout:
