@@ -1,0 +1,321 @@
+"""KVClusterClient: one store made of many nodes, with every method of KVClient.
+
+The nodes share the key space by Redis Cluster's hash slots, so the client
+keeps the slot map (read with ``CLUSTER SLOTS`` from any node) and one
+`KVClient` per node, and sends each key where its slot lives. What this adds
+over routing one key at a time:
+
+- **Batches split per node and run in parallel.** A prompt's blocks land on
+  different nodes (placement is per block), so a prefix is read from every
+  node at once and the nodes' NICs add up; results come back in the caller's
+  order.
+- **One parallel round for a prefix match.** Each node is asked ``KV.MATCH``
+  for its own keys of the chain (in chain order): it answers how many of them
+  lead before its first miss, which names that node's first missing position
+  in the whole chain; the answer is the smallest such position. A node never
+  needs the others' keys.
+- **Redirections are followed.** ``MOVED`` (the map changed) refreshes the map
+  and retries on the new owner; ``ASK`` (a slot being moved) retries once on
+  the importing node after ``ASKING``, on the same connection.
+- **The local fast path is per node**: each node's `KVClient` maps its node's
+  arena when that node runs on this host (``fast_path="auto"``).
+
+A put that is not an overwrite (put-once) is not retried after ``MOVED``
+changed the map mid-batch for nodes whose part had already run: as in
+KVClient, a retry could not tell its own earlier put from someone else's.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from client.buffers import Key
+from client.errors import ConnectionError, KVError, ResponseError
+from client.hashing import BlockHasher
+from client.operations import Items, Location, Value, with_parents
+from client.sync_client import KVClient
+from proto.slots import SLOTS, keyslot
+
+REDIRECTS = 5                # MOVED/ASK hops followed for one request before giving up
+
+
+class ClusterDown(KVError):
+    """No node could tell the slot map, or a slot has no owner."""
+
+
+def _key_bytes(key: Key) -> bytes:
+    return key if isinstance(key, bytes) else str(key).encode()
+
+
+class KVClusterClient:
+    """A blocking client of a kvstore cluster; thread-safe like `KVClient`.
+
+    ``nodes``: "host:port" of any nodes of the cluster (one is enough; the
+    rest are learned from the slot map). Other arguments are those of
+    `KVClient` (password, timeout, retries, pool_size, fast_path, ...).
+    """
+
+    def __init__(self, nodes: Sequence[str], *, parallelism: int = 16, **client_args: Any):
+        if not nodes:
+            raise ValueError("name at least one node (host:port)")
+        self._client_args = client_args
+        self._clients: dict[str, KVClient] = {}
+        self._seeds = list(nodes)
+        self._addrs: list[str] = []
+        self._owner = np.full(SLOTS, -1, dtype=np.int32)
+        self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="kvcluster")
+        self._ask_clients: dict[str, KVClient] = {}
+        self._ask_lock = threading.Lock()
+        self.refresh()
+
+    # ------------------------------------------------------------ the map
+
+    def refresh(self) -> None:
+        """Read the slot map again (CLUSTER SLOTS) from the first node that answers."""
+        errors = []
+        for addr in [*self._addrs, *self._seeds]:
+            try:
+                ranges = self._client(addr).execute("CLUSTER", "SLOTS")
+            except KVError as exc:
+                errors.append(f"{addr}: {exc}")
+                continue
+            self._apply(ranges)
+            return
+        raise ClusterDown("no node answered CLUSTER SLOTS: " + "; ".join(errors))
+
+    def _apply(self, ranges: list) -> None:
+        addrs: list[str] = []
+        owner = np.full(SLOTS, -1, dtype=np.int32)
+        for start, end, master, *_ in ranges:
+            host = bytes(master[0]).decode() if isinstance(master[0], (bytes, bytearray)) else master[0]
+            addr = f"{host}:{master[1]}"
+            if addr not in addrs:
+                addrs.append(addr)
+            owner[start:end + 1] = addrs.index(addr)
+        self._addrs, self._owner = addrs, owner
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes that own slots, as the map last read says."""
+        return list(self._addrs)
+
+    def node_of(self, key: Key) -> str:
+        """The "host:port" that owns ``key``'s slot."""
+        index = self._owner[keyslot(_key_bytes(key))]
+        if index < 0:
+            raise ClusterDown(f"slot {keyslot(_key_bytes(key))} has no owner")
+        return self._addrs[index]
+
+    def _client(self, addr: str) -> KVClient:
+        client = self._clients.get(addr)
+        if client is None:
+            host, _, port = addr.rpartition(":")
+            client = self._clients.setdefault(addr, KVClient(host.strip("[]"), int(port), **self._client_args))
+        return client
+
+    # ------------------------------------------------------------ routing
+
+    def _on_key(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
+        """Run ``run(client)`` on the owner of ``key``, following MOVED and ASK."""
+        addr = self.node_of(key)
+        for _ in range(REDIRECTS):
+            try:
+                return run(self._client(addr))
+            except ResponseError as exc:
+                addr = self._redirected(exc, key, run)
+                if not isinstance(addr, str):
+                    return addr[0]
+        raise ClusterDown(f"too many redirections for key {key!r}")
+
+    def _redirected(self, exc: ResponseError, key: Key, run: Callable[[KVClient], Any]):
+        """Where to retry after a redirection: an address, or (result,) when ASK already ran it."""
+        words = str(exc).split()
+        if exc.code == "MOVED" and len(words) >= 3:
+            self.refresh()
+            return self.node_of(key)
+        if exc.code == "ASK" and len(words) >= 3:
+            return (self._asking(words[2], run),)
+        raise exc
+
+    def _asking(self, addr: str, run: Callable[[KVClient], Any]) -> Any:
+        """Run once on the node importing the slot, after ASKING on the same connection.
+
+        A one-connection client over the wire (no fast path: its lease commands
+        would be routed on their own) guarantees ASKING and the request share it.
+        """
+        with self._ask_lock:
+            client = self._ask_clients.get(addr)
+            if client is None:
+                host, _, port = addr.rpartition(":")
+                args = {**self._client_args, "pool_size": 1, "fast_path": "off"}
+                client = self._ask_clients[addr] = KVClient(host.strip("[]"), int(port), **args)
+            client.execute("ASKING")
+            return run(client)
+
+    def _by_node(self, keys: Sequence[Key]) -> dict[str, list[int]]:
+        """Indices of ``keys`` grouped by owner, in the caller's order within each node."""
+        owners = np.fromiter((self._owner[keyslot(_key_bytes(k))] for k in keys), dtype=np.int32, count=len(keys))
+        if (owners < 0).any():
+            raise ClusterDown("a key's slot has no owner")
+        groups: dict[str, list[int]] = {}
+        for index, owner in enumerate(owners.tolist()):
+            groups.setdefault(self._addrs[owner], []).append(index)
+        return groups
+
+    def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]]) -> list[Any]:
+        """Run ``run(client, indices)`` on every node with keys, in parallel; results in key order.
+
+        A node that answers MOVED for its part gets the map read again and
+        that part is sent again where it now belongs; a part that meets ASK (a
+        slot in the middle of a move) is run key by key, each following its
+        own redirection.
+        """
+        results: list[Any] = [None] * len(keys)
+        pending = self._by_node(keys)
+        for _ in range(REDIRECTS):
+            futures = {addr: self._pool.submit(run, self._client(addr), indices) for addr, indices in pending.items()}
+            moved: list[int] = []
+            for addr, future in futures.items():
+                try:
+                    for index, value in zip(pending[addr], future.result()):
+                        results[index] = value
+                except ResponseError as exc:
+                    if exc.code == "MOVED":
+                        moved += pending[addr]
+                    elif exc.code == "ASK":
+                        for i in pending[addr]:
+                            results[i] = self._on_key(keys[i], lambda c, i=i: run(c, [i])[0])
+                    else:
+                        raise
+            if not moved:
+                return results
+            self.refresh()
+            regrouped = self._by_node([keys[i] for i in moved])
+            pending = {addr: [moved[j] for j in local] for addr, local in regrouped.items()}
+        raise ClusterDown("too many redirections for a batch")
+
+    # ------------------------------------------------------------ one key
+
+    def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
+        return self._on_key(key, lambda c: c.put(key, value, parent=parent, overwrite=overwrite))
+
+    def get(self, key: Key) -> bytearray | None:
+        return self._on_key(key, lambda c: c.get(key))
+
+    def get_into(self, key: Key, buffer: Any) -> int | None:
+        return self._on_key(key, lambda c: c.get_into(key, buffer))
+
+    def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
+        return self._on_key(key, lambda c: c.put_tensor(key, tensor, parent=parent))
+
+    def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
+        return self._on_key(key, lambda c: c.get_tensor(key, framework=framework))
+
+    def get_tensor_into(self, key: Key, tensor: Any) -> bool:
+        return self._on_key(key, lambda c: c.get_tensor_into(key, tensor))
+
+    def put_layer(self, key: Key, layer: int, data: Any, **options: Any) -> Any:
+        return self._on_key(key, lambda c: c.put_layer(key, layer, data, **options))
+
+    def get_layers(self, key: Key, start: int = 0, stop: int | None = None, **options: Any) -> Any:
+        return self._on_key(key, lambda c: c.get_layers(key, start, stop, **options))
+
+    # ------------------------------------------------------------ batches
+
+    def exists(self, *keys: Key) -> int:
+        """How many of keys are cached (KV.LOCATE: one round trip per node, whatever the slots)."""
+        return sum(location is not None for location in self.locate(keys))
+
+    def delete(self, *keys: Key) -> int:
+        """Remove keys; how many existed. DEL stays within one slot, as Redis Cluster requires."""
+        def per_node(client: KVClient, indices: list[int]) -> list[int]:
+            slots: dict[int, list[int]] = {}
+            for i in indices:
+                slots.setdefault(keyslot(_key_bytes(keys[i])), []).append(i)
+            counts = {i: 0 for i in indices}
+            for same_slot in slots.values():
+                counts[same_slot[0]] = client.delete(*(keys[i] for i in same_slot))
+            return [counts[i] for i in indices]
+        return sum(self._scatter(keys, per_node))
+
+    def batch_put(self, items: Items, *, parents: Sequence[Key | None] | None = None,
+                  overwrite: bool = True) -> list[bool]:
+        pairs, links = with_parents(items, parents)
+        keys = [k for k, _ in pairs]
+        return self._scatter(keys, lambda c, ix: c.batch_put([pairs[i] for i in ix], parents=[links[i] for i in ix],
+                                                             overwrite=overwrite))
+
+    def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
+        return self._scatter(keys, lambda c, ix: c.batch_get([keys[i] for i in ix]))
+
+    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
+        return self._scatter(keys, lambda c, ix: c.batch_get_into([keys[i] for i in ix], [buffers[i] for i in ix]))
+
+    def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
+        pairs, links = with_parents(items, parents)
+        keys = [k for k, _ in pairs]
+        return self._scatter(keys, lambda c, ix: c.batch_put_tensors([pairs[i] for i in ix],
+                                                                     parents=[links[i] for i in ix]))
+
+    def batch_get_tensors_into(self, keys: Sequence[Key], tensors: Sequence[Any]) -> list[bool]:
+        return self._scatter(keys, lambda c, ix: c.batch_get_tensors_into([keys[i] for i in ix],
+                                                                          [tensors[i] for i in ix]))
+
+    def locate(self, keys: Sequence[Key]) -> list[Location | None]:
+        return self._scatter(keys, lambda c, ix: c.locate([keys[i] for i in ix]))
+
+    # ------------------------------------------------------------ prefixes
+
+    def match_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading keys of a chain are cached, over all nodes in one parallel round."""
+        if not keys:
+            return 0
+        leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]), len(ix)))
+        return leading.index(False) if False in leading else len(keys)
+
+    def match_tokens(self, hasher: BlockHasher, token_ids: Any) -> int:
+        return self.match_prefix(hasher.keys(token_ids)) * hasher.block_tokens
+
+    # ------------------------------------------------------------ whole cluster
+
+    def stats(self) -> dict[str, int]:
+        """Every node's KV.STATS counters, added up."""
+        totals: dict[str, int] = {}
+        for counters in self._pool.map(lambda addr: self._client(addr).stats(), self._addrs):
+            for name, value in counters.items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
+
+    def ping(self) -> bool:
+        return all(self._pool.map(lambda addr: self._client(addr).ping(), self._addrs))
+
+    def execute(self, *args: Any) -> Any:
+        """Any command: sent to the owner of its first argument after the name (a key for most
+        commands), or to any node when it has none."""
+        if len(args) > 1:
+            return self._on_key(args[1], lambda c: c.execute(*args))
+        return self._client(self._addrs[0]).execute(*args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for client in [*self._clients.values(), *self._ask_clients.values()]:
+            try:
+                client.close()
+            except ConnectionError:
+                pass
+        self._clients.clear()
+        self._ask_clients.clear()
+
+    def __enter__(self) -> KVClusterClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _leading_flags(leading: int, count: int) -> list[bool]:
+    """Per key of a node's part: True while it is among the part's leading cached keys."""
+    return [True] * leading + [False] * (count - leading)

@@ -1,0 +1,97 @@
+"""KVClusterClient against `kvstore cluster up` (3 real nodes, real etcd): batches split per
+node and run in parallel, a prefix match in one parallel round, MOVED followed after the map changes."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import redis
+
+from client import BlockHasher, KVClusterClient
+from tests.cluster_procs import ClusterUp
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ClusterUp(nodes=3, dram_size="128mb") as up:
+        yield up
+
+
+@pytest.fixture
+def client(cluster):
+    with KVClusterClient([f"{h}:{p}" for h, p in cluster.addrs[:1]]) as kv:
+        yield kv
+
+
+def _commands_served(cluster) -> list[int]:
+    return [redis.Redis(*addr).info("stats")["total_commands_processed"] for addr in cluster.addrs]
+
+
+def test_the_map_names_every_node_and_keys_spread_over_them(client, cluster):
+    assert sorted(client.nodes) == sorted(f"{h}:{p}" for h, p in cluster.addrs)
+    owners = {client.node_of(f"k{i}") for i in range(100)}
+    assert len(owners) == 3
+
+
+def test_single_key_methods_and_tensors(client):
+    value = os.urandom(300_000)
+    assert client.put("one", value, overwrite=True) is True
+    assert client.get("one") == value
+    buf = bytearray(len(value))
+    assert client.get_into("one", buf) == len(value) and bytes(buf) == value
+    tensor = np.arange(1000, dtype=np.float32)
+    assert client.put_tensor("tensor", tensor)
+    assert np.array_equal(client.get_tensor("tensor"), tensor)
+    assert client.get("absent") is None
+
+
+def test_batches_come_back_in_the_callers_order(client):
+    items = [(f"batch:{i}", os.urandom(1000 + i)) for i in range(64)]
+    assert client.batch_put(items) == [True] * 64
+    keys = [k for k, _ in items]
+    assert client.batch_get(keys) == [v for _, v in items]
+    buffers = [bytearray(2000) for _ in keys]
+    assert client.batch_get_into(keys, buffers) == [len(v) for _, v in items]
+    assert [bytes(b[:len(v)]) for b, (_, v) in zip(buffers, items)] == [v for _, v in items]
+    assert client.exists(*keys, "nope") == 64
+    locations = client.locate([keys[0], "nope"])
+    assert locations[0].tier == "dram" and locations[1] is None
+    assert client.delete(*keys[:10], "nope") == 10
+    assert client.exists(*keys) == 54
+
+
+def test_prefix_match_over_nodes_is_one_parallel_round(client, cluster):
+    hasher = BlockHasher("model-x", block_tokens=4)
+    tokens = np.arange(4 * 256, dtype=np.int64)
+    keys = hasher.keys(tokens)
+    assert len({client.node_of(k) for k in keys}) == 3
+    cached = 200
+    client.batch_put([(k, b"kv" * 50) for k in keys[:cached]], parents=[None] + keys[:cached - 1])
+    first = _commands_served(cluster)
+    before = _commands_served(cluster)              # what asking costs (connection set-up, INFO)
+    assert client.match_prefix(keys) == cached
+    after = _commands_served(cluster)
+    overhead = [b - f for b, f in zip(before, first)]
+    assert [a - b - o for a, b, o in zip(after, before, overhead)] == [1, 1, 1]   # one KV.MATCH per node
+    assert client.match_tokens(hasher, tokens) == cached * 4
+    client.delete(keys[50])
+    assert client.match_prefix(keys) == 50
+    assert client.match_prefix([]) == 0
+
+
+def test_moved_refreshes_a_stale_map(client, cluster):
+    key = "stale:1"
+    right = client.node_of(key)
+    wrong = next(f"{h}:{p}" for h, p in cluster.addrs if f"{h}:{p}" != right)
+    index = client.nodes.index(wrong)
+    client._owner[:] = index                      # a map gone stale: every slot on one node
+    assert client.put(key, b"v", overwrite=True) and client.get(key) == b"v"
+    assert client.node_of(key) == right
+    client._owner[:] = index
+    assert client.batch_get([key, "absent"]) == [b"v", None]
+
+
+def test_stats_and_ping_cover_every_node(client):
+    assert client.ping()
+    assert client.stats()["keys"] >= 0
