@@ -2,7 +2,7 @@
 
 The engine is used directly, with a real (small, not pre-faulted) shared-memory
 arena. What is checked:
-- put/get, overwrites in place (same block size) and elsewhere (another size);
+- put/get, overwrites in place (same extent size) and elsewhere (another size);
 - the two-step write: a reserved extent is invisible until commit, release
   gives it back;
 - a full arena: `noeviction` raises OutOfMemory, `allkeys-lru` evicts and
@@ -31,7 +31,7 @@ from kvstore.engine import Engine, OutOfMemory, now_ms
 from kvstore.eviction import NO_PARENT
 
 KiB, MiB = 1 << 10, 1 << 20
-BLOCK = 64 * KiB
+VALUE_SIZE = 64 * KiB
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def make_engine():
         engine.close()
 
 
-def pattern(seed: int, size: int = BLOCK) -> bytes:
+def pattern(seed: int, size: int = VALUE_SIZE) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
@@ -86,19 +86,19 @@ def test_put_and_get(make_engine):
                                  "bytes_gpu": 0, "bytes_dram": 45, "bytes_ssd": 0}
 
 
-def test_overwrite_in_the_same_block_size_stays_in_place(make_engine):
+def test_overwrite_in_the_same_extent_size_stays_in_place(make_engine):
     engine = make_engine()
     engine.put(b"k", b"a" * 100)
     slot = engine.lookup(b"k")
     where, used = offset_of(engine, slot), engine.allocator.used
-    engine.put(b"k", b"b" * 120)                  # both take a 128-byte block
+    engine.put(b"k", b"b" * 120)                  # both take a 128-byte extent
     slot = engine.lookup(b"k")
     assert offset_of(engine, slot) == where and engine.allocator.used == used
     assert get(engine, b"k") == b"b" * 120
     assert engine.allocator.requested == 120 and engine.value_bytes == 120
 
 
-def test_overwrite_with_another_size_moves_and_frees_the_old_block(make_engine):
+def test_overwrite_with_another_size_moves_and_frees_the_old_extent(make_engine):
     engine = make_engine()
     engine.put(b"k", b"a" * 100)
     engine.put(b"k", b"b" * 1000)
@@ -140,26 +140,26 @@ def test_flush(make_engine):
 def test_a_reserved_extent_is_invisible_until_commit(make_engine):
     engine = make_engine()
     engine.put(b"k", b"old")
-    extent = engine.reserve(BLOCK)
+    extent = engine.reserve(VALUE_SIZE)
     extent.view[:] = pattern(1)
     assert get(engine, b"k") == b"old"
     assert engine.lookup(b"new") is None and len(engine.index) == 1
     engine.commit(b"k", extent)
     assert get(engine, b"k") == pattern(1)
-    assert engine.allocator.used == BLOCK, "the old value's block is freed"
+    assert engine.allocator.used == VALUE_SIZE, "the old value's extent is freed"
 
 
 def test_release_gives_the_reservation_back(make_engine):
     engine = make_engine()
-    extent = engine.reserve(BLOCK)
-    assert engine.allocator.used == BLOCK
+    extent = engine.reserve(VALUE_SIZE)
+    assert engine.allocator.used == VALUE_SIZE
     engine.release(extent)
     assert engine.allocator.used == 0 and not engine.index
 
 
 def test_reservations_count_against_the_arena(make_engine):
     engine = make_engine(1 * MiB, "noeviction")
-    extents = [engine.reserve(BLOCK) for _ in range(16)]
+    extents = [engine.reserve(VALUE_SIZE) for _ in range(16)]
     with pytest.raises(OutOfMemory):
         engine.reserve(1)
     engine.release(extents.pop())
@@ -248,7 +248,7 @@ def test_eviction_keeps_chains_as_prefixes(make_engine):
 
 
 def test_an_overwrite_in_place_records_a_new_parent(make_engine):
-    """KV.PUT k v PARENT p over an existing k of the same block size links k to p."""
+    """KV.PUT k v PARENT p over an existing k of the same extent size links k to p."""
     engine = make_engine()
     engine.put(b"p", b"x" * 100)
     engine.put(b"c", b"y" * 100)
@@ -284,7 +284,7 @@ def test_a_key_that_is_its_own_parent_is_evicted_like_any_other(make_engine):
     engine = make_engine(1 * MiB)
     engine.put(b"a", pattern(0), parent=b"a")
     assert engine.eviction.parent_of(engine.lookup(b"a")) == NO_PARENT
-    engine.put(b"a", pattern(1, 2 * BLOCK), parent=b"a")      # a re-put of another size
+    engine.put(b"a", pattern(1, 2 * VALUE_SIZE), parent=b"a")      # a re-put of another size
     assert engine.eviction.parent_of(engine.lookup(b"a")) == NO_PARENT
     for i in range(40):
         engine.put(b"k%d" % i, pattern(i))
@@ -296,9 +296,9 @@ def test_a_parent_cycle_through_several_keys_cannot_form(make_engine):
     """a <- b <- c, then a re-put under c: a's children must not follow it (a -> c -> b -> a)."""
     engine = make_engine(1 * MiB)
     keys = put_chain(engine, 0, 3)
-    engine.put(keys[0], pattern(9, 2 * BLOCK), parent=keys[2])
+    engine.put(keys[0], pattern(9, 2 * VALUE_SIZE), parent=keys[2])
     assert parents_form_a_forest(engine)
-    engine.put(keys[1], pattern(8, 2 * BLOCK), parent=keys[0])     # and a re-put under a descendant
+    engine.put(keys[1], pattern(8, 2 * VALUE_SIZE), parent=keys[0])     # and a re-put under a descendant
     assert parents_form_a_forest(engine)
     for i in range(40):
         engine.put(b"k%d" % i, pattern(i))
@@ -339,9 +339,9 @@ def test_a_held_value_is_not_overwritten_in_place(make_engine):
     token = engine.hold(slot)
     engine.put(b"k", pattern(2))                         # same size: would fit in place
     assert sending == pattern(1) and get(engine, b"k") == pattern(2)
-    assert engine.allocator.used == 2 * BLOCK
+    assert engine.allocator.used == 2 * VALUE_SIZE
     engine.release_hold(token)
-    assert engine.allocator.used == BLOCK
+    assert engine.allocator.used == VALUE_SIZE
 
 
 def test_a_held_value_is_not_evicted(make_engine):
@@ -365,7 +365,7 @@ def test_two_holds_free_on_the_last(make_engine):
     first, second = engine.hold(slot), engine.hold(slot)
     engine.delete(b"k")
     engine.release_hold(first)
-    assert engine.allocator.used == BLOCK
+    assert engine.allocator.used == VALUE_SIZE
     engine.release_hold(second)
     assert engine.allocator.used == 0
 
@@ -393,13 +393,13 @@ def test_a_hold_on_a_staged_copy_is_released_after_the_value_moves_home(make_eng
     slot = engine.lookup(b"k")
     engine.moves.mark_on_ssd(slot)
     engine.moves.demoted_to_ssd(slot)
-    engine.moves.stage(slot, engine.reserve(BLOCK))
+    engine.moves.stage(slot, engine.reserve(VALUE_SIZE))
     read = engine.hold(slot)
-    engine.moves.home_in_dram(slot, engine.reserve(BLOCK))
-    assert engine.allocator.used == 2 * BLOCK, "the staged copy is still being sent"
+    engine.moves.home_in_dram(slot, engine.reserve(VALUE_SIZE))
+    assert engine.allocator.used == 2 * VALUE_SIZE, "the staged copy is still being sent"
     engine.release_hold(read)
     assert not engine.eviction.is_held(slot)
-    assert engine.allocator.used == BLOCK and engine.tier_of(slot) == "dram"
+    assert engine.allocator.used == VALUE_SIZE and engine.tier_of(slot) == "dram"
 
 
 # ----------------------------------------------------------------- expiry
@@ -470,7 +470,7 @@ def test_scan_of_an_empty_engine(make_engine):
 def test_metadata_bytes_per_key_stay_under_200(make_engine):
     """Index overhead of 100,000 keys of 32 hex characters, measured with tracemalloc."""
     n = 100_000
-    engine = make_engine(8 * MiB)               # a 1-byte value takes a 64-byte block
+    engine = make_engine(8 * MiB)               # a 1-byte value takes a 64-byte extent
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]

@@ -283,7 +283,7 @@ def test_get_during_demotion_returns_the_whole_value(tmp_path):
         daemon.stop()
 
 
-# ------------------------------------------------------------------ pins and leases
+# ------------------------------------------------------------------ soft pins and holds
 
 
 def test_pinned_values_are_evicted_last_and_pins_expire(tmp_path):
@@ -311,11 +311,11 @@ def test_pinned_values_are_evicted_last_and_pins_expire(tmp_path):
         daemon.stop()
 
 
-def hold_lease(daemon: Daemon, key: bytes) -> socket.socket:
+def hold_by_reading(daemon: Daemon, key: bytes) -> socket.socket:
     """A Unix-socket client that asks for a big value and never reads the reply.
 
-    The reply is sent from the arena under a lease; the socket buffer takes
-    only part of it, so the lease lasts as long as this client does.
+    The reply is sent from the arena under a hold; the socket buffer takes
+    only part of it, so the hold lasts as long as this client does.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -325,7 +325,7 @@ def hold_lease(daemon: Daemon, key: bytes) -> socket.socket:
 
 
 @pytest.mark.parametrize("ssd", [False, True], ids=["dram-only", "with-ssd"])
-def test_store_full_of_leased_values_answers_oom_instead_of_stalling(tmp_path, ssd):
+def test_store_full_of_held_values_answers_oom_instead_of_stalling(tmp_path, ssd):
     flags = ("--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd")) if ssd else ("--dram-size", "8mb")
     daemon = start_kvstore(tmp_path, *flags)
     holders = []
@@ -334,10 +334,10 @@ def test_store_full_of_leased_values_answers_oom_instead_of_stalling(tmp_path, s
         keys = list(write_values(r, range(8), MIB))
         if not ssd:
             assert r.info("memory")["used_memory"] == 8 * MIB
-        holders = [hold_lease(daemon, key) for key in keys]
+        holders = [hold_by_reading(daemon, key) for key in keys]
         time.sleep(0.5)                                   # the GETs are running, the replies stuck
         if ssd:
-            # Values that were demoted come back staged under the readers' leases: the
+            # Values that were demoted come back staged under the readers' holds: the
             # newcomer finds room (in DRAM or by demotion) or gets -OOM, but never waits.
             try:
                 r.set(b"newcomer", value_of(99, MIB))
@@ -350,7 +350,7 @@ def test_store_full_of_leased_values_answers_oom_instead_of_stalling(tmp_path, s
         assert r.ping()
         for sock in holders:
             sock.close()
-        wait_until(lambda: _set_ok(r, b"newcomer", value_of(99, MIB)), what="room once the leases end")
+        wait_until(lambda: _set_ok(r, b"newcomer", value_of(99, MIB)), what="room once the holds end")
         assert digest(r.get(b"newcomer")) == digest(value_of(99, MIB))
     finally:
         for sock in holders:
