@@ -29,16 +29,19 @@ from client.errors import BufferTooSmall, LeaseExpired
 from client.fastpath import LEASE_RETRIES, REMAPPED, Detour, FastPath
 from client.lease_cache import HeldLease, cache_key
 from client.operations import Call, LocalRead
-from client.steps import RoundTrip, Steps, copied
+from client.steps import Local, RoundTrip, Steps
 from proto import fastpath as fp
 
 
 def read(core, call: Call) -> Steps:
     """A get or a batch of gets: what held leases serve, then the rest leased on a connection."""
     fast, local = core.fast, call.local
-    results, misses = yield from copied(partial(read_held, fast, local), _copy_bound(fast, local))
+    if core.offloading and core.offloads(_copy_bound(fast, local)):
+        results, misses = yield Local(partial(read_held, fast, local))
+    else:                                          # a warm get's whole work: kept lean
+        results, misses = read_held(fast, local)
     if misses:
-        outcome = yield from core.on_connection(partial(_lease_and_copy, fast, local, results, misses), True)
+        outcome = yield from core.on_connection(partial(_lease_and_copy, core, local, results, misses), True)
         if isinstance(outcome, Detour):
             return outcome
     return call.finish(results)
@@ -57,15 +60,16 @@ def read_held(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int]]:
             misses.append(i)
             continue
         results[i] = _copy(arena, local, i, lease.offset, lease.size)
-        if arena.still_valid(lease.word, lease.tag) and not lease.owner.peer_closed():
+        if arena.still_valid(lease.word, lease.tag) and not lease.peer.closed():
             fast.stats.cached_reads += 1
             continue
         ended.append((i, lease))
         misses.append(i)
-    with fast.lock:
-        for i, lease in ended:
-            if fast.leases.forget(cache_key(local.keys[i]), lease):
-                fast.give_up([lease.lease_id])          # an ended lease answers 0: harmless
+    if ended:
+        with fast.lock:
+            for i, lease in ended:
+                if fast.leases.forget(cache_key(local.keys[i]), lease):
+                    fast.give_up([lease.lease_id])      # an ended lease answers 0: harmless
     return results, misses
 
 
@@ -78,8 +82,9 @@ def _copy_bound(fast: FastPath, local: LocalRead) -> int:
         return sum(held.size for key in local.keys if (held := fast.leases.lookup(cache_key(key))))
 
 
-def _lease_and_copy(fast: FastPath, local: LocalRead, results: list[Any], misses: list[int], conn) -> Steps:
+def _lease_and_copy(core, local: LocalRead, results: list[Any], misses: list[int], conn) -> Steps:
     """Lease the values still missing, copy them, and check the copies; ``results`` when done."""
+    fast = core.fast
     arena = fast.mapping
     if arena is None:
         return REMAPPED
@@ -89,8 +94,8 @@ def _lease_and_copy(fast: FastPath, local: LocalRead, results: list[Any], misses
         entries = (yield RoundTrip([*fast.housekeeping(), lease]))[-1]
         if (detour := fast.detour(entries)) is not None:
             return detour
-        misses, unchecked = yield from copied(partial(_copy_leased, fast, arena, local, misses, entries, results,
-                                                  started, conn), _nbytes(entries))
+        copy = partial(_copy_leased, fast, arena, local, misses, entries, results, started, conn.peer)
+        misses, unchecked = yield from core.copy(copy, _nbytes(entries))
         if unchecked:
             valid = (yield RoundTrip([(fp.KV_RELEASE, *(lease_id for _, lease_id in unchecked))]))[0]
             misses += [i for (i, _), still in zip(unchecked, valid) if not still]
@@ -101,7 +106,7 @@ def _lease_and_copy(fast: FastPath, local: LocalRead, results: list[Any], misses
 
 
 def _copy_leased(fast: FastPath, arena: Arena, local: LocalRead, indices: list[int], entries: list,
-                 results: list[Any], started: float, conn) -> tuple[list[int], list[tuple[int, int]]]:
+                 results: list[Any], started: float, peer) -> tuple[list[int], list[tuple[int, int]]]:
     """Copy freshly leased values into ``results``; the indices whose lease ended during the
     copy (to lease again), and (index, lease id) pairs without a word (to release and check)."""
     retry, unchecked, keep, done = [], [], [], []
@@ -117,7 +122,7 @@ def _copy_leased(fast: FastPath, arena: Arena, local: LocalRead, indices: list[i
             retry.append(i)
         elif hold_ms > 0:
             use_until = started + hold_ms / 1000
-            keep.append((cache_key(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until, conn)))
+            keep.append((cache_key(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until, peer)))
         else:
             done.append(lease_id)
     with fast.lock:

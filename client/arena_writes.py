@@ -24,7 +24,7 @@ from client.errors import KVError, TimeoutError
 from client.fastpath import REMAPPED, FastPath
 from client.operations import Call, LocalWrite, put_options
 from client.reservation_pool import Spare
-from client.steps import RoundTrip, Steps, copied
+from client.steps import RoundTrip, Steps
 from proto import fastpath as fp
 
 FAST_PUT_MIN = 256 * 1024        # a put of fewer bytes in all goes over the wire
@@ -37,7 +37,7 @@ def worth_writing(local: LocalWrite) -> bool:
 
 def write(core, call: Call) -> Steps:
     """A put or a batch of puts, on one connection (the owner of its spares)."""
-    return (yield from core.on_connection(partial(_reserve_copy_publish, core.fast, call), call.idempotent))
+    return (yield from core.on_connection(partial(_reserve_copy_publish, core, call), call.idempotent))
 
 
 @dataclass
@@ -51,8 +51,9 @@ class PublishRound:
     started: float
 
 
-def _reserve_copy_publish(fast: FastPath, call: Call, conn) -> Steps:
-    local, arena = call.local, fast.mapping
+def _reserve_copy_publish(core, call: Call, conn) -> Steps:
+    fast, local = core.fast, call.local
+    arena = fast.mapping
     if arena is None:
         return REMAPPED
     spares = _take_spares(fast, local, conn)
@@ -65,7 +66,7 @@ def _reserve_copy_publish(fast: FastPath, call: Call, conn) -> Steps:
         missing = [i for i, spare in enumerate(spares) if spare is None]
         for i, spare in zip(missing, _spares_of(fast, reply, sizes, started, conn)):
             spares[i] = spare
-    sent = yield from copied(partial(_copy_and_publish, fast, arena, local, spares, conn), local.nbytes)
+    sent = yield from core.copy(partial(_copy_and_publish, fast, arena, local, spares, conn), local.nbytes)
     if sent is None:
         yield RoundTrip([(fp.KV_UNRESERVE, *(spare.reservation_id for spare in spares))])
         raise TimeoutError("the copy into reserved extents took longer than half their lifetime")

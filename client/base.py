@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.core import Core
 from client.fastpath import FastPath
 from client.retry import RetryPolicy
 from client.sockets import Endpoint
@@ -33,7 +32,7 @@ class BaseClient:
                  fast_path: str = "auto", lease_ttl_ms: int = LEASE_TTL_MS):
         self.endpoint = Endpoint(host, port, unix_socket)
         self.fast_path = FastPath(self.endpoint, password, timeout, fast_path, lease_ttl_ms)
-        self._transport = self.transport_class(self.endpoint, Core(self.fast_path, RetryPolicy(retries)),
+        self._transport = self.transport_class(self.endpoint, self.fast_path, RetryPolicy(retries),
                                                password=password, timeout=timeout, pool_size=pool_size)
 
     def __repr__(self) -> str:

@@ -28,17 +28,31 @@ from client import arena_reads, arena_writes, layers
 from client.fastpath import OVER_WIRE, REMAPPED, FastPath
 from client.operations import Call, LocalRead, LocalWrite
 from client.retry import RetryPolicy
-from client.steps import Borrow, Broken, Local, Pause, Steps
+from client.steps import THREAD_COPY_MIN, Borrow, Broken, Local, Pause, Steps
 
 ARENA_ATTEMPTS = 2               # mappings tried for one operation before it goes over the wire
 
 
 class Core:
-    """The fast path's state and the retry policy, and the operations run with them."""
+    """The fast path's state and the retry policy, and the operations run with them.
 
-    def __init__(self, fast: FastPath, retry: RetryPolicy):
+    ``offloading``: the transport runs `Local` steps on a worker thread (asyncio),
+    so large copies are handed to it as steps; a blocking transport would only run
+    them in place, so the procedures make every copy themselves.
+    """
+
+    def __init__(self, fast: FastPath, retry: RetryPolicy, offloading: bool):
         self.fast = fast
         self.retry = retry
+        self.offloading = offloading
+
+    def offloads(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` is a `Local` step (else the procedure makes it)."""
+        return self.offloading and nbytes >= THREAD_COPY_MIN
+
+    def copy(self, run: Callable[[], Any], nbytes: int) -> Steps:
+        """Make a copy of ``nbytes``: here, or as a `Local` step when it is worth a thread."""
+        return (yield Local(run)) if self.offloads(nbytes) else run()
 
     def run(self, op: Any) -> Steps:
         """The steps of one operation, through the arena where it can go, else over the wire."""
@@ -52,7 +66,7 @@ class Core:
             direct = self._arena_steps(op)
             if direct is None:
                 break
-            if fast.needs_mapping:
+            if fast.needs_mapping():
                 yield Local(fast.arena)
             if fast.mapping is None:
                 break

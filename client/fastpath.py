@@ -84,7 +84,7 @@ class FastPath:
         self.stats = FastPathStats()
         self.unavailable: str | None = "fast path is off" if mode == "off" else None
         self._endpoint, self._password, self._timeout = endpoint, password, timeout
-        self._arena: Arena | None = None
+        self.mapping: Arena | None = None            # the arena as mapped now (never maps)
         self.lock = threading.Lock()
         self._deferred: list[int] = []
         self.cache_entries = CACHE_ENTRIES           # 0: keep no lease (every get asks the node)
@@ -96,20 +96,14 @@ class FastPath:
 
     def arena(self) -> Arena | None:
         """The mapping, made on first use; None when the wire must be used."""
-        if self._arena is None and self.unavailable is None:
+        if self.needs_mapping():
             with self.lock:
-                if self._arena is None and self.unavailable is None:
+                if self.needs_mapping():
                     self._map()
-        return self._arena
+        return self.mapping
 
-    @property
-    def mapping(self) -> Arena | None:
-        """The mapping as it is now (never maps)."""
-        return self._arena
-
-    @property
     def needs_mapping(self) -> bool:
-        return self._arena is None and self.unavailable is None
+        return self.mapping is None and self.unavailable is None
 
     def _map(self) -> None:
         """Map the arena; in "auto" mode a node without a fast path means the wire from now
@@ -127,7 +121,7 @@ class FastPath:
             return
         self.leases = LeaseCache(self.cache_entries, arena.size // CACHE_ARENA_SHARE)
         self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, arena.size // POOL_ARENA_SHARE)
-        self._arena = arena
+        self.mapping = arena
 
     def detour(self, reply: Any) -> Detour | None:
         """Read a fast-path command's reply: a Detour when the node turns the operation away
@@ -145,7 +139,7 @@ class FastPath:
     def _drop_mapping(self) -> None:
         """Forget a mapping of an arena the node no longer has, and all that was held in it."""
         with self.lock:
-            self._arena = None
+            self.mapping = None
             self.leases = LeaseCache(0, 0)
             self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, 0)
             self._deferred = []
@@ -181,6 +175,6 @@ class FastPath:
             self.leases.clear()
             self.spares.clear()
             self._deferred = []
-            self._arena = None
+            self.mapping = None
         if gpu:
             gpu.close()

@@ -33,7 +33,7 @@ from client.buffers import Key, readable_view
 from client.errors import KVError, LeaseExpired
 from client.fastpath import LEASE_RETRIES, REMAPPED, Detour, FastPath
 from client.operations import Items, with_parents
-from client.steps import Local, RoundTrip, Steps, copied
+from client.steps import Local, RoundTrip, Steps
 from client.tensors import TensorSpec
 from proto import fastpath as fp
 
@@ -65,7 +65,7 @@ class LayerWrite:
 
     def through_arena(self, core) -> Steps:
         view = yield from self._staged()
-        return (yield from core.on_connection(partial(_open_copy_mark, core.fast, self, view), True))
+        return (yield from core.on_connection(partial(_open_copy_mark, core, self, view), True))
 
     def open_request(self, token: bytes | None = None) -> tuple:
         return (fp.KV_BLOCK, self.key, self.spec.header(),
@@ -92,8 +92,9 @@ class LayerWrite:
         return True
 
 
-def _open_copy_mark(fast: FastPath, op: LayerWrite, view: memoryview, conn) -> Steps:
+def _open_copy_mark(core, op: LayerWrite, view: memoryview, conn) -> Steps:
     """Open the block, copy the layer into its slot, mark it written; False when cached."""
+    fast = core.fast
     arena = fast.mapping
     if arena is None:
         return REMAPPED
@@ -106,7 +107,8 @@ def _open_copy_mark(fast: FastPath, op: LayerWrite, view: memoryview, conn) -> S
     if not 0 <= op.layer < n_layers or layer_bytes != view.nbytes:
         raise KVError(f"the block holds {n_layers} layers of {layer_bytes} bytes, "
                       f"not layer {op.layer} of {view.nbytes} bytes")
-    yield from copied(partial(arena.write, offset + fp.HEADER_SIZE + op.layer * layer_bytes, view), view.nbytes)
+    write = partial(arena.write, offset + fp.HEADER_SIZE + op.layer * layer_bytes, view)
+    yield from core.copy(write, view.nbytes)
     marked = (yield RoundTrip([(fp.KV_LAYERDONE, arena.token, op.key, op.layer)]))[0]
     if (detour := fast.detour(marked)) is not None:
         return detour
@@ -151,14 +153,14 @@ class LayerRead:
             tensors.check_destination(self.into)
 
     def over_wire(self, core) -> Steps:
-        return self._result((yield from core.on_connection(self._fetch, True)))
+        return self._result((yield from core.on_connection(partial(self._fetch, core), True)))
 
     def through_arena(self, core) -> Steps:
         if self.found_only and tensors.is_cuda(self.into):
             device = yield from gpu.opened(core)
             if device is not None:
                 return self._result((yield from gpu.read_into(core, device, self.key, self.into)))
-        return self._result((yield from core.on_connection(partial(_lease_and_copy, core.fast, self), True)))
+        return self._result((yield from core.on_connection(partial(_lease_and_copy, core, self), True)))
 
     def lease_request(self, fast: FastPath, token: bytes) -> tuple:
         return (fp.KV_LEASELAYERS, token, fast.lease_ttl_ms, self.key, self.start, self.stop, *self._wait())
@@ -182,7 +184,7 @@ class LayerRead:
             tensors.check_matches(spec, self.into, layers)
         return spec, layers
 
-    def _fetch(self, conn) -> Steps:
+    def _fetch(self, core, conn) -> Steps:
         reply = (yield RoundTrip([(fp.KV_GETLAYERS, self.key, self.start, self.stop, *self._wait())]))[0]
         if isinstance(reply, KVError):
             raise reply
@@ -190,7 +192,7 @@ class LayerRead:
             return None
         header, data = reply
         spec, layers = self.checked_spec(header, len(data))
-        return (yield from copied(partial(self.copy_out, spec, layers, data), len(data)))
+        return (yield from core.copy(partial(self.copy_out, spec, layers, data), len(data)))
 
     def _wait(self) -> tuple:
         return () if self.wait_s is None else ("WAIT", max(1, int(self.wait_s * 1000)))
@@ -201,8 +203,9 @@ class LayerRead:
         return value is not None
 
 
-def _lease_and_copy(fast: FastPath, op: LayerRead, conn) -> Steps:
+def _lease_and_copy(core, op: LayerRead, conn) -> Steps:
     """Lease the layers, copy them out, and check the copy; None when the block is absent."""
+    fast = core.fast
     arena = fast.mapping
     if arena is None:
         return REMAPPED
@@ -218,7 +221,7 @@ def _lease_and_copy(fast: FastPath, op: LayerRead, conn) -> Steps:
         except KVError:
             yield RoundTrip([(fp.KV_RELEASE, lease_id)])      # a mismatch leaves nothing held
             raise
-        result = yield from copied(partial(op.copy_out, spec, layers, arena.view(offset, nbytes)), nbytes)
+        result = yield from core.copy(partial(op.copy_out, spec, layers, arena.view(offset, nbytes)), nbytes)
         if arena.still_valid(word, tag):
             fast.release_later([lease_id])
             return result

@@ -36,7 +36,7 @@ from client.buffers import Key
 @dataclass(slots=True)
 class HeldLease:
     """A lease on one value: where it is, its validity word and tag, until when it may be used,
-    and the connection that took it (the lease ends when that connection closes)."""
+    and the watch on the connection that took it (the lease ends when that connection closes)."""
 
     lease_id: int
     offset: int
@@ -44,7 +44,7 @@ class HeldLease:
     word: int
     tag: int
     use_until: float
-    owner: Any
+    peer: Any
 
 
 def cache_key(key: Key) -> bytes:

@@ -86,15 +86,12 @@ class SocketConnection:
         self._reader = resp.ReplyReader()
         self._poller = select.poll()         # made once: `is_stale` runs on every borrow
         self._poller.register(sock, select.POLLIN | select.POLLPRI)
-        self._peer = PeerWatch(sock)
+        self.peer = PeerWatch(sock)
 
     def is_stale(self) -> bool:
         """True when an idle connection is readable (closed by the peer, or out of step)
         or holds unread bytes."""
         return self._reader.buffered > 0 or bool(self._poller.poll(0))
-
-    def peer_closed(self) -> bool:
-        return self._peer.closed()
 
     def close(self) -> None:
         self._sock.close()

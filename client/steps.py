@@ -13,7 +13,8 @@ differ only in how they feed `resp.ReplyReader`.
 - `Local`: blocking work in this process (a large copy to or from the arena,
   a device copy, mapping the arena); the asyncio transport runs it on a
   worker thread, so the event loop keeps other calls moving. Small copies
-  are not worth a thread: the core makes them itself (`copied`).
+  are not worth a thread, and a blocking transport has none: there the
+  procedures make their copies themselves (`core.Core.offloads`).
 - `Borrow`: run the procedure that `start(conn)` makes on a pooled
   connection (``conn`` is opaque to the core: it names the owner of leases
   and reservations, and says whether it is still open). The outcome is the
@@ -80,13 +81,6 @@ class Broken:
 
     error: ConnectionError
     sent: bool
-
-
-def copied(run: Callable[[], Any], nbytes: int) -> Steps:
-    """Make a copy of ``nbytes``: here when it is small, as a `Local` step when it is large."""
-    if nbytes < THREAD_COPY_MIN:
-        return run()
-    return (yield Local(run))
 
 
 def advance(steps: Steps, outcome: Any) -> Step | Ended:

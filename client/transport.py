@@ -21,6 +21,8 @@ from typing import Any
 from client.aio_connection import AsyncConnection
 from client.connection import Connection
 from client.core import Core
+from client.fastpath import FastPath
+from client.retry import RetryPolicy
 from client.errors import ConnectionError
 from client.pool import AsyncConnectionPool, ConnectionPool
 from client.sockets import Endpoint
@@ -30,10 +32,10 @@ from client.steps import Borrow, Broken, Ended, Local, Pause, RoundTrip, Step, S
 class Transport:
     """Blocking: steps taken in the calling thread, over a thread-safe connection pool."""
 
-    def __init__(self, endpoint: Endpoint, core: Core, *, password: str | None, timeout: float | None,
-                 pool_size: int):
+    def __init__(self, endpoint: Endpoint, fast: FastPath, retry: RetryPolicy, *, password: str | None,
+                 timeout: float | None, pool_size: int):
         self.endpoint = endpoint
-        self.core = core
+        self.core = Core(fast, retry, offloading=False)
         self._pool: ConnectionPool[Connection] = ConnectionPool(
             lambda: Connection(endpoint, timeout, password), pool_size, timeout)
 
@@ -74,10 +76,10 @@ class AsyncTransport:
     """asyncio: steps taken on the event loop (large copies on a worker thread), over a
     connection pool bound to one loop."""
 
-    def __init__(self, endpoint: Endpoint, core: Core, *, password: str | None, timeout: float | None,
-                 pool_size: int):
+    def __init__(self, endpoint: Endpoint, fast: FastPath, retry: RetryPolicy, *, password: str | None,
+                 timeout: float | None, pool_size: int):
         self.endpoint = endpoint
-        self.core = core
+        self.core = Core(fast, retry, offloading=True)
         self._pool: AsyncConnectionPool[AsyncConnection] = AsyncConnectionPool(
             lambda: AsyncConnection.open(endpoint, timeout, password), pool_size, timeout)
 

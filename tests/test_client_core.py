@@ -80,8 +80,7 @@ class ScriptedConnection:
     def is_stale(self) -> bool:
         return False
 
-    def peer_closed(self) -> bool:
-        return False
+    peer = SimpleNamespace(closed=lambda: False)
 
     def close(self) -> None:
         self.node.closed += 1
