@@ -9,8 +9,8 @@ internal fragmentation, and the largest free extent against all free bytes as
 external fragmentation.
 
 The arena need not be a power of two: it is cut, greedily from offset 0, into
-aligned power-of-two top blocks. A top block's buddy would lie (partly) past
-the end, so it is never free and the top block never merges beyond the arena.
+aligned power-of-two top chunks. A top chunk's buddy would lie (partly) past
+the end, so it is never free and the top chunk never merges beyond the arena.
 
 The allocator only does arithmetic on offsets; it never touches memory, so the
 same class serves the DRAM arena and the GPU tier's device arena.
@@ -18,33 +18,33 @@ same class serves the DRAM arena and the GPU tier's device arena.
 from __future__ import annotations
 
 
-QUICK_MAX_ORDER = 16      # blocks up to 64 KiB are recycled through quick lists
-QUICK_LIMIT = 4096        # most blocks one quick list holds
+QUICK_MAX_ORDER = 16      # chunks up to 64 KiB are recycled through quick lists
+QUICK_LIMIT = 4096        # most chunks one quick list holds
 
 
 class BuddyAllocator:
-    """Offsets into an arena of ``capacity`` bytes, in blocks of 2**k bytes.
+    """Offsets into an arena of ``capacity`` bytes, in chunks of 2**k bytes.
 
-    Freed small blocks first go to a per-order quick list (a plain Python
+    Freed small chunks first go to a per-order quick list (a plain Python
     list: pop and append cost tens of nanoseconds), as a slab allocator's
     free list would; they are merged back into the buddy tree only when an
     allocation could not be served otherwise. The caller passes the size on
     ``free`` (it keeps it anyway), so no per-allocation record is kept here.
     """
 
-    def __init__(self, capacity: int, min_block: int = 64):
-        if min_block & (min_block - 1):
-            raise ValueError("min_block must be a power of two")
-        self.min_order = min_block.bit_length() - 1
-        self.capacity = capacity - capacity % min_block
+    def __init__(self, capacity: int, min_chunk: int = 64):
+        if min_chunk & (min_chunk - 1):
+            raise ValueError("min_chunk must be a power of two")
+        self.min_order = min_chunk.bit_length() - 1
+        self.capacity = capacity - capacity % min_chunk
         self.max_order = max(self.capacity.bit_length() - 1, self.min_order)
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         self._quick: list[list[int]] = [[] for _ in range(min(QUICK_MAX_ORDER, self.max_order) + 1)]
         self.used = 0                          # bytes handed out, rounded up
         self.requested = 0                     # bytes asked for
-        self._carve_top_blocks()
+        self._carve_top_chunks()
 
-    def _carve_top_blocks(self) -> None:
+    def _carve_top_chunks(self) -> None:
         offset = 0
         while offset < self.capacity:
             order = (self.capacity - offset).bit_length() - 1
@@ -57,7 +57,7 @@ class BuddyAllocator:
         order = (size - 1).bit_length() if size > 1 else 0
         return order if order > self.min_order else self.min_order
 
-    def block_size(self, size: int) -> int:
+    def chunk_size(self, size: int) -> int:
         """Bytes a value of ``size`` bytes occupies."""
         return 1 << self.order_for(size)
 
@@ -107,13 +107,13 @@ class BuddyAllocator:
         merge_into(self._free, offset, order, self.max_order)
 
     def _drain_quick(self) -> bool:
-        """Merge every quick-listed block back into the tree; True if there were any."""
+        """Merge every quick-listed chunk back into the tree; True if there were any."""
         drained = False
-        for order, blocks in enumerate(self._quick):
-            for offset in blocks:
+        for order, chunks in enumerate(self._quick):
+            for offset in chunks:
                 self._merge_into_tree(offset, order)
-            drained = drained or bool(blocks)
-            blocks.clear()
+            drained = drained or bool(chunks)
+            chunks.clear()
         return drained
 
     @property
@@ -123,12 +123,12 @@ class BuddyAllocator:
     def largest_free(self) -> int:
         """The largest extent one allocation could get without eviction.
 
-        Quick-listed blocks count as merged, as they would be on demand (the
+        Quick-listed chunks count as merged, as they would be on demand (the
         merge is simulated on a copy: this runs for INFO, not per request).
         """
-        free = [set(blocks) for blocks in self._free]
-        for order, blocks in enumerate(self._quick):
-            for offset in blocks:
+        free = [set(chunks) for chunks in self._free]
+        for order, chunks in enumerate(self._quick):
+            for offset in chunks:
                 merge_into(free, offset, order, self.max_order)
         for order in range(self.max_order, -1, -1):
             if free[order]:
@@ -146,7 +146,7 @@ class BuddyAllocator:
 
 
 def merge_into(free: list[set[int]], offset: int, order: int, max_order: int) -> None:
-    """Add the free block (``offset``, ``order``) to ``free``, coalescing it with free buddies.
+    """Add the free chunk (``offset``, ``order``) to ``free``, coalescing it with free buddies.
 
     One function for the real tree and for the copy ``largest_free`` merges
     into, so both climb the orders the same way.

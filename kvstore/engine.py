@@ -109,6 +109,9 @@ class Engine:
         self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(slot, key) before a drop
         self.hit_listeners: list[Callable[[int], None]] = []                # fn(slot) on a read hit
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
+        # Cluster copies of hot blocks (kvstore/cluster/replication.py): told of in-place rewrites, shed first.
+        self.overwrite_listeners: list[Callable[[bytes], None]] = []        # fn(key) before an in-place rewrite
+        self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
 
     @property
@@ -205,6 +208,8 @@ class Engine:
         if self.holds.is_held(offset) or alloc.order_for(size) != alloc.order_for(old) \
                 or slots.tier[slot] != DRAM or slots.flags[slot]:
             return False
+        for listener in self.overwrite_listeners:
+            listener(slots.keys[slot])
         self.arena.view[offset:offset + size] = src
         slots.resize(slot, size)
         alloc.requested += size - old
@@ -393,7 +398,7 @@ class Engine:
 
     def memory_usage(self, key: bytes, slot: int) -> int:
         """Bytes a key costs: its arena extent plus its share of the index."""
-        return self.allocator.block_size(self.slots.size[slot]) + sys.getsizeof(key) \
+        return self.allocator.chunk_size(self.slots.size[slot]) + sys.getsizeof(key) \
             + int(self.metadata_bytes_per_key())
 
     def kv_stats(self) -> dict[str, int]:
@@ -438,6 +443,8 @@ class Engine:
         ``clean_only`` forbids dropping anything else while a lower tier exists
         (a read that makes room must not lose a value that exists only in DRAM).
         """
+        if self.shed_first is not None and self.shed_first():
+            return True
         slot = self.eviction.victim(DRAM, clean_only=True)
         if slot is not None:
             self.moves.demoted_to_ssd(slot)

@@ -47,7 +47,7 @@ class Model:
         offset = self.alloc.alloc(size)
         if offset is None:
             # A failed alloc has merged the quick lists back, so the figure is exact.
-            assert self.alloc.largest_free() < self.alloc.block_size(size)
+            assert self.alloc.largest_free() < self.alloc.chunk_size(size)
         else:
             assert offset not in self.live
             self.live[offset] = size
@@ -59,12 +59,12 @@ class Model:
     def check(self) -> None:
         alloc, end = self.alloc, 0
         for offset in sorted(self.live):
-            block = alloc.block_size(self.live[offset])
+            block = alloc.chunk_size(self.live[offset])
             assert offset >= end, "two live extents overlap"
             assert offset % block == 0, "a block is not aligned to its size"
             end = offset + block
         assert end <= alloc.capacity
-        assert alloc.used == sum(alloc.block_size(s) for s in self.live.values())
+        assert alloc.used == sum(alloc.chunk_size(s) for s in self.live.values())
         assert alloc.requested == sum(self.live.values())
         assert alloc.free_bytes == alloc.capacity - alloc.used
         assert 0.0 <= alloc.internal_fragmentation() < 1.0
@@ -82,7 +82,7 @@ class Model:
         bounds = [0]
         for piece in power_of_two_pieces(alloc.capacity):
             bounds.append(bounds[-1] + piece)
-        taken = sorted((offset, offset + alloc.block_size(size)) for offset, size in self.live.items())
+        taken = sorted((offset, offset + alloc.chunk_size(size)) for offset, size in self.live.items())
         taken += [(bound, bound) for bound in bounds]
         largest, start = 0, 0
         for begin, end in sorted(taken):
@@ -156,15 +156,15 @@ def test_quick_lists_overflow_into_the_tree():
     assert alloc.alloc(1 * MiB) == 0
 
 
-def test_non_power_of_two_arena_is_carved_into_aligned_top_blocks():
-    capacity = 3 * MiB + 5 * KiB + 100          # not a multiple of min_block either
+def test_non_power_of_two_arena_is_carved_into_aligned_top_chunks():
+    capacity = 3 * MiB + 5 * KiB + 100          # not a multiple of min_chunk either
     alloc = BuddyAllocator(capacity)
     assert alloc.capacity == capacity - capacity % 64
     assert_whole_arena_allocatable(alloc)
     assert alloc.alloc(2 * MiB) is None
 
 
-def test_every_min_block_of_an_odd_arena_is_handed_out_once():
+def test_every_min_chunk_of_an_odd_arena_is_handed_out_once():
     alloc = BuddyAllocator(64 * 37)
     offsets = [alloc.alloc(1) for _ in range(37)]
     assert sorted(offsets) == [64 * i for i in range(37)]
@@ -173,15 +173,15 @@ def test_every_min_block_of_an_odd_arena_is_handed_out_once():
 
 def test_sizes_round_up_to_powers_of_two():
     alloc = BuddyAllocator(1 * MiB)
-    assert [alloc.block_size(n) for n in (1, 64, 65, 100, 4096, 4097, 64 * KiB)] \
+    assert [alloc.chunk_size(n) for n in (1, 64, 65, 100, 4096, 4097, 64 * KiB)] \
         == [64, 64, 128, 128, 4096, 8192, 64 * KiB]
     assert alloc.fits(1 * MiB) and not alloc.fits(1 * MiB + 1)
-    assert BuddyAllocator(1 * MiB, min_block=4096).block_size(1) == 4096
+    assert BuddyAllocator(1 * MiB, min_chunk=4096).chunk_size(1) == 4096
 
 
-def test_min_block_must_be_a_power_of_two():
+def test_min_chunk_must_be_a_power_of_two():
     with pytest.raises(ValueError):
-        BuddyAllocator(1 * MiB, min_block=96)
+        BuddyAllocator(1 * MiB, min_chunk=96)
 
 
 def test_value_larger_than_a_non_power_of_two_arena_does_not_fit():

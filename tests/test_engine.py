@@ -64,7 +64,7 @@ def offset_of(engine: Engine, slot: int) -> int:
 
 
 def arena_extents_are_disjoint(engine: Engine) -> bool:
-    spans = sorted((offset_of(engine, slot), engine.allocator.block_size(engine.size_of(slot)))
+    spans = sorted((offset_of(engine, slot), engine.allocator.chunk_size(engine.size_of(slot)))
                    for slot in engine.index.values())
     return all(a + size <= b for (a, size), (b, _) in zip(spans, spans[1:]))
 
