@@ -59,10 +59,10 @@ class Model:
     def check(self) -> None:
         alloc, end = self.alloc, 0
         for offset in sorted(self.live):
-            block = alloc.chunk_size(self.live[offset])
+            chunk = alloc.chunk_size(self.live[offset])
             assert offset >= end, "two live extents overlap"
-            assert offset % block == 0, "a block is not aligned to its size"
-            end = offset + block
+            assert offset % chunk == 0, "a chunk is not aligned to its size"
+            end = offset + chunk
         assert end <= alloc.capacity
         assert alloc.used == sum(alloc.chunk_size(s) for s in self.live.values())
         assert alloc.requested == sum(self.live.values())
@@ -75,7 +75,7 @@ class Model:
         """The largest aligned power-of-two extent that overlaps no live extent.
 
         Computed from the live extents alone, without the allocator's free
-        lists: every gap between live extents (cut at the top-block bounds)
+        lists: every gap between live extents (cut at the top-chunk bounds)
         is split into its maximal aligned pieces, largest first where it can.
         """
         alloc = self.alloc
@@ -126,7 +126,7 @@ def assert_largest_free_is_allocatable(model: Model) -> None:
 
 
 def assert_whole_arena_allocatable(alloc: BuddyAllocator) -> None:
-    """An empty arena gives back its top blocks, largest first, and then nothing."""
+    """An empty arena gives back its top chunks, largest first, and then nothing."""
     offsets = [alloc.alloc(piece) for piece in power_of_two_pieces(alloc.capacity)]
     assert None not in offsets and len(set(offsets)) == len(offsets)
     assert alloc.used == alloc.capacity
@@ -217,8 +217,8 @@ def test_fresh_arena_is_not_fragmented():
     assert alloc.external_fragmentation() == 0.0
 
 
-def test_freed_small_blocks_do_not_count_as_fragmentation():
-    """Every block freed: one allocation can take the whole arena, so the figure must say so."""
+def test_freed_small_chunks_do_not_count_as_fragmentation():
+    """Every chunk freed: one allocation can take the whole arena, so the figure must say so."""
     alloc = BuddyAllocator(1 * KiB)
     offsets = [alloc.alloc(64) for _ in range(16)]
     for offset in offsets:
@@ -227,7 +227,7 @@ def test_freed_small_blocks_do_not_count_as_fragmentation():
     assert alloc.external_fragmentation() == 0.0
 
 
-def test_quick_lists_cover_blocks_up_to_their_order():
+def test_quick_lists_cover_chunks_up_to_their_order():
     alloc = BuddyAllocator(4 * MiB)
     big = 1 << (QUICK_MAX_ORDER + 1)
     offset = alloc.alloc(big)
@@ -236,7 +236,7 @@ def test_quick_lists_cover_blocks_up_to_their_order():
 
 
 def test_quick_listed_neighbours_merge_each_at_their_own_order():
-    """Three freed 64-byte blocks hold a 128-byte extent, not 256: each quick-listed block merges from its own order."""
+    """Three freed 64-byte chunks hold a 128-byte extent, not 256: each quick-listed chunk merges from its own order."""
     alloc = BuddyAllocator(1 * KiB)
     offsets = sorted(alloc.alloc(64) for _ in range(16))
     for offset in offsets[:3]:
