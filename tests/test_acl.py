@@ -1,5 +1,5 @@
-"""kvstore/acl.py alone: rules, how users are shown, permission checks, the ACL file,
-protected mode's decision. The expected lines and error texts were read from
+"""kvstore/acl.py alone: rules, how users are shown, permission checks, the ACL file
+(protected mode's decision is in test_protected_mode.py). The expected lines and error texts were read from
 redis-server 7.0 (the wire suite, test_acl_commands.py, compares with a live one)."""
 from __future__ import annotations
 
@@ -253,17 +253,6 @@ def test_missing_acl_file(tmp_path):
     path = str(tmp_path / "none.acl")
     with pytest.raises(acl.AclFileError, match=f"Error loading ACLs, opening file '{path}': No such file"):
         acl.Users().load(path)
-
-
-# ------------------------------------------------------------------ protected mode
-
-@pytest.mark.parametrize("peer, refused", [
-    ("192.0.2.7", True), ("10.1.2.3", True), ("2001:db8::1", True), ("fe80::1%eth0", True),
-    ("127.0.0.1", False), ("127.9.9.9", False), ("::1", False), ("::ffff:127.0.0.1", False), (None, False),
-])
-def test_protected_mode_refuses_only_remote_clients_of_a_passwordless_default(peer, refused):
-    assert acl.protected_mode_refuses(acl.Users().default, peer) == refused
-    assert not acl.protected_mode_refuses(acl.Users("pw").default, peer)
 
 
 def test_genpass_lengths():
