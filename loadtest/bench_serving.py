@@ -43,7 +43,7 @@ from workers.kvio import make_connector
 from workers.model import SMOLLM2, TINY, LoadedModel, load_model, reference_generate
 from workers.prefill import PrefillEngine
 
-BLOCK_TOKENS = 64
+EXACT_BLOCK_TOKENS = 32      # small enough that every prompt (32 tokens and up) has a cached prefix when warm
 NEW_TOKENS = 32
 SYSTEM = ("You are a concise assistant for a team that runs a distributed key-value cache for language-model "
           "serving. Answer in plain sentences.")
@@ -79,10 +79,10 @@ class Figure:
 class Rig:
     """A store, a prefill engine and a decode engine for one model, in this process."""
 
-    def __init__(self, loaded: LoadedModel, socket_path: str):
+    def __init__(self, loaded: LoadedModel, socket_path: str, block_tokens: int):
         self.loaded = loaded
-        self.prefill = PrefillEngine(loaded, make_connector(KVClient(unix_socket=socket_path), loaded, BLOCK_TOKENS))
-        self.decode = DecodeEngine(loaded, make_connector(KVClient(unix_socket=socket_path), loaded, BLOCK_TOKENS))
+        self.prefill = PrefillEngine(loaded, make_connector(KVClient(unix_socket=socket_path), loaded, block_tokens))
+        self.decode = DecodeEngine(loaded, make_connector(KVClient(unix_socket=socket_path), loaded, block_tokens))
 
     def serve(self, request_id: str, prompt: list[int], new_tokens: int) -> list[int]:
         result = self.prefill.prefill(request_id, prompt)
@@ -181,9 +181,12 @@ def in_process(args: argparse.Namespace, sections: set[str]) -> list[Figure]:
     with ProcessGroup() as group:
         template = "{python} -m kvstore serve --port {port} --dram-size {memory} --unixsocket {dir}/kv.sock"
         start_kvstore(group, "2gb", template)
-        rig = Rig(loaded, str(group.log_dir / "kv.sock"))
+        socket_path = str(group.log_dir / "kv.sock")
         if "exact" in sections:
+            rig = Rig(loaded, socket_path, EXACT_BLOCK_TOKENS)
             figures += bench_exact(rig)
+            rig.decode.stop()
+        rig = Rig(loaded, socket_path, args.block_tokens)
         if "reuse" in sections:
             figures += bench_reuse(rig, args.repeats)
         if "overlap" in sections:
@@ -200,6 +203,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="repeats of the timed in-process figures (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process (default 1: on a "
                    "shared host, OpenMP threads spinning at barriers make multi-thread timings erratic)")
+    p.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block of the timed figures")
     p.add_argument("--requests", type=int, default=200, help="trace requests replayed live")
     p.add_argument("--speed", type=float, default=0.5, help="replay speed of the live slice")
     args = p.parse_args()

@@ -53,5 +53,7 @@ def loaded_cache(connector: StoreKVConnector, loaded: LoadedModel, request_id: s
         kv = connector.loaded_layer(request_id, name)
         if kv is None:
             return None
-        cache.update(kv[0], kv[1], index)
+        layer = cache.layers[index]
+        layer.lazy_initialization(*kv)
+        layer.keys, layer.values = kv          # adopted as they are: `update` would copy them once more
     return cache

@@ -195,10 +195,13 @@ class StoreKVConnector:
         if load is None or load.missing_blocks:
             return None
         layer = torch.from_numpy(load.buffer[:, self._index(layer_name)])       # (blocks, 2, h, bt, d)
-        kv = layer.permute(1, 2, 0, 3, 4).reshape(2, self.layout.kv_heads, -1, self.layout.head_dim)
         offset = load.transfer.load_start - load.blocks.start * self.layout.block_tokens
-        kv = kv[:, :, offset:offset + load.transfer.load_stop - load.transfer.load_start]
-        return kv[0].unsqueeze(0).contiguous(), kv[1].unsqueeze(0).contiguous()
+        tokens = slice(offset, offset + load.transfer.load_stop - load.transfer.load_start)
+
+        def side(i: int) -> torch.Tensor:       # one copy: blocks side by side along the token axis
+            joined = layer[:, i].permute(1, 0, 2, 3).reshape(1, self.layout.kv_heads, -1, self.layout.head_dim)
+            return joined[:, :, tokens]
+        return side(0), side(1)
 
     def load_complete(self, request_id: str) -> bool:
         """Whether the request's whole planned prefix was read (False: a block had disappeared)."""
