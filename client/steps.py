@@ -3,10 +3,10 @@
 Everything the SDK decides (which commands an operation sends, which path
 carries it, how replies and lease state become its result, when to map the
 arena again, when to retry) is written once, as generators (`core`, and the
-procedures in `fastpath`, `layers` and `gpu`). A generator yields a step and
-is sent the step's outcome; the blocking and the asyncio transport
-(`transport`) differ only in how they take each step, as the two connections
-differ only in how they feed `resp.ReplyReader`.
+procedures in `arena_reads`, `arena_writes`, `layers` and `gpu`). A generator
+yields a step and is sent the step's outcome; the blocking and the asyncio
+transport (`transport`) differ only in how they take each step, as the two
+connections differ only in how they feed `resp.ReplyReader`.
 
 - `RoundTrip`: send these requests on the connection the procedure runs on
   and read one reply per request (error replies come back as values).
@@ -16,9 +16,10 @@ differ only in how they feed `resp.ReplyReader`.
   are not worth a thread, and a blocking transport has none: there the
   procedures make their copies themselves (`core.Core.offloads`).
 - `Borrow`: run the procedure that `start(conn)` makes on a pooled
-  connection (``conn`` is opaque to the core: it names the owner of leases
-  and reservations, and says whether it is still open). The outcome is the
-  procedure's `Ended`, or `Broken` when the connection failed under it.
+  connection (``conn`` is opaque to the core: it names the owner of spare
+  reservations, and its `peer` watch says whether the node closed it). The
+  outcome is the procedure's `Ended`, or `Broken` when the connection failed
+  under it.
 - `Pause`: wait this long before retrying.
 
 An exception the core raises between steps leaves its connection in step
