@@ -67,6 +67,14 @@ def serve_parser(sub) -> argparse.ArgumentParser:
                          "this node at (default: the first bound address and the port)")
     cluster.add_argument("--cluster-node-timeout", type=float, metavar="S",
                          help="seconds without a keep-alive before a node counts as gone (default 5)")
+    cluster.add_argument("--cluster-move-budget", type=float, metavar="S",
+                         help="seconds a clean join or leave spends moving the moving slots' values, hottest "
+                         "first; the rest are dropped (default 5; 0: none move)")
+    cluster.add_argument("--hot-reads", type=float, metavar="N",
+                         help="reads per second above which a block is copied to other nodes (default 100; "
+                         "0: never)")
+    cluster.add_argument("--hot-replicas", type=int, metavar="K", help="nodes a hot block is copied to "
+                         "(default 2)")
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port "
                    "(default: off)")
     security = p.add_argument_group("security (docs/security.md)")

@@ -100,6 +100,9 @@ class Config:
     cluster: str | None = None        # etcd://HOST:PORT/NAME: join that cluster
     announce: str | None = None       # host:port other nodes and clients reach this node at
     cluster_node_timeout: float = 5.0  # seconds without a keep-alive before a node is gone
+    cluster_move_budget: float = 5.0   # seconds a clean join or leave spends moving values (0: none move)
+    hot_reads: float = 100.0          # reads per second above which a block is copied to other nodes (0: never)
+    hot_replicas: int = 2             # nodes a hot block is copied to
     aclfile: str | None = None        # users, one "user NAME rules..." line each (ACL LOAD/SAVE)
     protected_mode: str = "yes"       # refuse remote clients while the default user has no password
     tls_port: int = 0                 # 0: no TLS listener
@@ -112,8 +115,8 @@ class Config:
 
     SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size", "client_query_buffer_limit")
     INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port",
-                  "tls_port")
-    FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout")
+                  "tls_port", "hot_replicas")
+    FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout", "cluster_move_budget", "hot_reads")
     LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel", "protected_mode",
                         "tls_auth_clients")
 
@@ -146,6 +149,10 @@ class Config:
         _check(0 <= self.metrics_port < 65536, "metrics-port", f"metrics-port {self.metrics_port} out of range")
         _check(0.5 <= self.cluster_node_timeout <= 3600, "cluster-node-timeout",
                "cluster-node-timeout must be between 0.5 and 3600 seconds")
+        _check(0 <= self.cluster_move_budget <= 600, "cluster-move-budget",
+               "cluster-move-budget must be between 0 and 600 seconds")
+        _check(self.hot_reads >= 0, "hot-reads", "hot-reads must be 0 (no copies) or more")
+        _check(0 <= self.hot_replicas <= 16, "hot-replicas", "hot-replicas must be between 0 and 16")
         _one_of("protected-mode", self.protected_mode, YES_NO)
         self._validate_tls()
         _check(self.client_query_buffer_limit >= 1024 * 1024, "client-query-buffer-limit",

@@ -151,13 +151,19 @@ def _route(conn, cmd: Command, args: list) -> bytes | None:
     def has_key(key: bytes) -> bool:
         return engine.lookup(key) is not None
 
-    if not cmd.spans_slots:
-        return redirect(cluster, keys, conn.asking, has_key)
-    for same_slot in keys_by_slot(keys).values():
+    for same_slot in keys_by_slot(keys).values() if cmd.spans_slots else (keys,):
         reply = redirect(cluster, same_slot, conn.asking, has_key)
-        if reply is not None:
+        if reply is not None and not _copies_serve(conn, cmd, same_slot, reply):
             return reply
     return None
+
+
+def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
+    """A READONLY client's read of hot-block copies held here runs here instead of being MOVED
+    (kvstore/cluster/replication.py)."""
+    copies = conn.server.cluster.copies
+    return conn.readonly and copies is not None and reply.startswith(b"-MOVED") and "readonly" in cmd.flags \
+        and copies.serves(keys)
 
 
 def _run(conn, cmd: Command, args: list) -> None:
@@ -169,6 +175,10 @@ def _run(conn, cmd: Command, args: list) -> None:
     if tiers is not None and tiers.has_unacked():
         # A write that must reach SSD before it is acknowledged: hold later replies.
         conn.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ordering_only)
+    cluster = conn.server.cluster
+    if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
+        # A write of a replicated key: the reply waits until its copies are gone.
+        conn.defer(cluster.copies.take_unacked(), _ordering_only)
 
 
 def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:

@@ -71,7 +71,10 @@ def stats_section(server) -> dict:
 
 
 def cluster_section(server) -> dict:
-    return {"cluster_enabled": int(server.cluster is not None)}
+    fields = {"cluster_enabled": int(server.cluster is not None)}
+    if server.cluster_services is not None:
+        fields.update(server.cluster_services.info())     # hot copies and slot moves
+    return fields
 
 
 def keyspace_section(server) -> dict:

@@ -70,6 +70,7 @@ class Server:
         self.blocks = BlockTable(self.engine)
         self._arena_identity: tuple[int, bytes] | None = None
         self.cluster = None            # kvstore.cluster.node.ClusterState in cluster mode
+        self.cluster_services = None   # kvstore.cluster.services.ClusterServices: hot copies, slot moves
         self.engine.drop_listeners.append(self.leases.on_drop)
         self.add_cron(self.leases.expire)
         self.add_cron(self.blocks.reclaim)
@@ -104,7 +105,9 @@ class Server:
                  self.config.dram_size, self.engine.arena.prefault_seconds, self.loop_name)
         await self._stopped
         if self.cluster is not None:
+            await self.cluster_services.drain()     # our slots and their hottest values go to the others
             await self.cluster.stop()       # a clean leave: the leader moves our slots at once
+            self.cluster_services.close()
         self._close()
 
     async def _join_cluster(self) -> None:
@@ -113,6 +116,8 @@ class Server:
         port = self.listeners[0].getsockname()[1]
         announce = announce_address(self.config.bind, port, self.config.announce)
         self.cluster = await start_cluster(self.config.cluster, announce, self.config.cluster_node_timeout)
+        from kvstore.cluster.services import ClusterServices
+        self.cluster_services = ClusterServices(self, self.cluster)
 
     def _listen(self) -> None:
         cfg = self.config

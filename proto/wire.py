@@ -14,6 +14,7 @@ KV_LOCATE = "KV.LOCATE"
 KV_STATS = "KV.STATS"
 KV_PIN = "KV.PIN"
 KV_UNPIN = "KV.UNPIN"
+KV_HOTKEYS = "KV.HOTKEYS"      # cluster: the hot blocks a node owns and where their copies are
 
 # Tier names as they appear in KV.LOCATE, KV.STATS and INFO.
 TIER_GPU = "gpu"

@@ -83,3 +83,39 @@ def _kept_moves(current: SlotMap, nodes: dict[str, str], owners: np.ndarray) -> 
     ids = list(nodes)
     return {slot: (src, dst) for slot, (src, dst) in current.migrating.items()
             if src in nodes and dst in nodes and owners[slot] == ids.index(src)}
+
+
+def plan_moves(current: SlotMap, target: SlotMap, live) -> SlotMap:
+    """The first step from ``current`` to ``target`` when values should move with their slots.
+
+    A slot whose owner is still registered (``live``: node ids) stays with it,
+    marked as moving to its new owner (Redis's MIGRATING/IMPORTING, answered
+    with ASK); a slot whose owner is gone goes to its new owner at once, since
+    there is nothing to move. Returns ``target`` itself when no slot moves.
+    The step has ``target``'s epoch; `finish_moves` gives the map after it.
+    """
+    old_owner, new_owner = current.owner_list, target.owner_list
+    moving = {slot: (old_owner[slot], new_owner[slot]) for slot in range(SLOTS)
+              if old_owner[slot] in live and new_owner[slot] is not None and old_owner[slot] != new_owner[slot]}
+    if not moving:
+        return target
+    nodes = dict(target.nodes)
+    nodes.update({source: current.nodes[source] for source, _ in moving.values()})
+    owners = list(new_owner)
+    for slot, (source, _) in moving.items():
+        owners[slot] = source
+    return SlotMap.build(target.epoch, nodes, owners, moving)
+
+
+def finish_moves(step: SlotMap, nodes: dict[str, str]) -> SlotMap:
+    """The map once ``step``'s moves are over: each moving slot with its target, at the next epoch.
+
+    Nodes outside ``nodes`` (the live, not draining ones) leave the map unless
+    they still own a slot (the next assignment hands those slots on).
+    """
+    owners = list(step.owner_list)
+    for slot, (_, target) in step.migrating.items():
+        owners[slot] = target
+    owning = set(owners) - {None}
+    kept = {node_id: addr for node_id, addr in step.nodes.items() if node_id in nodes or node_id in owning}
+    return SlotMap.build(step.epoch + 1, kept, owners)

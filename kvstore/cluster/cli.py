@@ -2,8 +2,8 @@
 
 ``up`` starts a throwaway etcd (unless ``--etcd`` names one) and N
 ``kvstore serve --cluster etcd://HOST:PORT/NAME`` nodes on free loopback
-ports, waits until the leader's map covers every slot with all N nodes, and
-prints one JSON line that scripts and tests read::
+ports (flags after ``--`` go to every node's ``serve``), waits until the
+leader's map covers every slot with all N nodes, and prints one JSON line that scripts and tests read::
 
     {"etcd": "http://127.0.0.1:P", "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
 
@@ -133,13 +133,14 @@ class LocalCluster:
             command += ["--dram-size", self.args.dram_size]
         if self.args.node_timeout:
             command += ["--cluster-node-timeout", str(self.args.node_timeout)]
+        command += self.args.serve_flags
         with open(os.path.join(self.log_dir, f"node-{port}.log"), "ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)         # signals reach them through `stop` only
         return f"{host}:{port}", proc
 
     def wait_formed(self) -> list[dict]:
-        """Block until the map covers every slot with exactly our nodes; their ids, addresses and pids."""
+        """Block until the map covers every slot with exactly our nodes, none moving; their ids, addresses, pids."""
         wanted = {addr for addr, _ in self.nodes}
         deadline = time.monotonic() + START_TIMEOUT
         while True:
@@ -148,7 +149,7 @@ class LocalCluster:
                     raise ClusterError(f"node {addr} exited with {proc.returncode}:\n{self._log_tail(addr)}")
             snap = self._snapshot()
             if snap is not None and snap.slot_map is not None and snap.slot_map.assigned == SLOTS \
-                    and set(snap.slot_map.nodes.values()) == wanted:
+                    and not snap.slot_map.migrating and set(snap.slot_map.nodes.values()) == wanted:
                 ids = {addr: node_id for node_id, addr in snap.slot_map.nodes.items()}
                 return [{"id": ids[addr], "addr": addr, "pid": proc.pid} for addr, proc in self.nodes]
             if time.monotonic() > deadline:
@@ -216,6 +217,8 @@ def cluster_main(argv: list[str]) -> int:
     up.add_argument("--etcd", metavar="URL", help="use this etcd (http://HOST:PORT) instead of starting one")
     up.add_argument("--name", default="kvstore", help="cluster name in etcd (default kvstore)")
     up.add_argument("--node-timeout", type=float, metavar="S", help="passed to each node as --cluster-node-timeout")
+    up.add_argument("serve_flags", nargs="*", metavar="-- SERVE-FLAG",
+                    help="flags after -- are passed to every node's kvstore serve (e.g. -- --hot-reads 50)")
     up.add_argument("--netns", action="store_true", help="run each node in its own network namespace "
                     "(a host of its own on a bridge; needs root and iproute2)")
     up.add_argument("--nic-rate", metavar="RATE", help="with --netns: cap each node's link (tc tbf), e.g. 1gbit")

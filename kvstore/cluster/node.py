@@ -13,6 +13,16 @@ leads to a new assignment (assign.py) that membership writes to etcd; the
 leader applies it like everyone else, when the watch brings it back. Changes
 arriving within ``settle`` seconds are assigned together, so nodes starting
 at once produce one map, not one per node.
+
+Clean moves (``move_budget`` > 0). When a join, or a leave announced with
+``drain_node``, moves slots between live nodes, the leader first writes a
+step map in which those slots still belong to their owners but are marked as
+moving (Redis's ASK protocol serves them meanwhile; migration.py pushes their
+values), then the final map once every source has reported with
+``moves_done``, or ``move_budget`` + ``MOVE_GRACE`` seconds after the step,
+or as soon as a node of a move is gone. A slot whose owner died moves at
+once: there is nothing left to push. A draining node gets no slots; it stays
+registered until its slots are gone and then leaves.
 """
 from __future__ import annotations
 
@@ -23,13 +33,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.cluster.assign import rebalance
+from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
 
 log = logging.getLogger("kvstore.cluster")
 
 SETTLE_SECONDS = 0.1
+MOVE_GRACE = 2.0            # beyond the move budget, before the leader ends a step no source reported
 MapListener = Callable[[SlotMap, SlotMap], None]
 
 
@@ -42,11 +53,12 @@ class ClusterState:
     """This node's view of the cluster; ``membership`` None for a node fed maps by hand (tests)."""
 
     def __init__(self, node_id: str, announce: str, membership: Membership | None = None,
-                 settle: float = SETTLE_SECONDS):
+                 settle: float = SETTLE_SECONDS, move_budget: float = 0.0):
         self.my_id = node_id
         self.announce = announce
         self.membership = membership
         self.settle = settle
+        self.move_budget = move_budget          # seconds a clean move may take; 0: slots just change owner
         self.nodes: dict[str, str] = {}         # live registrations, as membership last said
         self.refused = 0                        # maps refused since start
         self.map = SlotMap.empty()
@@ -55,6 +67,12 @@ class ClusterState:
         self._listeners: list[MapListener] = []
         self._pending: asyncio.TimerHandle | None = None
         self._repair = False
+        self.draining: set[str] = set()         # the leader's: nodes leaving cleanly (no slots for them)
+        self._reports: dict[int, set[str]] = {}  # step epoch -> sources that finished pushing
+        self._step_timer: asyncio.TimerHandle | None = None
+        self._step_expired = 0                  # epoch of the last step whose time ran out
+        self.copies = None                      # replication.HotCopies, when the node runs it
+        self.moves = None                       # migration.Migrator, when the node runs it
 
     # ---------------------------------------------------------------- queries (hot path)
 
@@ -105,6 +123,8 @@ class ClusterState:
         self._owners = new.owner_list
         self.mine = new.slots_of(self.my_id).astype(np.uint8).tobytes()
         self._repair = False
+        self._reports = {epoch: done for epoch, done in self._reports.items() if epoch >= new.epoch}
+        self._time_step()
         log.info("Slot map epoch %d applied: %d nodes, %d slots here, %d assigned",
                  new.epoch, len(new.nodes), new.counts.get(self.my_id, 0), new.assigned)
         for listener in self._listeners:
@@ -129,9 +149,11 @@ class ClusterState:
 
     def on_nodes(self, nodes: dict[str, str]) -> None:
         self.nodes = nodes
+        self.draining &= nodes.keys()
         self._reconcile_soon()
 
     def on_leader(self, leader: bool) -> None:
+        self._time_step()
         if leader:
             self._reconcile_soon()
 
@@ -144,9 +166,64 @@ class ClusterState:
         self._pending = None
         if not self.is_leader:
             return
-        plan = rebalance(self.map, self.nodes, force=self._repair)
-        if plan is not self.map:
-            self.membership.propose(plan)
+        if self.map.migrating:
+            if self._step_over():
+                self.membership.propose(finish_moves(self.map, self._assignable()))
+            return
+        plan = rebalance(self.map, self._assignable(), force=self._repair)
+        if plan is self.map:
+            return
+        if self.move_budget > 0:
+            plan = plan_moves(self.map, plan, self.nodes)
+        self.membership.propose(plan)
+
+    def _assignable(self) -> dict[str, str]:
+        """The nodes that get slots: the live ones not draining (all of them when every one drains)."""
+        staying = {node_id: addr for node_id, addr in self.nodes.items() if node_id not in self.draining}
+        return staying or self.nodes
+
+    # ---------------------------------------------------------------- clean moves (leader)
+
+    def drain_node(self, node_id: str) -> int | None:
+        """As leader, give ``node_id``'s slots to the others: how many nodes take them (0: none
+        left, so nothing moves), or None when this node is not the leader."""
+        if not self.is_leader:
+            return None
+        staying = [other for other in self.nodes if other != node_id and other not in self.draining]
+        if staying and node_id in self.nodes and node_id not in self.draining:
+            log.info("Node %s drains: its slots go to the other nodes", node_id)
+            self.draining.add(node_id)
+            self._reconcile_soon()
+        return len(staying)
+
+    def moves_done(self, node_id: str, epoch: int) -> None:
+        """Source ``node_id`` pushed what it could of the step map at ``epoch``."""
+        if epoch >= self.map.epoch:
+            self._reports.setdefault(epoch, set()).add(node_id)
+            if epoch == self.map.epoch:
+                self._reconcile_soon()
+
+    def _step_over(self) -> bool:
+        step = self.map
+        ends = {node_id for move in step.migrating.values() for node_id in move}
+        sources = {source for source, _ in step.migrating.values()}
+        return (self._step_expired == step.epoch or not ends <= self.nodes.keys()
+                or sources <= self._reports.get(step.epoch, set()))
+
+    def _time_step(self) -> None:
+        """While leader of a step map, end it after the move budget and grace at the latest."""
+        if self._step_timer is not None:
+            self._step_timer.cancel()
+            self._step_timer = None
+        if self.is_leader and self.map.migrating:
+            epoch = self.map.epoch
+            self._step_timer = asyncio.get_running_loop().call_later(
+                self.move_budget + MOVE_GRACE, self._end_step, epoch)
+
+    def _end_step(self, epoch: int) -> None:
+        self._step_timer = None
+        self._step_expired = epoch
+        self._reconcile_soon()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -156,9 +233,10 @@ class ClusterState:
 
     async def stop(self, clean: bool = True) -> None:
         """Leave (``clean``) or just go silent, as a crash would."""
-        if self._pending is not None:
-            self._pending.cancel()
-            self._pending = None
+        for timer in (self._pending, self._step_timer):
+            if timer is not None:
+                timer.cancel()
+        self._pending = self._step_timer = None
         if clean:
             await self.membership.leave()
         else:

@@ -4,6 +4,7 @@ from kvstore.commands import keyspace, kvcache, server, strings, transactions  #
 from kvstore.commands import fastpath  # noqa: F401  (local fast path: leases, reservations)
 from kvstore.commands import layers  # noqa: F401  (layer-wise blocks)
 from kvstore.commands import cluster  # noqa: F401  (CLUSTER, READONLY, READWRITE, ASKING)
+from kvstore.commands import cluster_data  # noqa: F401  (node-to-node copies and moves, KV.HOTKEYS)
 from kvstore.commands import acl  # noqa: F401  (AUTH and the ACL container)
 from kvstore.commands.table import TABLE, Command, CommandError, lookup
 

@@ -51,16 +51,22 @@ def kv_match(conn, args):
 
 
 @command(wire.KV_LOCATE, -2, "readonly fast", "kvcache",
-         "Returns, per key, the tier and size of the block or nil.", keys=(1, -1, 1), spans_slots=True)
+         "Returns, per key, the tier and size of the block or nil; in a cluster, to a READONLY "
+         "connection, also the addresses of the nodes holding copies of it.", keys=(1, -1, 1), spans_slots=True)
 def kv_locate(conn, args):
     engine = conn.engine
+    cluster = conn.server.cluster
+    copies = cluster.copies if cluster is not None and conn.readonly else None
     items = []
     for key in args[1:]:
         slot = engine.lookup(key)
         if slot is None:
             items.append(conn.enc.null)
-        else:
-            items.append(writer.array([writer.bulk(engine.tier_of(slot)), writer.integer(engine.size_of(slot))]))
+            continue
+        entry = [writer.bulk(engine.tier_of(slot)), writer.integer(engine.size_of(slot))]
+        if copies is not None:      # a third element only for readers that can use copies
+            entry.append(writer.bulk_array(copies.copies_of(key)))
+        items.append(writer.array(entry))
     return writer.array(items)
 
 

@@ -1,0 +1,397 @@
+"""Moving slots with their values when a node joins or leaves cleanly.
+
+The leader first writes a step map (node.py) in which the slots that change
+hands still belong to their owners but are marked as moving. The source of a
+moving slot then pushes the slot's values to the target, hottest first (the
+keys read in the last heat windows, by reads, then the others newest first),
+for at most the move budget; whatever is left when the budget is spent, or
+lives only on SSD or GPU, is dropped: it is a cache, and a cold value costs
+more to move than to miss. Bytes moved and dropped are counted (INFO's
+cluster section) and logged. The source reports to the leader, which writes
+the final map; without a report it does so after the budget and a grace.
+
+While a slot moves, Redis's ASK protocol keeps every read and write correct
+without stopping anything: the source takes each value out of its index as it
+sends it, so the key is no longer here and a client is told ``ASK`` (to read
+it, or write it, on the target with ASKING); a key still here is served here.
+A value pushed (KV.IMPORT) never overwrites a write: the target stores it only
+if the key is absent (or only a copy of a hot block) and was not written or
+deleted there since the slot started coming in (`ImportGuard`), so a write that reached the target first is never
+undone by an older pushed value. The same rule lets the holders of a dead
+owner's copies push them to the slot's new owner for a while after the map
+gave it the slot.
+
+After a map is applied, a node removes the values of slots it no longer
+serves (a sweep in chunks, so the loop keeps serving): they would otherwise
+sit unreachable until evicted. Copies of hot blocks are not its values and stay.
+
+A clean leave (SIGTERM) first drains the node: it asks the leader to give its
+slots to the others (KV.DRAIN), serves while its values move, and leaves once
+the map gives it no slot, or when the wait is over.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvstore.cluster.node import MOVE_GRACE, ClusterState
+from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
+from kvstore.cluster.slots import SlotMap, keyslot
+from kvstore.eviction import NO_PARENT
+from kvstore.slots import DRAM, STAGED
+
+log = logging.getLogger("kvstore.cluster")
+
+BATCH_BYTES = 8 * 1024 * 1024       # one KV.IMPORT carries about this much
+BATCH_KEYS = 512
+SCAN_CHUNK = 2048                   # keys looked at between two turns of the event loop
+ACCEPT_SECONDS = 10.0               # a slot gained from a dead node takes pushed copies this long
+MAX_TOUCHED = 1_000_000             # keys remembered as written while slots come in
+FOREVER = float("inf")
+DRAIN_POLL = 0.2
+MAP_WAIT = 2.0                      # how long a push waits for its target to apply the sender's map
+KV_IMPORT, KV_MIGRATED, KV_DRAIN = "KV.IMPORT", "KV.MIGRATED", "KV.DRAIN"
+
+
+@dataclass
+class MoveStats:
+    moves: int = 0                  # slot moves this node ran as a source
+    moved_keys: int = 0
+    moved_bytes: int = 0
+    dropped_keys: int = 0           # values of moving or lost slots not moved (cold, over budget, unreachable)
+    dropped_bytes: int = 0
+    imported_keys: int = 0          # values pushed here and stored
+    imported_bytes: int = 0
+    last_move_seconds: float = 0.0
+
+
+class ImportGuard:
+    """Which pushed values a node takes: keys of slots coming in, never over a write made here since.
+
+    ``accepting`` maps a slot to the monotonic time until which it takes
+    pushed values (forever while the map says it is importing); ``touched``
+    holds, per such slot, the keys written or deleted here since it started
+    coming in.
+    """
+
+    def __init__(self):
+        self.accepting: dict[int, float] = {}
+        self.touched: dict[int, set[bytes]] = {}
+        self.remembered = 0
+        self.storing = False            # our own KV.IMPORT commits are not writes to guard against
+
+    def on_map(self, cluster: ClusterState, old: SlotMap, new: SlotMap) -> None:
+        now = time.monotonic()
+        me = cluster.my_id
+        for slot, (_, target) in new.migrating.items():
+            if target == me and self.accepting.get(slot) != FOREVER:
+                self._open(slot, FOREVER)
+        for slot in (new.slots_of(me) & ~old.slots_of(me)).nonzero()[0].tolist():
+            if slot in self.accepting:
+                self.accepting[slot] = now + ACCEPT_SECONDS        # its import ended: what it touched stands
+            else:
+                self._open(slot, now + ACCEPT_SECONDS)              # gained from a node that died
+        for slot, until in list(self.accepting.items()):
+            if until == FOREVER and cluster.importing_from(slot) is None:
+                self._close(slot)                                   # a move that did not happen
+        self.expire(now)
+
+    def _open(self, slot: int, until: float) -> None:
+        self._close(slot)
+        self.accepting[slot] = until
+        self.touched[slot] = set()
+
+    def _close(self, slot: int) -> None:
+        self.accepting.pop(slot, None)
+        self.remembered -= len(self.touched.pop(slot, ()))
+
+    def touch(self, key: bytes) -> None:
+        if self.accepting and not self.storing:
+            keys = self.touched.get(keyslot(key))
+            if keys is not None and key not in keys:
+                keys.add(key)
+                self.remembered += 1
+                if self.remembered > MAX_TOUCHED:           # too much to remember: take no more pushes
+                    for slot in list(self.accepting):
+                        self._close(slot)
+
+    def accepts(self, key: bytes, engine, held) -> bool:
+        """Whether a pushed value of ``key`` may be stored: its slot is coming in, and the key is untouched
+        since and absent here, or only a copy of a hot block (older than, or the same as, what comes)."""
+        slot = keyslot(key)
+        until = self.accepting.get(slot)
+        return until is not None and until > time.monotonic() and key not in self.touched[slot] \
+            and (key in held or engine.lookup(key) is None)
+
+    def expire(self, now: float) -> None:
+        for slot in [slot for slot, until in self.accepting.items() if until <= now]:
+            self._close(slot)
+
+
+class Migrator:
+    """This node's part in slot moves: source (push, drop, report), target (guarded imports), sweeps, drain."""
+
+    def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
+                 heat: Callable[[], dict[bytes, int]]):
+        self.engine = engine
+        self.cluster = cluster
+        self.peers = peers
+        self.config = config            # the node's live Config (cluster-move-budget)
+        self.heat = heat                # recent reads per key: what moves first
+        self.guard = ImportGuard()
+        self.stats = MoveStats()
+        self._moving_epoch = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._sweeping = False
+
+    @property
+    def budget(self) -> float:
+        return self.config().cluster_move_budget
+
+    def attach(self) -> None:
+        engine = self.engine
+        engine.commit_listeners.append(lambda key, slot: self.guard.touch(key))
+        engine.drop_listeners.append(lambda slot, key: self.guard.touch(key))
+        engine.overwrite_listeners.append(self.guard.touch)
+        self.cluster.add_listener(self._on_map)
+        self.cluster.moves = self
+
+    # ------------------------------------------------------------ the map changes
+
+    def _on_map(self, old: SlotMap, new: SlotMap) -> None:
+        me = self.cluster.my_id
+        self.guard.on_map(self.cluster, old, new)
+        moving = {slot: target for slot, (source, target) in new.migrating.items() if source == me}
+        if moving and new.epoch != self._moving_epoch:
+            self._moving_epoch = new.epoch
+            self._spawn(self._move(new.epoch, moving))
+        if (old.slots_of(me) & ~new.slots_of(me)).any() and not self._sweeping:
+            self._spawn(self._sweep())
+
+    # ------------------------------------------------------------ source
+
+    def _ordered_keys(self, moving: dict[int, str]) -> list[bytes]:
+        """The keys of the moving slots worth moving first: read most in the last windows, then newest."""
+        heat = self.heat()
+        hot = sorted((key for key in heat if keyslot(key) in moving), key=heat.get, reverse=True)
+        return hot + [key for key in reversed(list(self.engine.index)) if key not in heat]
+
+    async def _move(self, epoch: int, moving: dict[int, str]) -> None:
+        started = time.monotonic()
+        deadline = started + self.budget
+        batches: dict[str, list] = {}
+        weights: dict[str, int] = {}
+        moved0, dropped0 = self.stats.moved_bytes, self.stats.dropped_bytes
+        for i, key in enumerate(self._ordered_keys(moving)):
+            if i % SCAN_CHUNK == SCAN_CHUNK - 1:
+                await asyncio.sleep(0)
+            slot = keyslot(key)
+            target = moving.get(slot)
+            if target is None or self.cluster.migrating_to(slot) != target:
+                continue
+            item = self._take(key, time.monotonic() < deadline)
+            if item is None:
+                continue
+            batches.setdefault(target, []).append(item)
+            weights[target] = weights.get(target, 0) + item[-1]
+            if len(batches[target]) >= BATCH_KEYS or weights[target] >= BATCH_BYTES:
+                weights[target] = 0
+                await self._push(target, batches.pop(target))
+        await asyncio.gather(*(self._push(target, batch) for target, batch in batches.items()))
+        self._finish_move(epoch, moving, started, moved0, dropped0)
+        await self._report(epoch)
+
+    def _take(self, key: bytes, in_time: bool):
+        """Take ``key`` out of the index for sending: (key, parent, view, hold token, size).
+
+        None when it is dropped instead (over budget, or its value is not in DRAM).
+        """
+        engine = self.engine
+        slot = engine.lookup(key)
+        if slot is None:
+            return None
+        size = engine.size_of(slot)
+        if not in_time or (engine.tier_code(slot) != DRAM and not engine.flags_of(slot) & STAGED):
+            engine.delete(key)
+            self._dropped(1, size)
+            return None
+        parent_slot = engine.eviction.parent_of(slot)
+        parent = engine.key_of(parent_slot) if parent_slot != NO_PARENT else b""
+        token = engine.hold(slot)
+        view = engine.view(slot)
+        engine.delete(key)              # from now on the key is asked for at the target
+        return key, parent, view, token, size
+
+    async def _push(self, target: str, batch: list) -> None:
+        """Move one batch of taken values to ``target``; what it did not store counts as dropped."""
+        keys, stored = await self._send(target, batch)
+        self.stats.moved_keys += keys
+        self.stats.moved_bytes += stored
+        self._dropped(len(batch) - keys, sum(item[-1] for item in batch) - stored)
+
+    async def _send(self, target: str, batch: list) -> tuple[int, int]:
+        """KV.IMPORT of taken values at ``target``, holds released after: (keys, bytes) it stored.
+
+        A target that has not applied our map yet answers TRYAGAIN: we try
+        again for a while (the watch brings it the map within milliseconds).
+        """
+        addr = self.cluster.addr_of(target) or self.cluster.nodes.get(target)
+        args = [part for key, parent, view, _, _ in batch for part in (key, parent, view)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MAP_WAIT
+        try:
+            while addr is not None and batch:
+                try:
+                    keys, stored = await self.peers.link(addr).call(KV_IMPORT, self.cluster.map.epoch, *args)
+                    return keys, stored
+                except PeerReplyError as e:
+                    if not str(e).startswith("TRYAGAIN") or loop.time() > deadline:
+                        raise
+                await asyncio.sleep(DRAIN_POLL / 4)
+        except (PeerError, PeerReplyError) as e:
+            log.warning("Pushing %d values to %s failed: %s", len(batch), addr, e)
+        finally:
+            for _, _, _, token, _ in batch:
+                self.engine.release_hold(token)
+        return 0, 0
+
+    def _dropped(self, keys: int, size: int) -> None:
+        self.stats.dropped_keys += keys
+        self.stats.dropped_bytes += size
+
+    def _finish_move(self, epoch: int, moving: dict[int, str], started: float, moved0: int, dropped0: int) -> None:
+        elapsed = time.monotonic() - started
+        self.stats.moves += 1
+        self.stats.last_move_seconds = elapsed
+        targets = sorted({self.cluster.addr_of(t) or t for t in moving.values()})
+        log.info("Moved %d slots (epoch %d) to %s in %.2f s: %d bytes moved, %d bytes dropped",
+                 len(moving), epoch, ", ".join(targets), elapsed, self.stats.moved_bytes - moved0,
+                 self.stats.dropped_bytes - dropped0)
+
+    async def _report(self, epoch: int) -> None:
+        """Tell the leader this node's part of the step at ``epoch`` is done (the leader's timer covers a loss)."""
+        cluster = self.cluster
+        leader = getattr(cluster.membership, "leader_id", None)
+        if leader == cluster.my_id:
+            cluster.moves_done(cluster.my_id, epoch)
+            return
+        addr = cluster.nodes.get(leader) if leader else None
+        if addr is None:
+            return
+        try:
+            await self.peers.link(addr).call(KV_MIGRATED, cluster.my_id, epoch)
+        except (PeerError, PeerReplyError) as e:
+            log.info("Could not report the end of the move to the leader at %s: %s", addr, e)
+
+    # ------------------------------------------------------------ copies of a dead owner
+
+    def rescue(self, owner: str, keys: list[bytes]) -> None:
+        """Push the copies ``keys`` (this node held for a node that died) to the slot's new ``owner``."""
+        batch = []
+        for key in keys:
+            item = self._take(key, True)
+            if item is not None:
+                batch.append(item)
+        self._spawn(self._send(owner, batch))
+
+    # ------------------------------------------------------------ target
+
+    @contextmanager
+    def storing(self):
+        """Around a KV.IMPORT's commits: they are the push itself, not writes that supersede it."""
+        self.guard.storing = True
+        try:
+            yield
+        finally:
+            self.guard.storing = False
+
+    def accepts(self, key: bytes) -> bool:
+        copies = self.cluster.copies
+        return self.guard.accepts(key, self.engine, copies.held if copies is not None else {})
+
+    def count_import(self, keys: int, size: int) -> None:
+        self.stats.imported_keys += keys
+        self.stats.imported_bytes += size
+
+    # ------------------------------------------------------------ sweep
+
+    async def _sweep(self) -> None:
+        """Remove the values of slots this node does not serve (copies and incoming slots excepted)."""
+        self._sweeping = True
+        try:
+            cluster, engine = self.cluster, self.engine
+            held = cluster.copies.held if cluster.copies is not None else {}
+            keys, removed, size = list(engine.index), 0, 0
+            for i, key in enumerate(keys):
+                if i % SCAN_CHUNK == SCAN_CHUNK - 1:
+                    await asyncio.sleep(0)
+                slot = keyslot(key)
+                if cluster.is_mine(slot) or key in held or cluster.importing_from(slot) is not None:
+                    continue
+                found = engine.lookup(key)
+                if found is not None:
+                    size += engine.size_of(found)
+                    removed += 1
+                    engine.delete(key)
+            if removed:
+                self._dropped(removed, size)
+                log.info("Removed %d values (%d bytes) of slots this node no longer serves", removed, size)
+        finally:
+            self._sweeping = False
+
+    # ------------------------------------------------------------ clean leave
+
+    async def drain(self) -> None:
+        """Have the leader move this node's slots away, and wait (bounded) until the map gives it none."""
+        cluster = self.cluster
+        if self.budget <= 0 or cluster.membership is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.budget + MOVE_GRACE + 2 * DRAIN_POLL + cluster.settle
+        started = loop.time()
+        while loop.time() < deadline and cluster.map.counts.get(cluster.my_id, 0):
+            if await self._ask_drain() == 0:
+                log.info("No other node takes slots: leaving without moving values")
+                return
+            await asyncio.sleep(DRAIN_POLL)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        log.info("Drained in %.2f s: %d bytes moved, %d bytes dropped", loop.time() - started,
+                 self.stats.moved_bytes, self.stats.dropped_bytes)
+
+    async def _ask_drain(self) -> int | None:
+        """The leader's answer to KV.DRAIN: how many nodes take slots (None: no leader reachable)."""
+        cluster = self.cluster
+        leader = getattr(cluster.membership, "leader_id", None)
+        if leader == cluster.my_id:
+            return cluster.drain_node(cluster.my_id)
+        addr = cluster.nodes.get(leader) if leader else None
+        if addr is None:
+            return None
+        try:
+            return await self.peers.link(addr).call(KV_DRAIN, cluster.my_id)
+        except (PeerError, PeerReplyError) as e:
+            log.info("Drain request to the leader at %s failed: %s", addr, e)
+            return None
+
+    # ------------------------------------------------------------ helpers
+
+    def info(self) -> dict:
+        s = self.stats
+        return {"cluster_moves": s.moves, "cluster_moved_keys": s.moved_keys, "cluster_moved_bytes": s.moved_bytes,
+                "cluster_dropped_keys": s.dropped_keys, "cluster_dropped_bytes": s.dropped_bytes,
+                "cluster_imported_keys": s.imported_keys, "cluster_imported_bytes": s.imported_bytes,
+                "cluster_last_move_seconds": f"{s.last_move_seconds:.3f}"}
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()

@@ -1,0 +1,426 @@
+"""Hot-block replication: copies of the blocks read most, on K other nodes.
+
+A block that one prompt prefix after another reads (a system prompt's first
+blocks) would make its owner's NIC the cluster's bottleneck. So each node
+counts reads per block, copies a block read more than ``hot-reads`` times a
+second to ``hot-replicas`` other nodes, and readers spread over owner and
+copies (READONLY connections read a copy as Redis Cluster replicas serve
+reads). Whole slots are never replicated: only the few blocks that are hot.
+
+Heat. Reads are counted per key in one-second windows (a dict, reset each
+window). A key is copied the moment its count in the current window passes
+the threshold. Holders count the reads their copies serve and report them
+when the owner renews their leases, so the owner judges a copy's heat by all
+its reads; a block read less than half the threshold over a window cools, and
+its copies are removed.
+
+Targets. Rendezvous hashing: the K nodes with the highest xxh3 score of
+``node id + key``, the owner excluded. Every node computes the same targets
+without a word, and a join or leave moves only the copies whose winner
+changed.
+
+Consistency. A reader must never get a value older than the last write
+acknowledged: an overwrite, delete, expiry or eviction of a replicated key on
+its owner removes the copies (KV.UNCOPY) before any write of that key is
+acknowledged (dispatch defers the reply until ``take_unacked`` is done). A
+copy is served only under a lease the owner renews every window; a holder the
+owner cannot reach keeps its copy at most until that lease lapses, so the
+owner then waits the lease out before acknowledging. The lease outlasts the
+node timeout, so when an owner dies its copies stay readable until the new
+map gives the slot to a survivor: a holder that gets the slot keeps the value
+as its own, the others push their copy to the new owner (KV.IMPORT, which
+never overwrites a newer write) and drop it. A holder that gets the slot also
+counts the other holders rendezvous hashing chose as holders of its own, so
+its first write of the key removes their copies even if they have not
+applied the new map yet.
+
+Memory. Copies are the first values to go when DRAM is short (the engine's
+``shed_first`` hook: the least recently read copy, O(1) from an ordered dict),
+and at most ``MAX_HOT_KEYS`` keys of one owner are replicated at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
+from kvstore.cluster.slots import SlotMap, keyslot
+from kvstore.slots import DRAM, STAGED
+
+log = logging.getLogger("kvstore.cluster")
+
+WINDOW = 1.0                # seconds of one heat window, and of the lease renewal
+MAX_HOT_KEYS = 1024         # keys one owner replicates at once
+KV_COPY, KV_UNCOPY, KV_RENEW = "KV.COPY", "KV.UNCOPY", "KV.RENEW"
+
+
+def lease_seconds(node_timeout: float) -> float:
+    """How long a copy is served without a renewal: past a dead owner's lease in etcd and the new map."""
+    return 2 * node_timeout + 1
+
+
+def rendezvous(key: bytes, node_ids, count: int) -> tuple[str, ...]:
+    """The ``count`` nodes with the highest score for ``key`` (highest random weight hashing)."""
+    scored = sorted(node_ids, key=lambda node_id: xxhash.xxh3_64_intdigest(node_id.encode() + key), reverse=True)
+    return tuple(scored[:count])
+
+
+@dataclass(slots=True)
+class HeldCopy:
+    """A copy this node holds for ``owner``: served until ``deadline`` (monotonic seconds)."""
+
+    owner: str
+    deadline: float
+    reads: int = 0          # reads served since the owner last renewed the lease
+
+
+@dataclass
+class CopyStats:
+    copies_made: int = 0            # copies pushed (one per holder)
+    copies_removed: int = 0         # replicated keys whose copies were removed (written, cooled, evicted)
+    copies_cooled: int = 0
+    copy_reads: int = 0             # reads served from copies held here
+    copies_shed: int = 0            # copies dropped here to make room
+    copies_adopted: int = 0         # copies kept as this node's own when their slot came here
+    copies_rescued: int = 0         # copies pushed to a dead owner's successor
+    invalidation_waits: int = 0     # holders unreachable at a write: the lease was waited out
+
+
+class HotCopies:
+    """Both sides of replication on one node: the keys it replicates as owner, the copies it holds."""
+
+    def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
+                 rescue: Callable[[str, list[bytes]], None]):
+        self.engine = engine
+        self.cluster = cluster
+        self.peers = peers
+        self.config = config                # the node's live Config (hot-reads, hot-replicas)
+        self.rescue = rescue                # push copies of a dead owner's keys to their new owner
+        self.counts: dict[bytes, int] = {}          # reads of owned keys in this window
+        self.last: dict[bytes, int] = {}            # ... in the window before (with the holders' reads)
+        self.replicated: dict[bytes, tuple[str, ...]] = {}     # owner: key -> holder ids
+        self.inflight: dict[bytes, asyncio.Task] = {}          # owner: key -> removal of its copies
+        self.unacked: list[asyncio.Task] = []                  # removals a reply must wait for
+        self.renewed_at: dict[str, float] = {}      # holder -> when its last lease grant was sent
+        self.held: OrderedDict[bytes, HeldCopy] = OrderedDict()   # holder: least recently read first
+        self.version = int(time.time() * 1000) << 16           # of the hot-key map (KV.HOTKEYS)
+        self.stats = CopyStats()
+        self._trigger = 0
+        self._replicas = 0
+        self._tasks: set[asyncio.Task] = set()
+        self.refresh_settings()
+
+    @property
+    def lease(self) -> float:
+        return lease_seconds(self.config().cluster_node_timeout)
+
+    def attach(self) -> None:
+        """Listen to the engine and the map (the engine's hooks are set here and nowhere else)."""
+        engine = self.engine
+        engine.hit_listeners.append(self._on_hit)
+        engine.drop_listeners.append(self._on_drop)
+        engine.commit_listeners.append(self._on_commit)
+        engine.overwrite_listeners.append(self._on_overwrite)
+        engine.shed_first = self.shed_copy
+        self.cluster.add_listener(self._on_map)
+        self.cluster.copies = self
+
+    def refresh_settings(self) -> None:
+        cfg = self.config()
+        self._trigger = math.floor(cfg.hot_reads * WINDOW) + 1 if cfg.hot_reads > 0 else 0
+        self._replicas = cfg.hot_replicas
+
+    # ------------------------------------------------------------ reads (hot path)
+
+    def _on_hit(self, slot: int) -> None:
+        key = self.engine.key_of(slot)
+        copy = self.held.get(key)
+        if copy is not None:
+            copy.reads += 1
+            self.stats.copy_reads += 1
+            self.held.move_to_end(key)
+            return
+        n = self.counts.get(key, 0) + 1
+        self.counts[key] = n
+        if n == self._trigger and key not in self.replicated:
+            self._replicate(key, slot)
+
+    def serves(self, keys: list[bytes]) -> bool:
+        """Whether every key is a copy held here under a live lease (a READONLY read may run here)."""
+        now = time.monotonic()
+        for key in keys:
+            copy = self.held.get(key)
+            if copy is None or copy.deadline < now:
+                return False
+        return True
+
+    # ------------------------------------------------------------ owner: making copies
+
+    def targets(self, key: bytes) -> tuple[str, ...]:
+        others = [node_id for node_id in self.cluster.map.nodes if node_id != self.cluster.my_id]
+        return rendezvous(key, others, self._replicas)
+
+    def _replicate(self, key: bytes, slot: int) -> None:
+        cluster = self.cluster
+        key_slot = keyslot(key)
+        if len(self.replicated) >= MAX_HOT_KEYS or key in self.inflight or not cluster.ok \
+                or not cluster.is_mine(key_slot) or cluster.migrating_to(key_slot) is not None:
+            return
+        engine = self.engine
+        if engine.tier_code(slot) != DRAM and not engine.flags_of(slot) & STAGED:
+            return                                  # a value on SSD or GPU is copied once a read stages it
+        holders = self.targets(key)
+        if not holders:
+            return
+        self.replicated[key] = holders
+        self.version += 1
+        self.stats.copies_made += len(holders)
+        token = engine.hold(slot)                   # the value stays in place while it is sent
+        self._spawn(self._push(key, engine.view(slot), token, holders))
+
+    async def _push(self, key: bytes, value: memoryview, token, holders: tuple[str, ...]) -> None:
+        lease_ms = int(self.lease * 1000)
+
+        async def one(holder: str) -> None:
+            addr = self._addr(holder)
+            if addr is None:
+                return
+            self.renewed_at[holder] = asyncio.get_running_loop().time()
+            try:
+                await self.peers.link(addr).call(KV_COPY, self.cluster.my_id, lease_ms, key, value)
+            except (PeerError, PeerReplyError) as e:
+                log.debug("Copy of a hot block to %s failed: %s", addr, e)
+
+        try:
+            await asyncio.gather(*(one(holder) for holder in holders))
+        finally:
+            self.engine.release_hold(token)
+
+    # ------------------------------------------------------------ owner: removing copies
+
+    def _on_drop(self, slot: int, key: bytes) -> None:
+        if self.held and self.held.pop(key, None) is not None:
+            return
+        if key in self.replicated:
+            self._remove_copies(key)
+
+    def _on_overwrite(self, key: bytes) -> None:
+        if key in self.replicated:
+            self._remove_copies(key)
+
+    def _on_commit(self, key: bytes, slot: int) -> None:
+        removal = self.inflight.get(key)
+        if removal is not None:         # a write of a key whose copies are still being removed waits
+            self.unacked.append(removal)
+
+    def _remove_copies(self, key: bytes) -> None:
+        holders = self.replicated.pop(key)
+        self.version += 1
+        self.stats.copies_removed += 1
+        removal = self._spawn(self._uncopy(key, holders))
+        self.inflight[key] = removal
+        self.unacked.append(removal)
+        removal.add_done_callback(lambda task: self.inflight.pop(key) if self.inflight.get(key) is task else None)
+
+    async def _uncopy(self, key: bytes, holders: tuple[str, ...]) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def one(holder: str) -> None:
+            addr = self._addr(holder)
+            try:
+                if addr is None:
+                    raise PeerError(f"node {holder} left")
+                await self.peers.link(addr).call(KV_UNCOPY, key)
+            except (PeerError, PeerReplyError) as e:
+                wait = self.renewed_at.get(holder, 0.0) + self.lease - loop.time()
+                if wait > 0:
+                    log.warning("Cannot remove a copy from %s (%s): waiting %.1f s for its lease to lapse",
+                                addr or holder, e, wait)
+                    self.stats.invalidation_waits += 1
+                    await asyncio.sleep(wait)
+
+        await asyncio.gather(*(one(holder) for holder in holders))
+
+    def take_unacked(self) -> asyncio.Future:
+        """What the command just run must wait for before its reply goes out."""
+        waits, self.unacked = self.unacked, []
+        return asyncio.gather(*waits, return_exceptions=True)
+
+    # ------------------------------------------------------------ holder
+
+    def store_copy(self, owner: str, lease_ms: int, key: bytes, value, store: Callable) -> bool:
+        """Keep ``value`` as a copy of ``key`` for ``owner``; False when ``owner`` does not own its slot here."""
+        if owner == self.cluster.my_id or self.cluster.owner(keyslot(key)) != owner:
+            return False
+        store(key, value)
+        self.held[key] = HeldCopy(owner, time.monotonic() + lease_ms / 1000)
+        return True
+
+    def drop_copy(self, key: bytes) -> bool:
+        if key not in self.held:
+            return False
+        self.engine.delete(key)         # the drop listener forgets it
+        return True
+
+    def renew(self, owner: str, lease_ms: int, keys: list[bytes]) -> list[int]:
+        """Extend ``owner``'s copies of ``keys``: per key the reads served since the last renewal, -1 if gone."""
+        deadline = time.monotonic() + lease_ms / 1000
+        reads = []
+        for key in keys:
+            copy = self.held.get(key)
+            if copy is None or copy.owner != owner:
+                reads.append(-1)
+                continue
+            copy.deadline = deadline
+            reads.append(copy.reads)
+            copy.reads = 0
+        return reads
+
+    def shed_copy(self) -> bool:
+        """Drop the least recently read copy to make room; False when none is held."""
+        if not self.held:
+            return False
+        key = next(iter(self.held))
+        self.engine.delete(key)
+        self.stats.copies_shed += 1
+        return True
+
+    # ------------------------------------------------------------ the map changes
+
+    def _on_map(self, old: SlotMap, new: SlotMap) -> None:
+        cluster = self.cluster
+        for key in [key for key in self.replicated if not cluster.is_mine(keyslot(key))]:
+            del self.replicated[key]            # its holders drop their copies on this map too
+            self.version += 1
+        orphans: dict[str, list[bytes]] = defaultdict(list)
+        for key, copy in list(self.held.items()):
+            owner = cluster.owner(keyslot(key))
+            if owner == copy.owner:
+                continue
+            del self.held[key]
+            if owner == cluster.my_id:
+                self._adopt(key, copy.owner, old)
+            elif owner is not None and copy.owner not in new.nodes:
+                orphans[owner].append(key)
+            else:
+                self.engine.delete(key)
+        for owner, keys in orphans.items():
+            self.stats.copies_rescued += len(keys)
+            self.rescue(owner, keys)
+
+    def _adopt(self, key: bytes, previous_owner: str, old: SlotMap) -> None:
+        """Keep a copy as this node's own value; the other copies are counted as ours to remove."""
+        self.stats.copies_adopted += 1
+        others = [node_id for node_id in old.nodes if node_id != previous_owner]
+        holders = tuple(h for h in rendezvous(key, others, self._replicas) if h != self.cluster.my_id)
+        if holders and len(self.replicated) < MAX_HOT_KEYS:
+            self.replicated[key] = holders
+            self.version += 1
+
+    # ------------------------------------------------------------ every window
+
+    async def run_once(self) -> None:
+        """Wait out the window, then close it."""
+        await asyncio.sleep(WINDOW)
+        try:
+            await self.tick()
+        except Exception:
+            log.exception("Hot-block replication tick failed")
+
+    async def tick(self) -> None:
+        """Close the window: renew leases (collecting the holders' reads), remove cooled copies."""
+        self.refresh_settings()
+        self.last, self.counts = self.counts, {}
+        self._drop_lapsed()
+        self.unacked = [task for task in self.unacked if not task.done()]
+        by_holder: dict[str, list[bytes]] = defaultdict(list)
+        for key, holders in self.replicated.items():
+            for holder in holders:
+                by_holder[holder].append(key)
+        await asyncio.gather(*(self._renew(holder, keys) for holder, keys in by_holder.items()))
+        floor = self._trigger / 2
+        for key in [key for key in self.replicated if self.last.get(key, 0) < floor]:
+            self.stats.copies_cooled += 1
+            self._remove_copies(key)
+
+    async def _renew(self, holder: str, keys: list[bytes]) -> None:
+        addr = self._addr(holder)
+        if addr is None:
+            self._forget_holder(holder, keys)
+            return
+        self.renewed_at[holder] = asyncio.get_running_loop().time()
+        try:
+            reads = await self.peers.link(addr).call(KV_RENEW, self.cluster.my_id, int(self.lease * 1000), *keys)
+        except (PeerError, PeerReplyError) as e:
+            log.debug("Lease renewal at %s failed: %s", addr, e)
+            return
+        gone = []
+        for key, count in zip(keys, reads):
+            if count < 0:
+                gone.append(key)
+            else:
+                self.last[key] = self.last.get(key, 0) + count
+        self._forget_holder(holder, gone)
+
+    def _forget_holder(self, holder: str, keys: list[bytes]) -> None:
+        for key in keys:
+            holders = self.replicated.get(key)
+            if holders is not None and holder in holders:
+                rest = tuple(h for h in holders if h != holder)
+                if rest:
+                    self.replicated[key] = rest
+                else:
+                    del self.replicated[key]
+                self.version += 1
+
+    def _drop_lapsed(self) -> None:
+        now = time.monotonic()
+        for key in [key for key, copy in self.held.items() if copy.deadline < now]:
+            self.engine.delete(key)
+
+    # ------------------------------------------------------------ what readers learn
+
+    def copies_of(self, key: bytes) -> list[str]:
+        """Addresses of the nodes holding copies of ``key`` (as its owner knows them)."""
+        return [addr for addr in map(self._addr, self.replicated.get(key, ())) if addr is not None]
+
+    def recent_reads(self) -> dict[bytes, int]:
+        """Reads per owned key over this window and the one before (what a slot move sends first)."""
+        reads = dict(self.last)
+        for key, count in self.counts.items():
+            reads[key] = reads.get(key, 0) + count
+        return reads
+
+    def hot_map(self) -> list[tuple[bytes, list[str]]]:
+        return [(key, self.copies_of(key)) for key in self.replicated]
+
+    def info(self) -> dict[str, int]:
+        s = self.stats
+        return {"cluster_hot_keys": len(self.replicated), "cluster_copies_held": len(self.held),
+                "cluster_copies_made": s.copies_made, "cluster_copies_removed": s.copies_removed,
+                "cluster_copies_cooled": s.copies_cooled, "cluster_copy_reads": s.copy_reads,
+                "cluster_copies_shed": s.copies_shed, "cluster_copies_adopted": s.copies_adopted,
+                "cluster_copies_rescued": s.copies_rescued, "cluster_invalidation_waits": s.invalidation_waits}
+
+    # ------------------------------------------------------------ helpers
+
+    def _addr(self, node_id: str) -> str | None:
+        return self.cluster.map.nodes.get(node_id) or self.cluster.nodes.get(node_id)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()

@@ -1,0 +1,288 @@
+"""Slot moves: the leader's step and final maps, and values moving with their slots between real nodes.
+
+The first tests run the real membership and leader logic over the in-process
+etcd on virtual time (no processes). The others start `kvstore cluster up`
+(a throwaway etcd and 3 node processes) plus, for a join, a 4th
+`kvstore serve --cluster` process, and read INFO, logs and values.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
+from kvstore.cluster.fake_etcd import FakeEtcd
+from kvstore.cluster.membership import InMemoryMembership
+from kvstore.cluster.node import MOVE_GRACE, ClusterState, new_node_id
+from kvstore.cluster.simclock import run_simulated
+from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
+from tests.cluster_client import SlotReader
+from tests.cluster_procs import ClusterUp
+from tests.conftest import start_kvstore, wait_until
+
+TTL = 5
+BUDGET = 5.0
+A, B, C = "a" * 40, "b" * 40, "c" * 40
+ADDRS = {A: "127.0.0.1:7001", B: "127.0.0.1:7002", C: "127.0.0.1:7003"}
+
+
+# ------------------------------------------------------------------ step and final maps
+
+
+def test_a_join_plans_moves_from_live_owners_and_finishing_hands_them_over():
+    two = rebalance(SlotMap.empty(), {A: ADDRS[A], B: ADDRS[B]})
+    target = rebalance(two, ADDRS)
+    step = plan_moves(two, target, ADDRS.keys())
+    assert step.epoch == target.epoch and step.owner_list == two.owner_list     # owners keep serving
+    assert step.migrating and all(dst == C for _, dst in step.migrating.values())
+    assert {src for src, _ in step.migrating.values()} == {A, B}
+    assert set(step.migrating) == {s for s in range(SLOTS) if two.owner(s) != target.owner(s)}
+    final = finish_moves(step, ADDRS)
+    assert final.epoch == step.epoch + 1 and not final.migrating
+    assert final.owner_list == target.owner_list and final.nodes == target.nodes
+
+
+def test_slots_of_a_dead_owner_go_at_once_and_a_draining_node_leaves_the_final_map():
+    three = rebalance(SlotMap.empty(), ADDRS)
+    without_c = {A: ADDRS[A], B: ADDRS[B]}
+    target = rebalance(three, without_c)
+    assert plan_moves(three, target, without_c.keys()) is target           # C is dead: nothing to move
+    step = plan_moves(three, target, ADDRS.keys())                          # C drains: it is alive
+    assert C in step.nodes and {src for src, _ in step.migrating.values()} == {C}
+    final = finish_moves(step, without_c)
+    assert C not in final.nodes and final.owner_list == target.owner_list
+    assert SlotMap.from_json(step.to_json()).same_as(step)                  # the step is a valid map
+
+
+class Sim:
+    """Nodes with clean moves on an in-process etcd; ``reporting`` sources tell the leader at once."""
+
+    def __init__(self, reporting: bool = True):
+        self.store = FakeEtcd()
+        self.live: list[ClusterState] = []
+        self.maps: dict[int, SlotMap] = {}      # every map any node applied, by epoch
+        self.reporting = reporting
+
+    async def join(self, count: int = 1) -> list[ClusterState]:
+        states = []
+        for _ in range(count):
+            state = ClusterState(new_node_id(), f"10.0.0.{len(self.live) + len(states) + 1}:7000",
+                                 InMemoryMembership(self.store, "sim", TTL, connect_timeout=3), move_budget=BUDGET)
+            state.add_listener(lambda old, new, state=state: self._seen(state, new))
+            states.append(state)
+        await asyncio.gather(*(s.start() for s in states))
+        self.live += states
+        return states
+
+    def _seen(self, state: ClusterState, new: SlotMap) -> None:
+        self.maps[new.epoch] = new
+        if self.reporting and any(src == state.my_id for src, _ in new.migrating.values()):
+            asyncio.get_running_loop().call_soon(self._report, state.my_id, new.epoch)
+
+    def _report(self, node_id: str, epoch: int) -> None:
+        for state in self.live:
+            if state.is_leader:
+                state.moves_done(node_id, epoch)
+
+    @property
+    def leader(self) -> ClusterState:
+        return next(s for s in self.live if s.is_leader)
+
+    async def until(self, predicate, limit: float) -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not predicate():
+            assert loop.time() - start < limit, "timed out"
+            await asyncio.sleep(0.05)
+        return loop.time() - start
+
+    def settled(self, count: int) -> bool:
+        maps = [s.map for s in self.live]
+        return all(m.epoch == maps[0].epoch and m.assigned == SLOTS and not m.migrating for m in maps) \
+            and len(maps[0].nodes) == count
+
+    async def close(self) -> None:
+        for state in self.live:
+            await state.stop()
+        self.store.close()
+
+
+@pytest.mark.parametrize("reporting", [True, False])
+def test_a_join_goes_through_a_step_map_ended_by_the_sources_or_the_budget(reporting):
+    async def scenario():
+        sim = Sim(reporting)
+        await sim.join(3)
+        await sim.until(lambda: sim.settled(3), 2.0)
+        before = sim.live[0].map
+        await sim.join()
+        took = await sim.until(lambda: sim.settled(4), BUDGET + MOVE_GRACE + 2)
+        step, final = sim.maps[before.epoch + 1], sim.maps[before.epoch + 2]
+        assert step.migrating and step.owner_list == before.owner_list and final.epoch == step.epoch + 1
+        newcomer = sim.live[-1].my_id
+        assert {dst for _, dst in step.migrating.values()} == {newcomer}
+        assert final.counts[newcomer] == SLOTS // 4
+        if reporting:
+            assert took < 1.0
+        else:
+            assert BUDGET + MOVE_GRACE - 0.5 < took < BUDGET + MOVE_GRACE + 1.0
+        await sim.close()
+    run_simulated(scenario())
+
+
+def test_a_drain_moves_every_slot_away_and_the_last_node_is_told_nobody_takes_them():
+    async def scenario():
+        sim = Sim()
+        await sim.join(3)
+        await sim.until(lambda: sim.settled(3), 2.0)
+        leaving = next(s for s in sim.live if not s.is_leader)
+        assert sim.leader.drain_node(leaving.my_id) == 2
+        assert leaving.drain_node(leaving.my_id) is None                   # only the leader answers
+        await sim.until(lambda: leaving.map.counts.get(leaving.my_id, 0) == 0 and not leaving.map.migrating, 1.0)
+        assert leaving.my_id not in leaving.map.nodes
+        sim.live.remove(leaving)
+        await leaving.stop()
+        await asyncio.sleep(0.5)
+        assert sim.settled(2)
+        others = [s for s in sim.live if not s.is_leader]
+        assert sim.leader.drain_node(others[0].my_id) == 1
+        assert sim.leader.drain_node(sim.leader.my_id) == 0                # the last one left to take slots
+        await sim.close()
+    run_simulated(scenario())
+
+
+def test_a_node_dying_during_a_step_ends_it_and_its_slots_are_reassigned():
+    async def scenario():
+        sim = Sim(reporting=False)
+        await sim.join(3)
+        await sim.until(lambda: sim.settled(3), 2.0)
+        (newcomer,) = await sim.join()
+        await sim.until(lambda: bool(sim.live[0].map.migrating), 1.0)
+        sim.live.remove(newcomer)
+        await newcomer.stop(clean=False)
+        took = await sim.until(lambda: sim.settled(3), TTL + 3.0)
+        assert took < TTL + 1.5                 # the lease expiry ends the step, not the budget
+        assert newcomer.my_id not in sim.live[0].map.nodes
+        await sim.close()
+    run_simulated(scenario())
+
+
+# ------------------------------------------------------------------ real nodes
+
+
+def owner_of(conn: redis.Redis, key: bytes) -> str:
+    slot = keyslot(key)
+    for first, last, node, *_ in conn.execute_command("CLUSTER SLOTS"):
+        if first <= slot <= last:
+            return f"{node[0].decode()}:{node[1]}"
+    raise AssertionError("slot not served")
+
+
+def connect(addr: str, **kw) -> redis.Redis:
+    host, port = addr.rsplit(":", 1)
+    return redis.Redis(host=host, port=int(port), socket_timeout=10, **kw)
+
+
+def value_of(key: bytes, size: int = 64 * 1024) -> bytes:
+    seed = int.from_bytes(key[-4:].rjust(4, b"0"), "big")
+    return np.random.default_rng(seed).bytes(size)
+
+
+def write_keys(cluster: RedisCluster, count: int) -> list[bytes]:
+    keys = [b"blk:%05d" % i for i in range(count)]
+    for key in keys:
+        cluster.set(key, value_of(key))
+    return keys
+
+
+def info(addr: str) -> dict:
+    return connect(addr).info("cluster")
+
+
+def joined(addr: str, nodes: int) -> bool:
+    """The node at ``addr`` serves slots of a map of ``nodes`` nodes with no slot moving."""
+    fields = info(addr)
+    if not fields["cluster_enabled"]:
+        return False                    # still joining
+    known = connect(addr).execute_command("CLUSTER NODES")         # redis-py parses it: addr -> fields
+    return len(known) == nodes and not any(node["migrations"] for node in known.values()) \
+        and fields["cluster_imported_keys"] > 0
+
+
+def cluster_client(up: ClusterUp) -> RedisCluster:
+    host, port = up.addrs[0]
+    return RedisCluster(host=host, port=port, socket_timeout=10)
+
+
+def test_a_joining_node_receives_the_values_of_its_slots_hottest_first(tmp_path):
+    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
+        rc = cluster_client(up)
+        keys = write_keys(rc, 300)
+        hot = keys[:20]
+        for _ in range(3):
+            for key in hot:
+                rc.get(key)
+        joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2",
+                               "--hot-reads", "0")
+        try:
+            addr = f"127.0.0.1:{joiner.port}"
+            wait_until(lambda: joined(addr, 4), 20, "the join")
+            mine = [k for k in keys if owner_of(connect(addr), k) == addr]
+            assert len(mine) > 30
+            got = connect(addr).info("cluster")
+            moved = sum(info(f"{h}:{p}")["cluster_moved_bytes"] for h, p in up.addrs)
+            assert got["cluster_imported_keys"] == len(mine) and got["cluster_imported_bytes"] == moved
+            assert sum(info(f"{h}:{p}")["cluster_dropped_bytes"] for h, p in up.addrs) == 0
+            plain = connect(addr)
+            assert all(plain.get(k) == value_of(k) for k in mine)      # every value came along, intact
+            rc2 = cluster_client(up)
+            assert all(rc2.get(k) == value_of(k) for k in keys)
+            everywhere = [addr] + [f"{h}:{p}" for h, p in up.addrs]     # moved values left their sources
+            assert sum(connect(a).dbsize() for a in everywhere) == len(keys)
+        finally:
+            joiner.stop()
+
+
+def test_readers_during_a_join_and_a_drain_see_right_values_or_misses_never_errors(tmp_path):
+    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
+        keys = write_keys(cluster_client(up), 200)
+        stop, wrong, errors, reads = threading.Event(), [], [], [0]
+
+        def read_loop():
+            reader = SlotReader([f"{h}:{p}" for h, p in up.addrs])
+            while not stop.is_set():
+                for key in keys:
+                    try:
+                        value = reader.get(key)
+                    except Exception as e:          # any failure counts (a dead reader would hide them)
+                        errors.append(repr(e))
+                        continue
+                    reads[0] += 1
+                    if value is not None and value != value_of(key):
+                        wrong.append(key)
+
+        reader = threading.Thread(target=read_loop)
+        reader.start()
+        try:
+            joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2")
+            addr = f"127.0.0.1:{joiner.port}"
+            wait_until(lambda: joined(addr, 4), 20, "the join")
+            time.sleep(0.5)
+            assert joiner.stop(signal.SIGTERM, 20) == 0
+        finally:
+            stop.set()
+            reader.join()
+        assert reads[0] > len(keys) and wrong == [] and errors == []
+        log = joiner.log()
+        moved = re.search(r"Drained in [\d.]+ s: (\d+) bytes moved, (\d+) bytes dropped", log)
+        assert moved and int(moved[1]) > 0 and int(moved[2]) == 0, log[-2000:]
+        assert "Left cluster" in log
+        rc = cluster_client(up)
+        assert all(rc.get(k) == value_of(k) for k in keys)          # all back on the three, intact
