@@ -9,6 +9,8 @@ a node it has not discovered yet).
 from __future__ import annotations
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvstore.cluster.slots import keyslot
 
@@ -18,7 +20,7 @@ HOPS = 5
 def connect(addr: str, readonly: bool = False, timeout: float = 5.0) -> redis.Redis:
     host, port = addr.rsplit(":", 1)
     conn = redis.Redis(host=host, port=int(port), socket_timeout=timeout, socket_connect_timeout=timeout,
-                       single_connection_client=True)
+                       single_connection_client=True, retry=Retry(NoBackoff(), 0))   # every error shows
     if readonly:
         conn.execute_command("READONLY")
     return conn
