@@ -169,7 +169,7 @@ SPEC_FIELDS = {f.name: f for f in fields(TraceSpec)}
 # Parameters that reproduce a public trace's measured statistics (docs/conductor.md).
 PRESETS: dict[str, dict] = {
     "conversation": dict(
-        arrival="poisson", rate=3.4, tick_s=3.0,
+        arrival="bursty", rate=3.4, burst_cv=1.3, tick_s=3.0,
         system_prompts=1, system_tokens=Lengths(((1.0, 880.0, 0.0),)),
         first_tokens=Lengths(((0.25, 40.0, 1.0), (0.75, 8000.0, 1.05)), 1, 125_000),
         followup_tokens=Lengths(((0.7, 30.0, 1.0), (0.3, 2500.0, 1.3)), 1, 60_000),

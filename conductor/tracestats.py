@@ -20,7 +20,7 @@ from conductor.trace import TraceRequest
 class TraceStats:
     requests: int
     rate_per_s: float
-    gap_cv_60s: float          # coefficient of variation of requests per minute
+    per_minute_cv: float       # coefficient of variation of requests per minute
     input_mean: float
     input_p50: float
     input_p90: float
@@ -59,7 +59,7 @@ def measure(requests: list[TraceRequest]) -> TraceStats:
     reusable, total = reusable_blocks(requests)
     return TraceStats(
         requests=len(requests), rate_per_s=len(requests) / span,
-        gap_cv_60s=float(per_minute.std() / per_minute.mean()),
+        per_minute_cv=float(per_minute.std() / per_minute.mean()),
         input_mean=float(inputs.mean()), input_p50=float(np.median(inputs)),
         input_p90=float(np.percentile(inputs, 90)),
         output_mean=float(outputs.mean()), output_p50=float(np.median(outputs)),

@@ -7,8 +7,10 @@ admission, on a split where decode memory binds (15P+1D, 3x) and on the
 paper's 8P+8D at 2x, where our decode pool never fills. Prints our numbers
 beside the paper's and writes the plots. `--sweep` replays every split from
 15P+1D to 8P+8D at 2x to 6x and prints where the paper's order holds.
+`--generalize` judges the admission modes on a family of generated traces
+(`admission_sweep`).
 
-    python -m loadtest.bench_conductor [TRACE] [--out DIR] [--sweep]
+    python -m loadtest.bench_conductor [TRACE] [--out DIR] [--sweep | --generalize]
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from conductor.admission import Slo
 from conductor.costmodel import CostModel
+from conductor.fit_odds import band_label
 from conductor.metrics import SERVED
 from conductor.plot import binned, plot_runs
 from conductor.simulator import SimConfig, Simulator, replay
@@ -65,42 +68,22 @@ def table3(trace, cost, out: Path | None, prefill: int, decode: int, speed: floa
                   f"early vs predictive admission ({prefill}P+{decode}D, {speed:g}x)")
 
 
-class _ProbedSimulator(Simulator):
-    """Records, per admitted request, the decode KV predicted at its arrival
-    for the moment it would reach decode, and the KV it found there."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.predicted: dict[int, tuple[float, float]] = {}
-        self.samples: list[tuple[float, float, float]] = []   # horizon, predicted, actual
-
-    def _start_prefill(self, rid, req, now, p, j):
-        at_s = now + p.ttft_s
-        self.predicted[rid] = (now, self.decodes[j].predicted_load(at_s).kv_tokens)
-        super()._start_prefill(rid, req, now, p, j)
-
-    def _decode_join(self, rid, now):
-        decode = self.decodes[self._inflight[rid].decode]
-        decode.advance(now)
-        admitted_s, kv = self.predicted.pop(rid)
-        self.samples.append((now - admitted_s, kv, decode.kv_tokens()))
-        super()._decode_join(rid, now)
-
-
 def prediction_error(trace, cost, prefill: int, decode: int, speed: float) -> None:
-    """How far predictive admission's decode-KV forecast is from what a request finds."""
-    sim = _ProbedSimulator(trace, SimConfig(prefill=prefill, decode=decode,
-                                            admission="predictive", speed=speed), cost)
+    """How far predictive admission's decode-KV forecast is from what was there when due
+    (every checked request, admitted or not)."""
+    sim = Simulator(trace, SimConfig(prefill=prefill, decode=decode, admission="predictive",
+                                     speed=speed), cost)
     sim.run()
-    h, predicted, actual = np.array(sim.samples).T
-    err = (predicted - actual) / cost.decode_capacity_tokens
-    print(f"\nPredicted minus actual decode KV at join, share of a node "
+    misses = sum(d.odds.misses() for d in sim.decodes)
+    cap = cost.decode_capacity_tokens
+    print(f"\nActual minus predicted decode KV when due, share of a node "
           f"({prefill}P+{decode}D, {speed:g}x, predictive)")
-    print(f"{'reaches decode in':>18}{'requests':>10}{'mean':>8}{'std':>8}")
-    for lo, hi in ((0, 0.5), (0.5, 1), (1, 2), (2, 5), (5, 10), (10, 60)):
-        m = (h >= lo) & (h < hi)
-        if m.any():
-            print(f"{f'{lo:g}-{hi:g} s':>18}{m.sum():>10}{err[m].mean():>8.3f}{err[m].std():>8.3f}")
+    print(f"{'due in':>12}{'requests':>10}{'mean':>8}{'std':>8}")
+    for band, (n, total, squares) in enumerate(misses):
+        if n:
+            mean = total / n
+            std = np.sqrt(max(squares / n - mean * mean, 0.0))
+            print(f"{band_label(band):>12}{int(n):>10}{mean / cap:>8.3f}{std / cap:>8.3f}")
 
 
 SWEEP_SPLITS = ((15, 1), (14, 2), (13, 3), (12, 4), (10, 6), (8, 8))
@@ -140,7 +123,17 @@ def main() -> None:
                          "the paper's 8:8:2 runs too")
     ap.add_argument("--sweep", action="store_true",
                     help="only the sweep of splits and speeds (a few minutes)")
+    ap.add_argument("--generalize", action="store_true",
+                    help="only the admission modes on generated traces (a few minutes)")
+    ap.add_argument("--requests", type=int, default=4000,
+                    help="requests per generated trace (--generalize; default 4000)")
+    ap.add_argument("--seed", type=int, default=5,
+                    help="seed of the generated traces (--generalize; default 5)")
     args = ap.parse_args()
+    if args.generalize:
+        from loadtest.admission_sweep import main as generalize_main
+        generalize_main(args.requests, args.seed)
+        return
     trace, cost, out = load_trace(args.trace), CostModel.from_testbed(), Path(args.out)
     if args.sweep:
         sweep(trace, cost)

@@ -155,3 +155,9 @@ def test_session_trees_branch():
     prefixes = Counter(r.hash_ids[:-1] for r in requests if len(r.hash_ids) > 3)
     assert any(n > 1 for n in prefixes.values())
     assert len(set(itertools.chain.from_iterable(r.hash_ids for r in requests))) > 3000
+
+
+def test_kvstore_command_line_dispatches_tracegen(capsys):
+    from kvstore.cli import main
+    assert main(["tracegen", "--requests", "2", "--seed", "1"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
