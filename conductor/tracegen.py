@@ -95,10 +95,6 @@ class Lengths:
         return np.clip(values, self.low, self.high).astype(np.int64)
 
 
-def _lengths(text: str) -> Lengths:
-    return Lengths.parse(text)
-
-
 @dataclass(frozen=True)
 class TraceSpec:
     """Everything that decides a generated trace; the field help is the CLI's."""
@@ -264,7 +260,7 @@ class TraceGenerator:
 
     def __init__(self, spec: TraceSpec, block_tokens: int = BLOCK_TOKENS):
         self.spec, self.block = spec, block_tokens
-        seeds = iter(np.random.SeedSequence(spec.seed).spawn(12))
+        seeds = iter(np.random.SeedSequence(spec.seed).spawn(11))
         s = spec
         self._times = arrival_times(s, next(seeds))
         self._system = _Draws(next(seeds), _zipf(s.system_prompts, s.system_zipf))
