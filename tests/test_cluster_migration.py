@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,9 +22,11 @@ from redis.cluster import RedisCluster
 from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.membership import InMemoryMembership
+from kvstore.cluster.migration import KV_IMPORT, Migrator
 from kvstore.cluster.node import MOVE_GRACE, ClusterState, new_node_id
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
+from kvstore.engine import Engine
 from tests.cluster_client import SlotReader
 from tests.cluster_procs import ClusterUp
 from tests.conftest import start_kvstore, wait_until
@@ -171,6 +174,94 @@ def test_a_node_dying_during_a_step_ends_it_and_its_slots_are_reassigned():
         assert took < TTL + 1.5                 # the lease expiry ends the step, not the budget
         assert newcomer.my_id not in sim.live[0].map.nodes
         await sim.close()
+    run_simulated(scenario())
+
+
+# ------------------------------------------------------------------ the source and the target, in process
+
+
+class ImportLinks:
+    """Peer links that record KV.IMPORT batches and store everything."""
+
+    def __init__(self):
+        self.batches: list[list[bytes]] = []
+
+    def link(self, addr: str):
+        links = self
+
+        class Link:
+            async def call(self, command, epoch, *args):
+                assert command == KV_IMPORT
+                links.batches.append([bytes(a) for a in args])
+                values = args[2::3]
+                return [len(values), sum(len(v) for v in values)]
+        return Link()
+
+
+def source(budget: float = 5.0, heat=None):
+    engine = Engine(8 * 1024 * 1024, prefault=False)
+    cluster = ClusterState(A, ADDRS[A])
+    cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
+    links = ImportLinks()
+    moves = Migrator(engine, cluster, links, lambda: SimpleNamespace(cluster_move_budget=budget),
+                     lambda: heat or {})
+    moves.attach()
+    return engine, cluster, moves, links
+
+
+def step_to(cluster: ClusterState, target: str) -> None:
+    cluster.apply(SlotMap.build(2, ADDRS, [A] * SLOTS, {slot: (A, target) for slot in range(SLOTS)}))
+
+
+def test_a_source_sends_the_hottest_values_first_then_the_newest_and_forgets_them():
+    async def scenario():
+        keys = [b"key-%02d" % i for i in range(20)]
+        engine, cluster, moves, links = source(heat={keys[5]: 3, keys[12]: 9, b"not-here": 50})
+        for key in keys:
+            engine.put(key, key * 10, parent=keys[0] if key != keys[0] else None)
+        step_to(cluster, B)
+        await asyncio.sleep(0.1)
+        sent = [args[0::3] for args in links.batches]
+        assert sent == [[keys[12], keys[5]] + [k for k in reversed(keys) if k not in (keys[5], keys[12])]]
+        batch = links.batches[0]
+        assert batch[2] == keys[12] * 10 and batch[1] == keys[0]            # value and chain parent
+        assert engine.index == {} and moves.stats.moved_keys == 20 and moves.stats.dropped_keys == 0
+        assert moves.stats.moved_bytes == sum(len(k) * 10 for k in keys)
+    run_simulated(scenario())
+
+
+def test_values_past_the_budget_are_dropped_and_counted_not_sent():
+    async def scenario():
+        engine, cluster, moves, links = source(budget=0.0)
+        for i in range(10):
+            engine.put(b"k%d" % i, b"v" * 100)
+        step_to(cluster, B)
+        await asyncio.sleep(0.1)
+        assert links.batches == [] and engine.index == {}
+        assert (moves.stats.dropped_keys, moves.stats.dropped_bytes, moves.stats.moved_bytes) == (10, 1000, 0)
+    run_simulated(scenario())
+
+
+def test_a_target_takes_pushed_values_only_where_nothing_newer_was_written():
+    async def scenario():
+        engine = Engine(8 * 1024 * 1024, prefault=False)
+        cluster = ClusterState(B, ADDRS[B])
+        cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
+        moves = Migrator(engine, cluster, ImportLinks(), lambda: SimpleNamespace(cluster_move_budget=5), dict)
+        moves.attach()
+        assert not moves.accepts(b"k")                                   # nothing is coming in yet
+        step_to(cluster, B)
+        engine.put(b"written", b"new")                                   # a write that came with ASKING
+        engine.put(b"deleted", b"x")
+        engine.delete(b"deleted")
+        with moves.storing():
+            engine.put(b"pushed", b"p")
+        assert moves.accepts(b"fresh") and moves.accepts(b"pushed") is False   # present (already pushed)
+        assert not moves.accepts(b"written") and not moves.accepts(b"deleted")
+        cluster.apply(finish_moves(cluster.map, ADDRS))                  # the slots are ours now
+        assert moves.accepts(b"fresh") and not moves.accepts(b"deleted")
+        moves.guard.expire(time.monotonic() + 60)
+        assert not moves.accepts(b"fresh")                               # the window closed
     run_simulated(scenario())
 
 
