@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import redis
-import xxhash
 
 from client import KVClusterClient
 from client.errors import KVError
@@ -45,6 +44,7 @@ from kvstore.cluster.netns import netns_available
 from loadtest.cluster_up import ClusterUp
 from loadtest.procs import ProcessGroup, start_kvstore
 from loadtest.report import Table, Target, log, machine_info
+from loadtest.sealed import seal, verify
 
 MIB = 1 << 20
 FIGURES = ("striped", "match", "prefix", "cost", "failover", "hotblock")
@@ -64,18 +64,6 @@ class Settings:
     @classmethod
     def quick(cls) -> "Settings":
         return cls(repeats=1, chain_blocks=32, match_calls=100, prefix_memory_factor=2.0, reader_seconds=2.0)
-
-
-def seal(key: bytes, payload: bytes) -> bytes:
-    """A value that proves itself: its key's hash and its payload's hash lead it."""
-    return xxhash.xxh64_digest(key) + xxhash.xxh64_digest(payload) + payload
-
-
-def verify(key: bytes, value: bytes | bytearray | None) -> bool:
-    if value is None:
-        return True                       # a cache may lose a value; it may not serve a wrong one
-    value = bytes(value)
-    return value[:8] == xxhash.xxh64_digest(key) and value[8:16] == xxhash.xxh64_digest(value[16:])
 
 
 def _client(up: ClusterUp, **options) -> KVClusterClient:
