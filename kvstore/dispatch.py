@@ -3,14 +3,15 @@
 This is Redis's processCommand. A parsed request is looked up in the command
 table once, then checked in the order Redis checks it: known command, arity,
 subcommand, authentication, the loading state and, in a cluster, whether
-this node serves the command's keys (else Redis Cluster's MOVED/ASK). Inside
-MULTI it is queued
-instead of run. Before the handler runs, the values it reads are brought up
+this node serves the command's keys (else Redis Cluster's MOVED/ASK; a
+READONLY read of hot-block copies held here runs here). Inside MULTI it is
+queued instead of run. Before the handler runs, the values it reads are brought up
 from SSD or GPU into DRAM (`TierManager.fetch` on worker threads): the client
 is deferred meanwhile, and the command runs again once they are staged, so a
 handler only ever sees DRAM. A write that finds DRAM full of values that
-exist nowhere else waits for demotion to make room and runs again. Every
-failure becomes one error reply here; a bug in a handler costs that command
+exist nowhere else waits for demotion to make room and runs again. The
+reply to a write of a replicated key waits until its copies on other nodes
+are gone (kvstore/cluster/replication.py). Every failure becomes one error reply here; a bug in a handler costs that command
 an error, never the node.
 
 What stays in `connection.py`: the socket, the request and reply buffers,
@@ -163,7 +164,7 @@ def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
     (kvstore/cluster/replication.py)."""
     copies = conn.server.cluster.copies
     return conn.readonly and copies is not None and reply.startswith(b"-MOVED") and "readonly" in cmd.flags \
-        and copies.serves(keys)
+        and copies.held.serves(keys)
 
 
 def _run(conn, cmd: Command, args: list) -> None:

@@ -80,6 +80,7 @@ def node(me: str, *, owners=None, hot_reads: float = 5, dram: int = 4 * MiB, res
     engine = Engine(dram, prefault=False)
     cluster = ClusterState(me, NODES[me])
     cluster.apply(SlotMap.build(1, NODES, [owners or me] * SLOTS))
+    cluster.nodes = dict(NODES)             # all registered (membership would say so)
     config = SimpleNamespace(hot_reads=hot_reads, hot_replicas=2, cluster_node_timeout=0.5)
     links = Links()
     copies = HotCopies(engine, cluster, links, lambda: config,
@@ -183,6 +184,24 @@ def test_the_window_tick_renews_leases_counts_holder_reads_and_removes_cooled_co
     run_simulated(scenario())
 
 
+def test_holders_that_leave_are_forgotten_and_hot_reads_0_removes_every_copy():
+    async def scenario():
+        engine, cluster, copies, links = node(A)
+        config = copies.config()
+        engine.put(b"hot", b"v" * 1000)
+        read(engine, b"hot", 6)
+        gone, stays = copies.replicated[b"hot"]
+        cluster.apply(SlotMap.build(2, {n: a for n, a in NODES.items() if n != gone}, [A] * SLOTS))
+        assert copies.replicated == {b"hot": (stays,)}
+        links.renew_reply = lambda addr, keys: [100] * len(keys)
+        config.hot_reads = 0                    # CONFIG SET hot-reads 0
+        await copies.tick()
+        assert copies.replicated == {}
+        await copies.take_unacked()
+        assert [addr for addr, _ in links.of(KV_UNCOPY)] == [NODES[stays]]
+    run_simulated(scenario())
+
+
 def test_a_holder_serves_copies_only_of_the_slot_owner_and_only_under_lease():
     async def scenario():
         engine, cluster, copies, links = node(B, owners=A)
@@ -190,16 +209,19 @@ def test_a_holder_serves_copies_only_of_the_slot_owner_and_only_under_lease():
         def store(key, value):
             engine.put(key, value)
 
-        assert not copies.store_copy(C, 5000, b"k", b"x", store)        # C does not own the slot
-        assert copies.store_copy(A, 5000, b"k", b"x", store) and copies.serves([b"k"])
-        assert copies.store_copy(A, 1, b"short", b"y", store)
+        held = copies.held
+        assert not held.store(C, 5000, b"k", b"x", store)               # C does not own the slot
+        assert held.store(A, 5000, b"k", b"x", store) and held.serves([b"k"])
+        assert held.store(A, 1, b"short", b"y", store)
         time.sleep(0.01)
-        assert not copies.serves([b"short"]) and not copies.serves([b"k", b"short"])
+        assert not held.serves([b"short"]) and not held.serves([b"k", b"short"])
         read(engine, b"k", 3)
-        assert copies.renew(A, 5000, [b"k", b"short", b"none"]) == [3, 0, -1]
-        assert copies.renew(C, 5000, [b"k"]) == [-1]
-        assert copies.drop_copy(b"k") and engine.lookup(b"k") is None and not copies.serves([b"k"])
-        assert not copies.drop_copy(b"k")
+        assert held.renew(A, 5000, [b"k", b"short", b"none"]) == [3, 0, -1]
+        assert held.renew(C, 5000, [b"k"]) == [-1]
+        assert held.drop(b"k") and engine.lookup(b"k") is None and not held.serves([b"k"])
+        assert not held.drop(b"k")
+        held.drop_all()
+        assert len(held) == 0 and engine.lookup(b"short") is None
     run_simulated(scenario())
 
 
@@ -209,13 +231,13 @@ def test_copies_go_first_when_memory_is_short():
         cluster.apply(SlotMap.build(2, NODES, [A if s == keyslot(b"copy-0") or s == keyslot(b"copy-1") else B
                                                for s in range(SLOTS)]))
         for i in range(2):
-            copies.store_copy(A, 60_000, b"copy-%d" % i, bytes(MiB), engine.put)
+            copies.held.store(A, 60_000, b"copy-%d" % i, bytes(MiB), engine.put)
         i = 0
-        while copies.stats.copies_shed < 2:
+        while copies.held.shed < 2:
             assert engine.stats.evictions == 0, "an owned value went before a copy"
             engine.put(b"own-%d" % i, bytes(MiB))
             i += 1
-        assert not copies.held and engine.lookup(b"copy-0") is None
+        assert len(copies.held) == 0 and engine.lookup(b"copy-0") is None
         assert all(engine.lookup(b"own-%d" % n) is not None for n in range(i))
     run_simulated(scenario())
 
@@ -226,11 +248,11 @@ def test_a_new_map_adopts_copies_of_slots_gained_and_passes_on_those_of_a_dead_o
         engine, cluster, copies, links = node(B, owners=A, rescued=rescued)
         keys = [b"k%d" % i for i in range(40)]
         for key in keys:
-            copies.store_copy(A, 60_000, key, b"v", engine.put)
+            copies.held.store(A, 60_000, key, b"v", engine.put)
         half = {keyslot(k) for k in keys[:20]}
         without_a = {n: a for n, a in NODES.items() if n != A}
         cluster.apply(SlotMap.build(2, without_a, [B if s in half else C for s in range(SLOTS)]))
-        assert copies.held == {}
+        assert len(copies.held) == 0
         assert copies.stats.copies_adopted == 20 and all(engine.lookup(k) is not None for k in keys[:20])
         assert rescued == [(C, [k for k in keys[20:]])]
         assert set(copies.replicated) == set(keys[:20])         # the other holders' copies are ours to remove
@@ -240,9 +262,9 @@ def test_a_new_map_adopts_copies_of_slots_gained_and_passes_on_those_of_a_dead_o
 def test_copies_of_a_live_owner_that_lost_the_slot_are_dropped():
     async def scenario():
         engine, cluster, copies, links = node(B, owners=A)
-        copies.store_copy(A, 60_000, b"k", b"v", engine.put)
+        copies.held.store(A, 60_000, b"k", b"v", engine.put)
         cluster.apply(SlotMap.build(2, NODES, [C] * SLOTS))
-        assert copies.held == {} and engine.lookup(b"k") is None
+        assert len(copies.held) == 0 and engine.lookup(b"k") is None
     run_simulated(scenario())
 
 
@@ -304,7 +326,7 @@ def test_readers_learn_where_copies_are_and_read_them_with_readonly(cluster):
     others = sorted(a for a in addrs_of(cluster) if a != owner)
     assert sorted(holders) == others                    # 3 nodes, 2 copies: both others
     reader = connect(owner, readonly=True)
-    tier_size_copies = reader.execute_command("KV.LOCATE", key, b"missing")
+    tier_size_copies = reader.execute_command("KV.LOCATE", key, b"{sys-prompt-0}missing")   # same slot
     assert tier_size_copies[1] is None and tier_size_copies[0][:2] == [b"dram", len(value)]
     assert sorted(a.decode() for a in tier_size_copies[0][2]) == others
     assert connect(owner).execute_command("KV.LOCATE", key) == [[b"dram", len(value)]]     # the old shape

@@ -5,6 +5,9 @@
 `etcd_kv` and an in-process fake in `fake_etcd`), `membership` (leases,
 election, the watched map), `node` (the ClusterState a server holds),
 `routing` (MOVED/ASK/CROSSSLOT decisions), `runner` (start and stop from a
-server), `cli` (`kvstore cluster up|status`), `etcd_server` (a throwaway
-etcd process), `simclock` (virtual time for in-process simulations).
+server), `services` (what a node runs on top: `peer` links to the other
+nodes, `replication` and `held_copies` for hot-block copies, `migration` for
+values moving with their slots), `cli` (`kvstore cluster up|status`),
+`etcd_server` (a throwaway etcd process), `simclock` (virtual time for
+in-process simulations).
 """

@@ -16,6 +16,11 @@ Moves are then exactly the slots of departed nodes plus each node's excess:
 possible. The result depends only on the current map and the node set, so a
 new leader computes the same map as the old one would have. Vectorised with
 numpy: a 256-node reassignment takes well under a millisecond of Python.
+
+When values should move with their slots, `plan_moves` turns the new
+assignment into a step: slots whose owner is still alive stay with it, marked
+as moving to their new owner, and `finish_moves` is the map once they moved
+(node.py writes one, then the other).
 """
 from __future__ import annotations
 

@@ -311,7 +311,7 @@ class Migrator:
 
     def accepts(self, key: bytes) -> bool:
         copies = self.cluster.copies
-        return self.guard.accepts(key, self.engine, copies.held if copies is not None else {})
+        return self.guard.accepts(key, self.engine, copies.held if copies is not None else ())
 
     def count_import(self, keys: int, size: int) -> None:
         self.stats.imported_keys += keys
@@ -324,7 +324,7 @@ class Migrator:
         self._sweeping = True
         try:
             cluster, engine = self.cluster, self.engine
-            held = cluster.copies.held if cluster.copies is not None else {}
+            held = cluster.copies.held if cluster.copies is not None else ()
             keys, removed, size = list(engine.index), 0, 0
             for i, key in enumerate(keys):
                 if i % SCAN_CHUNK == SCAN_CHUNK - 1:
@@ -348,6 +348,8 @@ class Migrator:
     async def drain(self) -> None:
         """Have the leader move this node's slots away, and wait (bounded) until the map gives it none."""
         cluster = self.cluster
+        if cluster.copies is not None:
+            cluster.copies.held.drop_all()      # their owners will not reach us to remove them soon
         if self.budget <= 0 or cluster.membership is None:
             return
         loop = asyncio.get_running_loop()

@@ -35,8 +35,8 @@ its first write of the key removes their copies even if they have not
 applied the new map yet.
 
 Memory. Copies are the first values to go when DRAM is short (the engine's
-``shed_first`` hook: the least recently read copy, O(1) from an ordered dict),
-and at most ``MAX_HOT_KEYS`` keys of one owner are replicated at once.
+``shed_first`` hook; held_copies.py is the holder's side), and at most
+``MAX_HOT_KEYS`` keys of one owner are replicated at once.
 """
 from __future__ import annotations
 
@@ -44,12 +44,13 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
 
+from kvstore.cluster.held_copies import HeldCopies
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
 from kvstore.cluster.slots import SlotMap, keyslot
@@ -73,29 +74,18 @@ def rendezvous(key: bytes, node_ids, count: int) -> tuple[str, ...]:
     return tuple(scored[:count])
 
 
-@dataclass(slots=True)
-class HeldCopy:
-    """A copy this node holds for ``owner``: served until ``deadline`` (monotonic seconds)."""
-
-    owner: str
-    deadline: float
-    reads: int = 0          # reads served since the owner last renewed the lease
-
-
 @dataclass
 class CopyStats:
     copies_made: int = 0            # copies pushed (one per holder)
     copies_removed: int = 0         # replicated keys whose copies were removed (written, cooled, evicted)
     copies_cooled: int = 0
-    copy_reads: int = 0             # reads served from copies held here
-    copies_shed: int = 0            # copies dropped here to make room
     copies_adopted: int = 0         # copies kept as this node's own when their slot came here
     copies_rescued: int = 0         # copies pushed to a dead owner's successor
     invalidation_waits: int = 0     # holders unreachable at a write: the lease was waited out
 
 
 class HotCopies:
-    """Both sides of replication on one node: the keys it replicates as owner, the copies it holds."""
+    """Replication on one node: the keys it replicates as their owner, and (``held``) the copies it holds."""
 
     def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
                  rescue: Callable[[str, list[bytes]], None]):
@@ -110,7 +100,7 @@ class HotCopies:
         self.inflight: dict[bytes, asyncio.Task] = {}          # owner: key -> removal of its copies
         self.unacked: list[asyncio.Task] = []                  # removals a reply must wait for
         self.renewed_at: dict[str, float] = {}      # holder -> when its last lease grant was sent
-        self.held: OrderedDict[bytes, HeldCopy] = OrderedDict()   # holder: least recently read first
+        self.held = HeldCopies(engine, cluster)
         self.version = int(time.time() * 1000) << 16           # of the hot-key map (KV.HOTKEYS)
         self.stats = CopyStats()
         self._trigger = 0
@@ -129,7 +119,7 @@ class HotCopies:
         engine.drop_listeners.append(self._on_drop)
         engine.commit_listeners.append(self._on_commit)
         engine.overwrite_listeners.append(self._on_overwrite)
-        engine.shed_first = self.shed_copy
+        engine.shed_first = self.held.shed_one
         self.cluster.add_listener(self._on_map)
         self.cluster.copies = self
 
@@ -142,30 +132,19 @@ class HotCopies:
 
     def _on_hit(self, slot: int) -> None:
         key = self.engine.key_of(slot)
-        copy = self.held.get(key)
-        if copy is not None:
-            copy.reads += 1
-            self.stats.copy_reads += 1
-            self.held.move_to_end(key)
+        if self.held.read(key):
             return
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
         if n == self._trigger and key not in self.replicated:
             self._replicate(key, slot)
 
-    def serves(self, keys: list[bytes]) -> bool:
-        """Whether every key is a copy held here under a live lease (a READONLY read may run here)."""
-        now = time.monotonic()
-        for key in keys:
-            copy = self.held.get(key)
-            if copy is None or copy.deadline < now:
-                return False
-        return True
-
     # ------------------------------------------------------------ owner: making copies
 
     def targets(self, key: bytes) -> tuple[str, ...]:
-        others = [node_id for node_id in self.cluster.map.nodes if node_id != self.cluster.my_id]
+        """The holders of ``key``'s copies: among the live nodes of the map, this one excepted."""
+        cluster = self.cluster
+        others = [node_id for node_id in cluster.map.nodes if node_id != cluster.my_id and node_id in cluster.nodes]
         return rendezvous(key, others, self._replicas)
 
     def _replicate(self, key: bytes, slot: int) -> None:
@@ -207,9 +186,7 @@ class HotCopies:
     # ------------------------------------------------------------ owner: removing copies
 
     def _on_drop(self, slot: int, key: bytes) -> None:
-        if self.held and self.held.pop(key, None) is not None:
-            return
-        if key in self.replicated:
+        if not self.held.forget(key) and key in self.replicated:
             self._remove_copies(key)
 
     def _on_overwrite(self, key: bytes) -> None:
@@ -254,64 +231,19 @@ class HotCopies:
         waits, self.unacked = self.unacked, []
         return asyncio.gather(*waits, return_exceptions=True)
 
-    # ------------------------------------------------------------ holder
-
-    def store_copy(self, owner: str, lease_ms: int, key: bytes, value, store: Callable) -> bool:
-        """Keep ``value`` as a copy of ``key`` for ``owner``; False when ``owner`` does not own its slot here."""
-        if owner == self.cluster.my_id or self.cluster.owner(keyslot(key)) != owner:
-            return False
-        store(key, value)
-        self.held[key] = HeldCopy(owner, time.monotonic() + lease_ms / 1000)
-        return True
-
-    def drop_copy(self, key: bytes) -> bool:
-        if key not in self.held:
-            return False
-        self.engine.delete(key)         # the drop listener forgets it
-        return True
-
-    def renew(self, owner: str, lease_ms: int, keys: list[bytes]) -> list[int]:
-        """Extend ``owner``'s copies of ``keys``: per key the reads served since the last renewal, -1 if gone."""
-        deadline = time.monotonic() + lease_ms / 1000
-        reads = []
-        for key in keys:
-            copy = self.held.get(key)
-            if copy is None or copy.owner != owner:
-                reads.append(-1)
-                continue
-            copy.deadline = deadline
-            reads.append(copy.reads)
-            copy.reads = 0
-        return reads
-
-    def shed_copy(self) -> bool:
-        """Drop the least recently read copy to make room; False when none is held."""
-        if not self.held:
-            return False
-        key = next(iter(self.held))
-        self.engine.delete(key)
-        self.stats.copies_shed += 1
-        return True
-
     # ------------------------------------------------------------ the map changes
 
     def _on_map(self, old: SlotMap, new: SlotMap) -> None:
         cluster = self.cluster
-        for key in [key for key in self.replicated if not cluster.is_mine(keyslot(key))]:
-            del self.replicated[key]            # its holders drop their copies on this map too
-            self.version += 1
-        orphans: dict[str, list[bytes]] = defaultdict(list)
-        for key, copy in list(self.held.items()):
-            owner = cluster.owner(keyslot(key))
-            if owner == copy.owner:
-                continue
-            del self.held[key]
-            if owner == cluster.my_id:
-                self._adopt(key, copy.owner, old)
-            elif owner is not None and copy.owner not in new.nodes:
-                orphans[owner].append(key)
-            else:
-                self.engine.delete(key)
+        for key, holders in list(self.replicated.items()):
+            if not cluster.is_mine(keyslot(key)):
+                del self.replicated[key]        # its holders drop their copies on this map too
+                self.version += 1
+            elif not set(holders) <= new.nodes.keys():
+                self._forget_holders(key, [h for h in holders if h not in new.nodes])     # they left or died
+        adopted, orphans = self.held.on_map(new)
+        for key, previous_owner in adopted:
+            self._adopt(key, previous_owner, old)
         for owner, keys in orphans.items():
             self.stats.copies_rescued += len(keys)
             self.rescue(owner, keys)
@@ -339,14 +271,14 @@ class HotCopies:
         """Close the window: renew leases (collecting the holders' reads), remove cooled copies."""
         self.refresh_settings()
         self.last, self.counts = self.counts, {}
-        self._drop_lapsed()
+        self.held.drop_lapsed()
         self.unacked = [task for task in self.unacked if not task.done()]
         by_holder: dict[str, list[bytes]] = defaultdict(list)
         for key, holders in self.replicated.items():
             for holder in holders:
                 by_holder[holder].append(key)
         await asyncio.gather(*(self._renew(holder, keys) for holder, keys in by_holder.items()))
-        floor = self._trigger / 2
+        floor = self._trigger / 2 if self._trigger else math.inf        # hot-reads 0: no copies at all
         for key in [key for key in self.replicated if self.last.get(key, 0) < floor]:
             self.stats.copies_cooled += 1
             self._remove_copies(key)
@@ -354,7 +286,8 @@ class HotCopies:
     async def _renew(self, holder: str, keys: list[bytes]) -> None:
         addr = self._addr(holder)
         if addr is None:
-            self._forget_holder(holder, keys)
+            for key in keys:
+                self._forget_holders(key, [holder])
             return
         self.renewed_at[holder] = asyncio.get_running_loop().time()
         try:
@@ -362,29 +295,23 @@ class HotCopies:
         except (PeerError, PeerReplyError) as e:
             log.debug("Lease renewal at %s failed: %s", addr, e)
             return
-        gone = []
         for key, count in zip(keys, reads):
             if count < 0:
-                gone.append(key)
+                self._forget_holders(key, [holder])
             else:
                 self.last[key] = self.last.get(key, 0) + count
-        self._forget_holder(holder, gone)
 
-    def _forget_holder(self, holder: str, keys: list[bytes]) -> None:
-        for key in keys:
-            holders = self.replicated.get(key)
-            if holders is not None and holder in holders:
-                rest = tuple(h for h in holders if h != holder)
-                if rest:
-                    self.replicated[key] = rest
-                else:
-                    del self.replicated[key]
-                self.version += 1
-
-    def _drop_lapsed(self) -> None:
-        now = time.monotonic()
-        for key in [key for key, copy in self.held.items() if copy.deadline < now]:
-            self.engine.delete(key)
+    def _forget_holders(self, key: bytes, gone: list[str]) -> None:
+        """``gone`` no longer hold copies of ``key`` (nothing to remove there)."""
+        holders = self.replicated.get(key)
+        if holders is None:
+            return
+        rest = tuple(h for h in holders if h not in gone)
+        if rest:
+            self.replicated[key] = rest
+        else:
+            del self.replicated[key]
+        self.version += 1
 
     # ------------------------------------------------------------ what readers learn
 
@@ -406,8 +333,8 @@ class HotCopies:
         s = self.stats
         return {"cluster_hot_keys": len(self.replicated), "cluster_copies_held": len(self.held),
                 "cluster_copies_made": s.copies_made, "cluster_copies_removed": s.copies_removed,
-                "cluster_copies_cooled": s.copies_cooled, "cluster_copy_reads": s.copy_reads,
-                "cluster_copies_shed": s.copies_shed, "cluster_copies_adopted": s.copies_adopted,
+                "cluster_copies_cooled": s.copies_cooled, "cluster_copy_reads": self.held.reads,
+                "cluster_copies_shed": self.held.shed, "cluster_copies_adopted": s.copies_adopted,
                 "cluster_copies_rescued": s.copies_rescued, "cluster_invalidation_waits": s.invalidation_waits}
 
     # ------------------------------------------------------------ helpers

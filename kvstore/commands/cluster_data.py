@@ -82,22 +82,22 @@ def kv_copy(conn, args):
     if len(args) % 2 == 0:
         raise CommandError(SYNTAX)
     owner, lease = args[1].decode(errors="replace"), _lease_ms(args[2])
-    kept = sum(cluster.copies.store_copy(owner, lease, args[i], args[i + 1], lambda k, v: store(conn, k, v))
+    kept = sum(cluster.copies.held.store(owner, lease, args[i], args[i + 1], lambda k, v: store(conn, k, v))
                for i in range(3, len(args), 2))
     return writer.integer(kept)
 
 
 @command(KV_UNCOPY, -2, "write fast", "cluster", "Removes copies of hot blocks (between nodes).", keys=(0, 0, 0))
 def kv_uncopy(conn, args):
-    copies = _from_a_node(conn).copies
-    return writer.integer(sum(copies.drop_copy(key) for key in args[1:]))
+    held = _from_a_node(conn).copies.held
+    return writer.integer(sum(held.drop(key) for key in args[1:]))
 
 
 @command(KV_RENEW, -4, "write fast", "cluster", "Extends the leases of copies of hot blocks and returns "
          "their reads (between nodes).", keys=(0, 0, 0))
 def kv_renew(conn, args):
-    copies = _from_a_node(conn).copies
-    reads = copies.renew(args[1].decode(errors="replace"), _lease_ms(args[2]), args[3:])
+    held = _from_a_node(conn).copies.held
+    reads = held.renew(args[1].decode(errors="replace"), _lease_ms(args[2]), args[3:])
     return writer.array([writer.integer(n) for n in reads])
 
 

@@ -1,0 +1,138 @@
+"""The copies of other nodes' hot blocks that this node holds (the holder's side of replication.py).
+
+A copy is an ordinary value in the engine (so GET, KV.GETLAYERS and the
+local fast path read it as any other), plus a record here: whose it is, until
+when it may be served (the owner's lease, renewed every heat window), and how
+often it was read since the owner last asked. Only READONLY readers are served
+from a copy (dispatch asks `serves`); a write of the key still goes to its
+owner, which removes the copies before acknowledging it.
+
+The records are an ordered dict, least recently read first, so the engine's
+``shed_first`` hook drops the coldest copy in O(1) before it would evict a
+value this node owns. When a new map gives a copy's slot to another node, the
+copy is dropped, kept as this node's own value (the slot came here), or, when
+the owner died, handed back to the caller to push to the slot's new owner.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.slots import SlotMap, keyslot
+
+
+@dataclass(slots=True)
+class HeldCopy:
+    """A copy held for ``owner``: served until ``deadline`` (monotonic seconds)."""
+
+    owner: str
+    deadline: float
+    reads: int = 0          # reads served since the owner last renewed the lease
+
+
+class HeldCopies:
+    """The copies on this node, by key."""
+
+    def __init__(self, engine, cluster: ClusterState):
+        self.engine = engine
+        self.cluster = cluster
+        self.copies: OrderedDict[bytes, HeldCopy] = OrderedDict()
+        self.reads = 0              # reads served from copies
+        self.shed = 0               # copies dropped to make room
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.copies
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def read(self, key: bytes) -> bool:
+        """Count a read if ``key`` is a copy here (the hit listener's question); False when it is not."""
+        copy = self.copies.get(key)
+        if copy is None:
+            return False
+        copy.reads += 1
+        self.reads += 1
+        self.copies.move_to_end(key)
+        return True
+
+    def serves(self, keys: list[bytes]) -> bool:
+        """Whether every key is a copy held here under a live lease (a READONLY read may run here)."""
+        now = time.monotonic()
+        for key in keys:
+            copy = self.copies.get(key)
+            if copy is None or copy.deadline < now:
+                return False
+        return True
+
+    def store(self, owner: str, lease_ms: int, key: bytes, value, store: Callable) -> bool:
+        """Keep ``value`` as ``owner``'s copy of ``key``; False when ``owner`` does not own its slot here."""
+        if owner == self.cluster.my_id or self.cluster.owner(keyslot(key)) != owner:
+            return False
+        store(key, value)           # replacing an older copy forgets it (the drop listener)
+        self.copies[key] = HeldCopy(owner, time.monotonic() + lease_ms / 1000)
+        return True
+
+    def forget(self, key: bytes) -> bool:
+        """The engine let ``key`` go: True when it was a copy."""
+        return bool(self.copies) and self.copies.pop(key, None) is not None
+
+    def drop(self, key: bytes) -> bool:
+        if key not in self.copies:
+            return False
+        self.engine.delete(key)     # the drop listener forgets it
+        return True
+
+    def drop_all(self) -> None:
+        """Serve no copy any more (a node about to leave: its copies' owners stop counting on it)."""
+        for key in list(self.copies):
+            self.engine.delete(key)
+
+    def renew(self, owner: str, lease_ms: int, keys: list[bytes]) -> list[int]:
+        """Extend ``owner``'s copies of ``keys``: per key the reads served since the last renewal, -1 if gone."""
+        deadline = time.monotonic() + lease_ms / 1000
+        reads = []
+        for key in keys:
+            copy = self.copies.get(key)
+            if copy is None or copy.owner != owner:
+                reads.append(-1)
+                continue
+            copy.deadline = deadline
+            reads.append(copy.reads)
+            copy.reads = 0
+        return reads
+
+    def shed_one(self) -> bool:
+        """Drop the least recently read copy to make room; False when none is held."""
+        if not self.copies:
+            return False
+        self.engine.delete(next(iter(self.copies)))
+        self.shed += 1
+        return True
+
+    def drop_lapsed(self) -> None:
+        now = time.monotonic()
+        for key in [key for key, copy in self.copies.items() if copy.deadline < now]:
+            self.engine.delete(key)
+
+    def on_map(self, new: SlotMap) -> tuple[list[tuple[bytes, str]], dict[str, list[bytes]]]:
+        """Settle the copies whose slot changed owner: those dropped go now; returns the ones
+        kept as this node's own, with their old owner, and per new owner the ones a dead owner left."""
+        cluster = self.cluster
+        adopted: list[tuple[bytes, str]] = []
+        orphans: dict[str, list[bytes]] = defaultdict(list)
+        for key, copy in list(self.copies.items()):
+            owner = cluster.owner(keyslot(key))
+            if owner == copy.owner:
+                continue
+            del self.copies[key]
+            if owner == cluster.my_id:
+                adopted.append((key, copy.owner))       # the value stays, as this node's own
+            elif owner is not None and copy.owner not in new.nodes:
+                orphans[owner].append(key)
+            else:
+                self.engine.delete(key)
+        return adopted, orphans
