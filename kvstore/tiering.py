@@ -20,8 +20,9 @@ one tier or the other.
   delete issued after a put always lands after it.
 - Nothing moves under a copy: while a value is copied off DRAM or the GPU on a
   worker thread it is held (the policy never picks it again, its DRAM extent
-  is not freed or rewritten), and a GPU extent being read is freed only when
-  the copy is done. A move remembers a token per slot; a drop forgets it, so a
+  is not freed or rewritten), and a GPU extent being read (by a worker thread,
+  or by a local client under a KV.LEASEGPU lease) is freed only when the copy
+  is done. A move remembers a token per slot; a drop forgets it, so a
   copy that finishes after its value was deleted (and its slot reused) changes
   nothing.
 
@@ -136,17 +137,27 @@ class TierManager:
         if self.engine.tier_code(slot) != GPU:
             return self.worker.submit(self.ssd.get_into, key, view)
         loop = asyncio.get_running_loop()
-        offset = self._gpu_offset.get(slot)
+        offset = self.hold_gpu_extent(slot)
         if offset is None:                  # moved or dropped since the command asked
             done = loop.create_future()
             done.set_result(None)
             return done
-        self._gpu_reads[offset] = self._gpu_reads.get(offset, 0) + 1
         future = loop.run_in_executor(self._copies, self.gpu.read_into, offset, len(view), view)
-        future.add_done_callback(lambda _: self._gpu_read_done(offset))
+        future.add_done_callback(lambda _: self.let_go_gpu_extent(offset))
         return future
 
-    def _gpu_read_done(self, offset: int) -> None:
+    def hold_gpu_extent(self, slot: int) -> int | None:
+        """The GPU extent of ``slot`` (None: not on the GPU), kept for a copy out of it until
+        `let_go_gpu_extent`: neither freed nor given to another value meanwhile, whatever
+        happens to the key. Copies to DRAM hold it on a worker thread, local clients under
+        a KV.LEASEGPU lease over CUDA IPC."""
+        offset = self._gpu_offset.get(slot)
+        if offset is not None:
+            self._gpu_reads[offset] = self._gpu_reads.get(offset, 0) + 1
+        return offset
+
+    def let_go_gpu_extent(self, offset: int) -> None:
+        """A copy out of the extent at ``offset`` is done; the last one frees it if its value left."""
         left = self._gpu_reads[offset] - 1
         if left:
             self._gpu_reads[offset] = left

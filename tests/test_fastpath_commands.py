@@ -30,9 +30,9 @@ def test_lease_of_a_value_staged_on_the_heap_is_refused_and_holds_nothing(tmp_pa
         for i in range(12):
             client.set(f"pad{i}", big)
         wait_until(lambda: _on_ssd(client, "cold"), what="the value to reach SSD")
-        for command in ("KV.LEASE", "KV.LEASEGPU"):
+        for command in (("KV.LEASE", token), ("KV.LEASEGPU", token, "")):   # "": no GPU tier's generation
             payload = b"".join(_command("SET", f"fill{i}", big) for i in range(12))
-            payload += _command(command, token, 5000, "cold") + _command("PING")
+            payload += _command(*command, 5000, "cold") + _command("PING")
             with socket.create_connection((daemon.host, daemon.port)) as sock:
                 sock.sendall(payload)
                 replies = _read_until(sock, b"+PONG\r\n")

@@ -2,12 +2,17 @@
 
 The no-GPU behaviour runs everywhere: ``gpu_available()`` must explain itself
 without raising, and ``GPUTier.open`` must raise TierError with that reason.
-Tests marked ``gpu`` need a CUDA device and cupy; they are skipped, with the
-reason, on a machine without one. The IPC test starts a second Python process
-that maps the arena through its IPC handle.
+So do the tests on the fake cupy (tests/fakecuda), whose copies land only when
+their stream is synchronized and which records the device each call ran on:
+a read waits for its own stream, the IPC handle is made on the tier's device,
+and a closed tier keeps its allocation. Tests marked ``gpu`` need a CUDA
+device and cupy; they are skipped, with the reason, on a machine without one.
+The IPC test starts a second Python process that maps the arena through its
+IPC handle.
 """
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -17,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpu_fakes import fake_cupy  # noqa: F401  (a fixture)
 from kvstore.tiers import TierError
 from kvstore.tiers.gpu import GPUTier, gpu_available
 
@@ -65,6 +71,57 @@ def test_missing_cupy_is_reported_not_raised():
     assert "(False, 'cupy is not importable" in result.stdout, result.stderr
     assert "TierError: GPU tier unavailable: cupy is not importable" in result.stdout
 
+
+# ------------------------------------------------------------------ on the fake cupy
+
+def test_a_read_waits_for_its_own_stream_before_it_returns(fake_cupy):
+    tier = GPUTier.open(1 << 20)
+    offset = tier.alloc(8192)
+    tier.write(offset, payload(5, 8192))
+    out = bytearray(8192)
+    assert tier.read_into(offset, 8192, out) == 8192
+    assert bytes(out) == payload(5, 8192), "the copy had not landed when read_into returned"
+    copies = [call for call in fake_cupy.calls if call[0] in ("get", "streamSynchronize")]
+    assert copies[-2:] == [("get", tier._stream.ptr, 0), ("streamSynchronize", tier._stream.ptr, 0)]
+    tier.close()
+
+
+def test_the_ipc_handle_is_made_on_the_tiers_device(fake_cupy):
+    fake_cupy.devices[:] = ["0000:01:00.0", "0000:02:00.0"]
+    tier = GPUTier.open(1 << 20, device=1)
+    assert tier.pci_bus_id == "0000:02:00.0"
+    handle = tier.ipc_handle()
+    assert len(handle) == 64 and tier.ipc_handle() == handle
+    assert [call for call in fake_cupy.calls if call[0] == "ipcGetMemHandle"] == [("ipcGetMemHandle", 1)]
+    tier.close()
+
+
+def test_every_opened_arena_has_its_own_generation(fake_cupy):
+    first, second = GPUTier.open(1 << 20), GPUTier.open(1 << 20)
+    assert len(first.generation) == 16 and first.generation != second.generation
+    first.close()
+    second.close()
+
+
+def test_a_closed_tier_stops_serving_but_keeps_its_allocation(fake_cupy):
+    tier = GPUTier.open(1 << 20)
+    pointer = tier._memory.ptr
+    tier.close()
+    gc.collect()
+    assert pointer in fake_cupy.allocations, "clients may still have the arena mapped"
+    assert tier.generation is None
+    with pytest.raises(TierError, match="closed"):
+        tier.ipc_handle()
+    with pytest.raises(TierError, match="closed"):
+        tier.read_into(0, 1, bytearray(1))
+
+
+def test_a_device_that_is_not_there_is_a_clear_error(fake_cupy):
+    with pytest.raises(TierError, match=r"no CUDA device 1 \(this machine has 1\)"):
+        GPUTier.open(1 << 20, device=1)
+
+
+# ------------------------------------------------------------------ on a real GPU
 
 @pytest.fixture
 def tier():

@@ -5,21 +5,26 @@ the client's own mapping of the DRAM arena (see kvstore/leases.py for why
 everything a client holds has an id, an owner and a deadline).
 
     KV.ARENA                             -> [size, pid, fd, id offset, id token, fds passed,
-                                             validity words fd, number of words]
+                                             validity words fd, number of words,
+                                             shared index fd, number of buckets]
     KV.LEASE token ttl_ms key [key ...]  -> per key: [lease id, offset, size, word, tag, hold ms] or nil
     KV.RELEASE id [id ...]               -> per lease: 1 if it was valid until released, else 0
     KV.RESERVE token ttl_ms size [...]   -> per size: [reservation id, offset]
     KV.PUBLISH id key [PARENT p] [NX]    -> 1 stored, 0 key existed under NX (extent given back)
     KV.UNRESERVE id [id ...]             -> how many reservations were given back
-    KV.LEASES                            -> lease, reservation and partial-block counters
-    KV.GPUARENA                          -> [device, CUDA IPC handle, size] or nil without a GPU tier
-    KV.LEASEGPU token ttl_ms key [...]   -> per key: [lease id, tier, offset, size] or nil
+    KV.TOUCH key [key ...]               -> how many of the keys exist (each counted as a read hit)
+    KV.LEASES                            -> lease, reservation, partial-block and shared index counters
+    KV.GPUARENA                          -> [device, PCI bus id, CUDA IPC handle, size, generation]
+                                            or nil without a GPU tier
+    KV.LEASEGPU token gen ttl_ms key [...] -> per key: [lease id, tier, offset, size] or nil
 
 How a client maps the arena: over the Unix socket the arena's memfd comes
-with the KV.ARENA reply (SCM_RIGHTS), and the lease table's validity words
-with it (kvstore/leases.py: a lease is valid while its word holds its tag);
-over TCP a client on the same host opens ``/proc/<pid>/fd/<fd>`` for each
-(same user). Either way it then checks the
+with the KV.ARENA reply (SCM_RIGHTS), and with it the lease table's validity
+words (kvstore/leases.py: a lease is valid while its word holds its tag) and
+the shared index (kvstore/shared_index.py: where each DRAM value is, so a
+first get needs no KV.LEASE; the first KV.ARENA starts publishing it); over
+TCP a client on the same host opens ``/proc/<pid>/fd/<fd>`` for each (same
+user). Either way it then checks the
 16-byte token written at the id offset, so a client that reached a node on
 another host (where the pid means nothing) finds no match and stays on the
 wire.
@@ -28,6 +33,14 @@ Commands that hand out arena offsets take the client's arena token first: a
 client still holding the mapping of a node that has since restarted (a new
 arena) gets ``-STALEARENA`` instead of offsets into memory it no longer
 shares with the node, and maps the arena again.
+
+The GPU arena is named the same way: KV.GPUARENA gives the device's PCI bus
+id (the client's device numbers may differ from the node's) and the arena's
+generation, and KV.LEASEGPU takes the generation back after the arena token
+(empty on a node without a GPU tier); any other answers ``-STALEGPU``, and the
+client opens the GPU arena again. A GPU value's lease also holds its device
+extent: until the lease ends the extent is neither freed nor reused, so a
+copy made under a lease that was valid at release is one whole value.
 """
 from __future__ import annotations
 
@@ -45,14 +58,16 @@ from proto import fastpath as fp
 @command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
          "passes its fd over a Unix socket.", keys=(0, 0, 0))
 def kv_arena(conn, args):
-    arena, words = conn.engine.arena, conn.server.leases.words
+    arena, words, index = conn.engine.arena, conn.server.leases.words, conn.server.shared_index
     offset, token = conn.server.arena_identity
+    index.activate()
     passed = conn.sock.family == socket.AF_UNIX
     if passed:
-        conn.attach_fds([arena.fd, words.fd])
+        conn.attach_fds([arena.fd, words.fd, index.fd])
     return writer.array([writer.integer(arena.size), writer.integer(os.getpid()), writer.integer(arena.fd),
                          writer.integer(offset), writer.bulk(token), writer.integer(int(passed)),
-                         writer.integer(words.fd), writer.integer(words.count)])
+                         writer.integer(words.fd), writer.integer(words.count),
+                         writer.integer(index.fd), writer.integer(index.buckets)])
 
 
 def _lease_reads(conn, args: list) -> list[bytes]:
@@ -172,44 +187,66 @@ def kv_unreserve(conn, args):
     return writer.integer(sum(table.cancel(i) for i in parse_ids(args[1:])))
 
 
+@command(fp.KV_TOUCH, -2, "readonly fast", "fastpath",
+         "Counts reads a local client served from the shared index as hits; how many keys exist.",
+         keys=(1, -1, 1), spans_slots=True)
+def kv_touch(conn, args):
+    engine = conn.engine
+    return writer.integer(sum(engine.get_slot(key) is not None for key in args[1:]))
+
+
 @command(fp.KV_LEASES, 1, "readonly fast", "fastpath",
-         "Returns lease, reservation and partial-block counters.", keys=(0, 0, 0))
+         "Returns lease, reservation, partial-block and shared index counters.", keys=(0, 0, 0))
 def kv_leases(conn, args):
-    fields = {**conn.server.leases.info(), **conn.server.blocks.info()}
+    server = conn.server
+    fields = {**server.leases.info(), **server.blocks.info(), **server.shared_index.info()}
     return conn.enc.map([(writer.bulk(k), writer.integer(v)) for k, v in fields.items()])
 
 
 # --------------------------------------------------------------- GPU tier
 
 def _gpu_tier(conn):
+    """The node's GPU tier while it serves (None without one, or once closed)."""
     tiers = conn.engine.tiers
-    return None if tiers is None else tiers.gpu
+    gpu = None if tiers is None else tiers.gpu
+    return gpu if gpu is not None and gpu.generation is not None else None
 
 
 @command(fp.KV_GPUARENA, 1, "fast", "fastpath",
-         "Returns the GPU tier's device, CUDA IPC handle and size, or nil without a GPU tier.", keys=(0, 0, 0))
+         "Returns the GPU tier's device, PCI bus id, CUDA IPC handle, size and generation, or nil "
+         "without a GPU tier.", keys=(0, 0, 0))
 def kv_gpuarena(conn, args):
     gpu = _gpu_tier(conn)
     if gpu is None:
         return conn.enc.null
-    return writer.array([writer.integer(gpu.device_id), writer.bulk(gpu.ipc_handle()),
-                         writer.integer(gpu.capacity_bytes)])
+    return writer.array([writer.integer(gpu.device_id), writer.bulk(gpu.pci_bus_id.encode()),
+                         writer.bulk(gpu.ipc_handle()), writer.integer(gpu.capacity_bytes),
+                         writer.bulk(gpu.generation)])
+
+
+def _check_gpu_generation(conn, generation: bytes) -> None:
+    """Refuse offsets to a client whose GPU mapping is not of this node's GPU arena."""
+    gpu = _gpu_tier(conn)
+    if generation != (b"" if gpu is None else gpu.generation):
+        raise CommandError("the client's GPU arena mapping is not this node's GPU arena (open it again)",
+                           "STALEGPU")
 
 
 def _ssd_reads(conn, args: list) -> list[bytes]:
     """Only SSD values are brought up first: GPU values are leased where they are."""
     engine = conn.engine
-    return [k for k in args[3:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
+    return [k for k in args[4:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
 
 
-@command(fp.KV_LEASEGPU, -4, "readonly fast", "fastpath",
+@command(fp.KV_LEASEGPU, -5, "readonly fast", "fastpath",
          "Pins values where they live; per key [lease id, tier, offset, size] or nil.",
-         keys=(3, -1, 1), spans_slots=True, reads=_ssd_reads)
+         keys=(4, -1, 1), spans_slots=True, reads=_ssd_reads)
 def kv_leasegpu(conn, args):
     check_arena_token(conn, args[1])
-    ttl = parse_ttl_ms(args[2])
+    _check_gpu_generation(conn, args[2])
+    ttl = parse_ttl_ms(args[3])
     table, engine, granted = conn.server.leases, conn.engine, []
-    for key in args[3:]:
+    for key in args[4:]:
         slot = engine.lookup(key)
         if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:
             granted.append((*_gpu_lease(conn, table, key, slot, ttl), b"gpu"))
@@ -224,19 +261,21 @@ def kv_leasegpu(conn, args):
 
 
 def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> tuple[int, int, int]:
-    """Pin a GPU-tier value against demotion; a delete or move shows at release."""
+    """Pin a GPU-tier value against demotion and hold its extent; a delete or move shows at release."""
     engine = conn.engine
+    tiers = engine.tiers
     engine.get_slot(key)
-    offset, size = engine.tiers.gpu_offset(slot), engine.size_of(slot)
+    offset, size = tiers.hold_gpu_extent(slot), engine.size_of(slot)
     engine.eviction.hold(slot)
 
     def unpin() -> None:
+        tiers.let_go_gpu_extent(offset)
         if engine.index.get(key) == slot:
             engine.eviction.release_hold(slot)
 
     def unchanged() -> bool:
         return (engine.index.get(key) == slot and engine.tier_code(slot) == GPU
-                and engine.tiers.gpu_offset(slot) == offset)
+                and tiers.gpu_offset(slot) == offset)
 
     lease = table.grant(conn, size, ttl_ms, unpin, unchanged)
     return lease.id, offset, size
