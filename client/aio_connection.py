@@ -4,7 +4,7 @@ It drives the same sans-I/O `ReplyReader` and sends the same `resp.pack`
 buffers; only the waiting differs. The raw non-blocking socket is used
 directly (`loop.sock_recv_into`, and `sendmsg` with a writability wait),
 not asyncio streams, so large values are still received straight into their
-destination with no intermediate buffer. The timeout is an inactivity
+destination with no intermediate buffer (over TLS, through `client.tls.AsyncTLS`). The timeout is an inactivity
 timeout, as a blocking socket's is: the deadline moves forward whenever bytes
 arrive, so a large batch does not time out while it is flowing.
 """
@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from client import resp
 from client.errors import ConnectionError
 from client.sockets import Endpoint, SocketConnection, check_handshake, handshake, socket_errors, tune
+from client.tls import AsyncTLS
 
 
 class AsyncConnection(SocketConnection):
@@ -26,6 +27,8 @@ class AsyncConnection(SocketConnection):
         super().__init__(endpoint, sock)
         self._timeout = timeout
         self._loop = asyncio.get_running_loop()
+        tcp_tls = endpoint.tls is not None and not endpoint.unix_socket
+        self._tls = AsyncTLS(sock, endpoint.tls, endpoint.host) if tcp_tls else None
 
     @classmethod
     async def open(cls, endpoint: Endpoint, timeout: float | None,
@@ -35,7 +38,11 @@ class AsyncConnection(SocketConnection):
                 sock = await _connect(endpoint)
         conn = cls(endpoint, sock, timeout)
         try:
-            check_handshake(await conn.round_trip(handshake(password)))
+            if conn._tls is not None:
+                with socket_errors(f"TLS handshake with {endpoint}"):
+                    async with asyncio.timeout(timeout):
+                        await conn._tls.handshake()
+            check_handshake(await conn.round_trip(handshake(password, endpoint.username, endpoint.readonly)))
         except BaseException:
             conn.close()
             raise
@@ -53,6 +60,10 @@ class AsyncConnection(SocketConnection):
                 return [await self._drive(self._reader.read(sink), deadline) for sink in sinks]
 
     async def _send(self, buffers: list, deadline: asyncio.Timeout) -> None:
+        if self._tls is not None:
+            await self._tls.send(buffers)
+            self._progress(deadline)
+            return
         while buffers:
             try:
                 sent = self._sock.sendmsg(buffers[:resp.IOV_MAX])
@@ -66,7 +77,8 @@ class AsyncConnection(SocketConnection):
         try:
             view = next(parse)
             while True:
-                received = await self._loop.sock_recv_into(self._sock, view)
+                received = await (self._tls.recv_into(view) if self._tls is not None
+                                  else self._loop.sock_recv_into(self._sock, view))
                 if not received:
                     raise ConnectionError(f"{self.endpoint} closed the connection")
                 self._progress(deadline)

@@ -17,6 +17,12 @@ over routing one key at a time:
 - **Redirections are followed.** ``MOVED`` (the map changed) refreshes the map
   and retries on the new owner; ``ASK`` (a slot being moved) retries once on
   the importing node after ``ASKING``, on the same connection.
+- **Reads of hot blocks spread over their copies.** A node copies a block
+  read more often than its ``--hot-reads`` to other nodes; the client polls
+  each node's hot-key map (``KV.HOTKEYS``, nil while unchanged) at most once a
+  second and sends reads of those keys to the owner or a copy at random. Its
+  connections send READONLY, so a copy holder serves them; a read a copy
+  cannot serve (the copy went, the holder died) is retried on the owner.
 - **The local fast path is per node**: each node's `KVClient` maps its node's
   arena when that node runs on this host (``fast_path="auto"``).
 
@@ -26,7 +32,9 @@ KVClient, a retry could not tell its own earlier put from someone else's.
 """
 from __future__ import annotations
 
+import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -40,6 +48,7 @@ from client.sync_client import KVClient
 from proto.slots import SLOTS, keyslot
 
 REDIRECTS = 5                # MOVED/ASK hops followed for one request before giving up
+HOT_REFRESH_S = 1.0          # how often the hot-key maps are polled (only when reading)
 
 
 class ClusterDown(KVError):
@@ -69,6 +78,10 @@ class KVClusterClient:
         self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="kvcluster")
         self._ask_clients: dict[str, KVClient] = {}
         self._ask_lock = threading.Lock()
+        self._hot: dict[bytes, list[str]] = {}          # hot key -> owner and copy holders
+        self._hot_versions: dict[str, Any] = {}         # per node: its hot-key map's version ...
+        self._hot_entries: dict[str, list] = {}         # ... and its entries at that version
+        self._hot_polled = 0.0
         self.refresh()
 
     # ------------------------------------------------------------ the map
@@ -113,7 +126,8 @@ class KVClusterClient:
         client = self._clients.get(addr)
         if client is None:
             host, _, port = addr.rpartition(":")
-            client = self._clients.setdefault(addr, KVClient(host.strip("[]"), int(port), **self._client_args))
+            client = self._clients.setdefault(addr, KVClient(host.strip("[]"), int(port), readonly=True,
+                                                             **self._client_args))
         return client
 
     # ------------------------------------------------------------ routing
@@ -197,25 +211,63 @@ class KVClusterClient:
             pending = {addr: [moved[j] for j in local] for addr, local in regrouped.items()}
         raise ClusterDown("too many redirections for a batch")
 
+    # ------------------------------------------------------------ hot keys
+
+    def _poll_hot(self) -> None:
+        """Refresh the hot-key map from every node, at most once per HOT_REFRESH_S."""
+        now = time.monotonic()
+        if now - self._hot_polled < HOT_REFRESH_S:
+            return
+        self._hot_polled = now
+        replies = self._pool.map(self._hot_keys_of, list(self._addrs))
+        hot: dict[bytes, list[str]] = {}
+        for addr, entries in zip(list(self._addrs), replies):
+            for key, holders in entries:
+                hot[bytes(key)] = [addr, *(bytes(h).decode() for h in holders)]
+        self._hot = hot
+
+    def _hot_keys_of(self, addr: str) -> list:
+        """A node's hot keys and their copy holders (its last answer while unchanged)."""
+        try:
+            reply = self._client(addr).execute("KV.HOTKEYS", self._hot_versions.get(addr, -1))
+        except KVError:
+            return []
+        if reply is not None:
+            self._hot_versions[addr], self._hot_entries[addr] = reply[0], reply[1]
+        return self._hot_entries.get(addr, [])
+
+    def _read(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
+        """A read: a hot key's goes to its owner or a copy at random (the owner on failure)."""
+        self._poll_hot()
+        holders = self._hot.get(_key_bytes(key))
+        if holders:
+            addr = random.choice(holders)
+            if addr != holders[0]:
+                try:
+                    return run(self._client(addr))
+                except (ResponseError, ConnectionError):
+                    pass                      # the copy went or its holder died: the owner answers
+        return self._on_key(key, run)
+
     # ------------------------------------------------------------ one key
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         return self._on_key(key, lambda c: c.put(key, value, parent=parent, overwrite=overwrite))
 
     def get(self, key: Key) -> bytearray | None:
-        return self._on_key(key, lambda c: c.get(key))
+        return self._read(key, lambda c: c.get(key))
 
     def get_into(self, key: Key, buffer: Any) -> int | None:
-        return self._on_key(key, lambda c: c.get_into(key, buffer))
+        return self._read(key, lambda c: c.get_into(key, buffer))
 
     def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
         return self._on_key(key, lambda c: c.put_tensor(key, tensor, parent=parent))
 
     def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
-        return self._on_key(key, lambda c: c.get_tensor(key, framework=framework))
+        return self._read(key, lambda c: c.get_tensor(key, framework=framework))
 
     def get_tensor_into(self, key: Key, tensor: Any) -> bool:
-        return self._on_key(key, lambda c: c.get_tensor_into(key, tensor))
+        return self._read(key, lambda c: c.get_tensor_into(key, tensor))
 
     def put_layer(self, key: Key, layer: int, data: Any, **options: Any) -> Any:
         return self._on_key(key, lambda c: c.put_layer(key, layer, data, **options))

@@ -1,7 +1,8 @@
 """One blocking connection to a store node: send a pipeline, read its replies.
 
 A round trip writes every request with `sendmsg` of the buffers laid out by
-`resp.pack` (large values go out from the caller's memory), then drives the
+`resp.pack` (large values go out from the caller's memory; over TLS one
+buffer at a time, client/tls.py), then drives the
 sans-I/O `ReplyReader` once per request, answering each memoryview it yields
 with one `recv_into`. The socket's timeout bounds every wait; a timeout or a
 socket error leaves the connection in an unknown state, so the pool closes it.
@@ -9,12 +10,14 @@ socket error leaves the connection in an unknown state, so the pool closes it.
 from __future__ import annotations
 
 import socket
+import ssl
 from array import array
 from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
 from client.sockets import Endpoint, SocketConnection, check_handshake, handshake, socket_errors, tune
+from client.tls import send_blocking, wrap_blocking
 
 MAX_FDS = 4             # file descriptors accepted with one reply
 
@@ -25,8 +28,9 @@ class Connection(SocketConnection):
     def __init__(self, endpoint: Endpoint, timeout: float | None, password: str | None = None):
         with socket_errors(f"connecting to {endpoint}"):
             super().__init__(endpoint, _connect(endpoint, timeout))
+        self._over_tls = isinstance(self._sock, ssl.SSLSocket)
         try:
-            check_handshake(self.round_trip(handshake(password)))
+            check_handshake(self.round_trip(handshake(password, endpoint.username, endpoint.readonly)))
         except BaseException:
             self.close()
             raise
@@ -44,11 +48,15 @@ class Connection(SocketConnection):
     def round_trip_fds(self, requests: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:
         """A round trip whose replies may carry file descriptors (SCM_RIGHTS, Unix socket only)."""
         fds: list[int] = []
+        passing = None if self._over_tls else fds          # TLS passes no descriptors
         with socket_errors(f"request to {self.endpoint}"):
             self._send(resp.pack(requests))
-            return [self._drive(self._reader.read(None), fds) for _ in requests], fds
+            return [self._drive(self._reader.read(None), passing) for _ in requests], fds
 
     def _send(self, buffers: list) -> None:
+        if self._over_tls:
+            send_blocking(self._sock, buffers)
+            return
         while buffers:
             sent = self._sock.sendmsg(buffers[:resp.IOV_MAX])
             buffers = resp.drop_sent(buffers, sent)
@@ -75,6 +83,8 @@ class Connection(SocketConnection):
 def _connect(endpoint: Endpoint, timeout: float | None) -> socket.socket:
     if not endpoint.unix_socket:
         sock = socket.create_connection((endpoint.host, endpoint.port), timeout)
+        if endpoint.tls:
+            sock = wrap_blocking(sock, endpoint.tls, endpoint.host)
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)

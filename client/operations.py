@@ -36,10 +36,12 @@ Items = Mapping[Key, Value] | Iterable[tuple[Key, Value]]
 
 @dataclass(frozen=True)
 class Location:
-    """Where a cached block lives: its tier ("gpu", "dram" or "ssd") and its size in bytes."""
+    """Where a cached block lives: its tier ("gpu", "dram" or "ssd"), its size in bytes, and
+    (in a cluster) the nodes holding copies of it, as "host:port"."""
 
     tier: str
     size: int
+    copies: tuple[str, ...] = ()
 
 
 @dataclass
@@ -200,9 +202,10 @@ def _location(entry: Any) -> Location | None:
     if entry is None:
         return None
     try:
-        tier, size = entry
-        return Location(bytes(tier).decode(), int(size))
-    except (TypeError, ValueError):
+        tier, size, *more = entry
+        copies = tuple(bytes(addr).decode() for addr in more[0]) if more else ()
+        return Location(bytes(tier).decode(), int(size), copies)
+    except (TypeError, ValueError, IndexError):
         raise ProtocolError(f"unexpected KV.LOCATE entry {entry!r}") from None
 
 

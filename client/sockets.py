@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import select
 import socket
+import ssl
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,11 +29,17 @@ from client.errors import AuthenticationError, ConnectionError, KVError, Respons
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A server address: a Unix socket path when given, else host and TCP port."""
+    """A server address (a Unix socket path when given, else host and TCP port), and how a
+    session on it opens: TLS over TCP when ``tls`` is a context, as ``username`` (an ACL
+    user; the default user when None), and with READONLY when ``readonly`` (a cluster
+    node then serves the copies it holds of other nodes' hot blocks)."""
 
     host: str
     port: int
     unix_socket: str | None = None
+    tls: ssl.SSLContext | None = None
+    username: str | None = None
+    readonly: bool = False
 
     def __str__(self) -> str:
         return f"unix:{self.unix_socket}" if self.unix_socket else f"{self.host}:{self.port}"
@@ -97,9 +104,14 @@ class SocketConnection:
         self._sock.close()
 
 
-def handshake(password: str | None) -> list[tuple[str, ...]]:
+def handshake(password: str | None, username: str | None = None,
+              readonly: bool = False) -> list[tuple[str, ...]]:
     """The commands a fresh connection sends before any request."""
-    return [("AUTH", password)] if password is not None else []
+    if username is not None:
+        commands = [("AUTH", username, password or "")]
+    else:
+        commands = [("AUTH", password)] if password is not None else []
+    return commands + [("READONLY",)] if readonly else commands
 
 
 def check_handshake(replies: list[Any]) -> None:

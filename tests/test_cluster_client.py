@@ -3,6 +3,7 @@ node and run in parallel, a prefix match in one parallel round, MOVED followed a
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -95,3 +96,26 @@ def test_moved_refreshes_a_stale_map(client, cluster):
 def test_stats_and_ping_cover_every_node(client):
     assert client.ping()
     assert client.stats()["keys"] >= 0
+
+
+def test_reads_of_a_hot_block_spread_over_its_copies():
+    """Over the wire (a local client's repeated get is a memcpy under a held lease, no request)."""
+    with ClusterUp(nodes=3, extra=("--", "--hot-reads", "20")) as up, \
+            KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
+        value = os.urandom(100_000)
+        kv.put("hot", value, overwrite=True)
+        owner = kv.node_of("hot")
+        deadline = time.monotonic() + 20
+        while len(kv._hot.get(b"hot", [])) < 3 and time.monotonic() < deadline:
+            assert kv.get("hot") == value
+        holders = kv._hot[b"hot"]
+        assert holders[0] == owner and len(set(holders)) == 3
+        probes = {addr: redis.Redis(*addr.rsplit(":", 1)) for addr in holders}
+        before = {a: p.info("stats")["total_commands_processed"] for a, p in probes.items()}
+        for _ in range(60):
+            assert kv.get("hot") == value
+        after = {a: p.info("stats")["total_commands_processed"] for a, p in probes.items()}
+        served = {a: after[a] - before[a] for a in holders}
+        assert all(served[a] > 5 for a in holders if a != owner), served       # copies served reads
+        kv.put("hot", b"new", overwrite=True)          # a write removes the copies first
+        assert all(kv.get("hot") == b"new" for _ in range(20))
