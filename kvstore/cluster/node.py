@@ -197,8 +197,9 @@ class ClusterState:
         return len(staying)
 
     def moves_done(self, node_id: str, epoch: int) -> None:
-        """Source ``node_id`` pushed what it could of the step map at ``epoch``."""
-        if epoch >= self.map.epoch:
+        """Source ``node_id`` pushed what it could of the step map at ``epoch`` (this map's, or the
+        next one's when it reaches the source first; other reports are stale or bogus)."""
+        if node_id in self.nodes and self.map.epoch <= epoch <= self.map.epoch + 1:
             self._reports.setdefault(epoch, set()).add(node_id)
             if epoch == self.map.epoch:
                 self._reconcile_soon()
