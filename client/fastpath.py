@@ -69,6 +69,9 @@ class FastPathStats:
     releases_deferred: int = 0
     lease_retries: int = 0
     remaps: int = 0              # mappings dropped because the node's arena changed
+    gpu_ipc_reads: int = 0       # CUDA destinations filled device to device from the node's GPU arena
+    gpu_fallbacks: int = 0       # GPU arenas this process could not open (CUDA destinations staged)
+    gpu_reopens: int = 0         # GPU mappings dropped because the node's GPU arena changed
 
 
 class FastPath:

@@ -157,7 +157,7 @@ class LayerRead:
 
     def through_arena(self, core) -> Steps:
         if self.found_only and tensors.is_cuda(self.into):
-            device = yield from gpu.opened(core)
+            device = yield from gpu.opened(core, self.into)
             if device is not None:
                 return self._result((yield from gpu.read_into(core, device, self.key, self.into)))
         return self._result((yield from core.on_connection(partial(_lease_and_copy, core, self), True)))

@@ -90,16 +90,23 @@ class FakeDevicePath:
     """A GPUPath whose "device" is host memory; it records what it did."""
 
     opened: list[FakeDevicePath] = []
+    generation = b"G"
 
     def __init__(self, header: bytes):
         self._header = header
         self.closed = False
         FakeDevicePath.opened.append(self)
 
-    def header(self, tier, offset, arena) -> bytes:
+    def serves(self, tensor) -> bool:
+        return True
+
+    def stream_of(self, tensor) -> int:
+        return 0
+
+    def header(self, tier, offset, arena, stream) -> bytes:
         return self._header
 
-    def copy(self, tier, offset, size, arena, tensor) -> None:
+    def copy(self, tier, offset, size, arena, tensor, stream) -> None:
         tensor.host[...] = 3.0
 
     def close(self) -> None:
