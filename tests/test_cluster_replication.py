@@ -378,5 +378,11 @@ def test_without_a_cluster_the_new_commands_answer_as_for_cluster_commands(tmp_p
             with pytest.raises(redis.ResponseError, match="This instance has cluster support disabled"):
                 conn.execute_command(*command)
         assert conn.execute_command("KV.LOCATE", "nothing") == [None]
+        conn.config_set("hot-reads", "50")             # run-time settings, read at each heat window
+        conn.config_set("hot-replicas", "1")
+        conn.config_set("cluster-move-budget", "2.5")
+        assert conn.config_get("hot-*") == {"hot-reads": "50.0", "hot-replicas": "1"}
+        with pytest.raises(redis.ResponseError, match="hot-replicas"):
+            conn.config_set("hot-replicas", "99")
     finally:
         node.stop()

@@ -11,6 +11,7 @@ values) and ``close`` after.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from kvstore.cluster.migration import Migrator
@@ -18,8 +19,12 @@ from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
 from kvstore.cluster.replication import HotCopies
 
+log = logging.getLogger("kvstore.cluster")
+
 
 class ClusterServices:
+    """Peers, hot copies and slot moves of one node, wired to its engine and its ClusterState."""
+
     def __init__(self, server, cluster: ClusterState):
         def config():
             return server.config            # CONFIG SET replaces it: always read the one in force
@@ -46,7 +51,11 @@ class ClusterServices:
             self.peers.keep_only(set(self.cluster.map.nodes.values()) | set(self.cluster.nodes.values()))
 
     async def drain(self) -> None:
-        await self.moves.drain()
+        """Move this node's slots away before it leaves; a failure here must not stop the leave."""
+        try:
+            await self.moves.drain()
+        except Exception:
+            log.exception("Draining failed: leaving without moving values")
 
     def close(self) -> None:
         self._ticker.cancel()
