@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from client import KVClient
-from client.errors import FastPathUnavailable
+from client.errors import AuthenticationError, FastPathUnavailable, ResponseError
 from conftest import free_port, start_kvstore
 from test_redis_compat import (ErrorReply, Pipelined, RespConnection, assert_same_replies, decode,
                                run_steps)
@@ -203,6 +203,23 @@ def test_sdk_falls_back_to_the_wire_when_the_arena_is_refused(tmp_path):
             strict.close()
     finally:
         daemon.stop()
+
+
+def test_sdk_logs_in_as_a_tenant(fresh_kv):
+    """KVClient(username=...) acts as that ACL user: its tenant's keys work (over the
+    wire: the arena is refused to it), another tenant's are NOPERM."""
+    with RespConnection(fresh_kv) as admin:
+        admin.call("ACL", "SETUSER", "alice", "on", ">pw", "~tenantA:*", "+@all")
+        admin.call("SET", "tenantB:secret", "s")
+    with KVClient(unix_socket=fresh_kv.unix_socket, username="alice", password="pw") as alice:
+        assert alice.execute("ACL", "WHOAMI") == b"alice"
+        assert alice.put(b"tenantA:1", b"a" * 70_000) and bytes(alice.get(b"tenantA:1")) == b"a" * 70_000
+        with pytest.raises(ResponseError, match="NOPERM"):
+            alice.get(b"tenantB:secret")
+        assert "NOPERM" in (alice.fast_path.unavailable or "")
+    with pytest.raises(AuthenticationError, match="WRONGPASS"):
+        KVClient(unix_socket=fresh_kv.unix_socket, username="alice", password="wrong").ping()
+    clean(fresh_kv)
 
 
 # ------------------------------------------------------------------ the ACL file

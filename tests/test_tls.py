@@ -4,11 +4,12 @@ throwaway CA made by `openssl` (loadtest/certs.py).
 redis-py with ssl=True stores and reads values of every size (1 MiB values
 cross many TLS records each way), pipelines, and is refused without a client
 certificate when --tls-auth-clients is yes; the SDK's ``tls=`` option does
-the same work over TLS. A peer that speaks plain RESP to the TLS port, or
+the same work over TLS (with the fast path off, so every byte crosses TLS). A peer that speaks plain RESP to the TLS port, or
 stops in the middle of a handshake, costs only its own connection.
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 import subprocess
@@ -17,6 +18,8 @@ import sys
 import pytest
 import redis
 
+from client import AsyncKVClient, KVClient
+from client.errors import ConnectionError, TimeoutError
 from conftest import free_port, start_kvstore
 from loadtest.certs import make_certificates
 from test_redis_compat import RespConnection
@@ -135,3 +138,43 @@ def test_bad_tls_settings_stop_the_node_with_a_message(tmp_path, certs):
                              certs.server_key, "--tls-auth-clients", "no"], "Could not start")):
         done = subprocess.run(base + flags, capture_output=True, text=True, timeout=60)
         assert done.returncode in (1, 2) and message in done.stderr and "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------ the SDK
+
+def sdk_context(certs) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=certs.ca)
+    ctx.load_cert_chain(certs.client_cert, certs.client_key)
+    return ctx
+
+
+def test_sdk_over_tls(tls_node, certs):
+    value = bytes(range(256)) * 4096 + b"tail"                 # 1 MiB and a bit
+    with KVClient("127.0.0.1", tls_node.tls_port, tls=sdk_context(certs), fast_path="off") as client:
+        assert client.put(b"sdk:1", value)
+        assert bytes(client.get(b"sdk:1")) == value
+        assert client.batch_put([(b"sdk:%d" % i, b"v" * i * 1000) for i in range(2, 40)])
+        assert [bytes(v) for v in client.batch_get([b"sdk:%d" % i for i in range(2, 40)])] == \
+            [b"v" * i * 1000 for i in range(2, 40)]
+        assert client.match_prefix([b"sdk:1", b"sdk:2", b"sdk:missing"]) == 2
+
+
+def test_async_sdk_over_tls(tls_node, certs):
+    value = b"a" * (3 << 20)
+
+    async def run():
+        async with AsyncKVClient("127.0.0.1", tls_node.tls_port, tls=sdk_context(certs),
+                                 fast_path="off") as client:
+            assert await client.put(b"async:1", value)
+            got = await asyncio.gather(*(client.get(b"async:1") for _ in range(4)))
+            assert all(bytes(g) == value for g in got)
+            return await client.match_prefix([b"async:1", b"async:2"])
+
+    assert asyncio.run(run()) == 1
+
+
+def test_sdk_refused_without_a_client_certificate(tls_node, certs):
+    with pytest.raises((ConnectionError, TimeoutError)):
+        with KVClient("127.0.0.1", tls_node.tls_port, tls=ssl.create_default_context(cafile=certs.ca),
+                      retries=0, fast_path="off") as client:
+            client.get(b"x")
