@@ -4,9 +4,10 @@ It drives the same sans-I/O `ReplyReader` and sends the same `resp.pack`
 buffers; only the waiting differs. The raw non-blocking socket is used
 directly (`loop.sock_recv_into`, and `sendmsg` with a writability wait),
 not asyncio streams, so large values are still received straight into their
-destination with no intermediate buffer (over TLS, through `client.tls.AsyncTLS`). The timeout is an inactivity
-timeout, as a blocking socket's is: the deadline moves forward whenever bytes
-arrive, so a large batch does not time out while it is flowing.
+destination with no intermediate buffer (over TLS, through `client.tls.AsyncTLS`).
+The timeout is an inactivity timeout, as a blocking socket's is: the deadline
+moves forward whenever bytes arrive, so a large batch does not time out while
+it is flowing.
 """
 from __future__ import annotations
 
