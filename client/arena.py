@@ -1,16 +1,19 @@
-"""This process's mapping of a node's DRAM arena and of its lease validity words.
+"""This process's mapping of a node's DRAM arena, its lease validity words and its index.
 
 A client on the same host as the node maps the node's arena once: over the
-Unix socket both memfds (the arena and the lease table's validity words)
-arrive with the KV.ARENA reply; over TCP the client opens
+Unix socket the three memfds (the arena, the lease table's validity words and
+the shared index) arrive with the KV.ARENA reply; over TCP the client opens
 /proc/<pid>/fd/<fd> for each. Either way a token the node wrote into the
 arena proves the mapping is that node's, so a node on another host (where
 the pid means nothing) is detected and the wire is used instead.
 
-The validity words are mapped read-only: the node alone writes them. A
-lease's word holds the lease's tag while the lease is live; a copy made under
-the lease is whole when the word, read *after* the copy, still holds the tag
-(kvstore/leases.py explains the ordering).
+The validity words and the index are mapped read-only: the node alone writes
+them. A lease's word holds the lease's tag while the lease is live; a copy
+made under the lease is whole when the word, read *after* the copy, still
+holds the tag (kvstore/leases.py explains the ordering). The index says where
+each DRAM value is (client/shared_index.py). A dead node clears neither, so
+the connection that asked for KV.ARENA stays open with the mapping: while it
+is, the node that wrote them is alive (`node_alive`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import numpy as np
 
 from client.connection import Connection
 from client.errors import FastPathUnavailable, KVError
+from client.shared_index import SharedIndexView
 from client.sockets import Endpoint
 from proto import fastpath as fp
 
@@ -33,8 +37,11 @@ class Arena:
     fresh extent would spend 2 ms faulting): MAP_POPULATE maps them all at once.
     """
 
-    def __init__(self, fd: int, size: int, token: bytes, words_fd: int, n_words: int):
+    def __init__(self, fd: int, size: int, token: bytes, words_fd: int, n_words: int,
+                 index: SharedIndexView, conn: Connection):
         self.token = token
+        self.index = index
+        self._conn = conn
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
@@ -55,28 +62,43 @@ class Arena:
         """Whether the lease of ``word``/``tag`` is live: read after the copy made under it."""
         return word >= 0 and int(self._words[word]) == tag
 
+    def node_alive(self) -> bool:
+        """Whether the node that mapped this arena still runs (its KV.ARENA connection is open)."""
+        return not self._conn.peer.closed()
+
+    def close(self) -> None:
+        """Close the mapping's connection; the memory goes with the last reference."""
+        self._conn.close()
+
 
 def attach(endpoint: Endpoint, password: str | None, timeout: float | None) -> Arena:
     """Map the arena of the node at ``endpoint``; FastPathUnavailable says why not."""
     conn = Connection(endpoint, timeout, password)
     try:
-        replies, fds = conn.round_trip_fds([(fp.KV_ARENA,)])
-    finally:
+        arena = _map(conn, endpoint)
+    except BaseException:
         conn.close()
+        raise
+    return arena
+
+
+def _map(conn: Connection, endpoint: Endpoint) -> Arena:
+    """Ask ``conn`` for the arena and map it; the mapping keeps ``conn`` open."""
+    replies, fds = conn.round_trip_fds([(fp.KV_ARENA,)])
     reply = replies[0]
     try:
         if isinstance(reply, KVError):
             raise FastPathUnavailable(f"{endpoint} has no fast path: {reply}")
         try:
-            size, pid, fd_number, token_offset, token, _, words_fd_number, n_words = reply
+            size, pid, fd_number, token_offset, token, _, words_fd_number, n_words, index_fd_number, buckets = reply
         except (TypeError, ValueError):
             raise FastPathUnavailable(f"{endpoint} answered {fp.KV_ARENA} with {reply!r:.80}") from None
         if not fds:
-            for number in (fd_number, words_fd_number):
+            for number in (fd_number, words_fd_number, index_fd_number):
                 fds.append(_open_proc_fd(pid, number, endpoint))
         try:
-            arena = Arena(fds[0], size, bytes(token), fds[1], n_words)
-        except (OSError, ValueError) as exc:
+            arena = Arena(fds[0], size, bytes(token), fds[1], n_words, SharedIndexView(fds[2], buckets), conn)
+        except (OSError, ValueError, IndexError) as exc:
             raise FastPathUnavailable(f"cannot map the arena of {endpoint}: {exc}") from exc
     finally:
         for fd in fds:

@@ -1,4 +1,5 @@
-"""Gets through the node's arena: held leases first, then KV.LEASE and one memcpy a value.
+"""Gets through the node's arena: held leases, then the shared index, then KV.LEASE; one
+memcpy a value.
 
 - A get of a key whose lease the client holds (`lease_cache`) is a memcpy
   from the mapping and a look at the lease's validity word, with no round
@@ -9,14 +10,21 @@
   closes the connection that took the lease: a lease is used only while that
   connection is open, so a restarted node's client never reads the dead
   node's bytes.
-- Other keys are leased (``KV.LEASE``, carrying the token of the mapping:
-  STALEARENA after a restart), copied, and their words read after the copy;
-  a lease that ended during the copy is taken again (`LEASE_RETRIES` times,
-  then `LeaseExpired`). A lease that got no validity word (the node ran out)
-  is released at once, and the release reply says whether it stayed valid.
-  The node says how long a lease may be kept (half its TTL; 0 for a key
-  with an expiry); kept leases and the releases of the others ride along
-  with the next request.
+- A get of any other key the node has in DRAM is found in the node's shared
+  index (`shared_index`): a lookup, a memcpy and a second look at the
+  bucket's sequence word, again with no round trip; the copy is trusted
+  while the connection that mapped the arena is open. The reads are
+  reported to the node with the next request (KV.TOUCH), so they count as
+  hits there.
+- The rest (a key not in DRAM, not published, or changing under the copy)
+  are leased (``KV.LEASE``, carrying the token of the mapping: STALEARENA
+  after a restart), copied, and their words read after the copy; a lease
+  that ended during the copy is taken again (`LEASE_RETRIES` times, then
+  `LeaseExpired`). A lease that got no validity word (the node ran out) is
+  released at once, and the release reply says whether it stayed valid. The
+  node says how long a lease may be kept (half its TTL; 0 for a key with an
+  expiry); kept leases and the releases of the others ride along with the
+  next request.
 """
 from __future__ import annotations
 
@@ -34,27 +42,45 @@ from proto import fastpath as fp
 
 
 def read(core, call: Call) -> Steps:
-    """A get or a batch of gets: what held leases serve, then the rest leased on a connection."""
+    """A get or a batch of gets: what held leases and the shared index serve, then the rest
+    leased on a connection."""
     fast, local = core.fast, call.local
     if core.offloading and core.offloads(_copy_bound(fast, local)):
-        results, misses = yield Local(partial(read_held, fast, local))
-    else:                                          # a warm get's whole work: kept lean
-        results, misses = read_held(fast, local)
-    if misses:
+        outcome = yield Local(partial(read_local, fast, local))
+    else:                                          # a first or warm get's whole work: kept lean
+        outcome = read_local(fast, local)
+    if isinstance(outcome, Detour):
+        return outcome
+    results, misses, report = outcome
+    if misses or report:
         outcome = yield from core.on_connection(partial(_lease_and_copy, core, local, results, misses), True)
         if isinstance(outcome, Detour):
             return outcome
     return call.finish(results)
 
 
-def read_held(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int]]:
-    """Serve what held leases can: the results so far and the indices still to lease."""
-    results, misses, ended = [None] * len(local.keys), [], []
+def read_local(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int], bool] | Detour:
+    """Serve what held leases and the shared index can, with no round trip: the results so
+    far, the indices still to lease, and whether reads wait to be reported to the node."""
     fast.stats.reads += 1
     with fast.lock:
         arena = fast.mapping
         fast.give_up(fast.leases.due(time.monotonic()))
         held = [fast.leases.lookup(cache_key(key)) for key in local.keys]
+    results, misses = [None] * len(local.keys), []
+    if any(held):
+        misses = read_held(fast, arena, local, held, results)
+    else:
+        misses = list(range(len(local.keys)))
+    if not misses or arena is None or not fast.index_reads:
+        return results, misses, False
+    return read_indexed(fast, arena, local, misses, results)
+
+
+def read_held(fast: FastPath, arena: Arena, local: LocalRead, held: list[HeldLease | None],
+              results: list[Any]) -> list[int]:
+    """Copy what held leases vouch for into ``results``; the indices they could not serve."""
+    misses, ended = [], []
     for i, lease in enumerate(held):
         if lease is None:
             misses.append(i)
@@ -63,6 +89,7 @@ def read_held(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int]]:
         if arena.still_valid(lease.word, lease.tag) and not lease.peer.closed():
             fast.stats.cached_reads += 1
             continue
+        results[i] = None
         ended.append((i, lease))
         misses.append(i)
     if ended:
@@ -70,24 +97,61 @@ def read_held(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int]]:
             for i, lease in ended:
                 if fast.leases.forget(cache_key(local.keys[i]), lease):
                     fast.give_up([lease.lease_id])      # an ended lease answers 0: harmless
-    return results, misses
+    return misses
+
+
+def read_indexed(fast: FastPath, arena: Arena, local: LocalRead, misses: list[int],
+                 results: list[Any]) -> tuple[list[Any], list[int], bool] | Detour:
+    """Copy what the shared index finds into ``results`` (client/shared_index.py: find, copy,
+    check the bucket, check the node lives): the results, the indices still missing, and
+    whether reads wait to be reported."""
+    index, left, served = arena.index, [], []
+    for i in misses:
+        key = cache_key(local.keys[i])
+        found = index.find(key)
+        if found is not None:
+            at, seq, offset, size = found
+            if offset + size <= arena.size:
+                result = _copy(arena, local, i, offset, size)
+                if index.unchanged(at, seq):
+                    results[i] = result
+                    served.append(key)
+                    continue
+            fast.stats.index_races += 1
+        left.append(i)
+    if not served:
+        return results, left, False
+    if not arena.node_alive():                 # a dead node's table: map the new node's
+        return fast.drop_mapping()
+    return results, left, fast.touched(served)
 
 
 def _copy_bound(fast: FastPath, local: LocalRead) -> int:
-    """At most how many bytes held leases will copy: the destinations' sizes when the caller
-    gave them (a larger value is not copied), else the sizes of the leases held."""
+    """At most how many bytes will be copied with no round trip: the destinations' sizes when
+    the caller gave them (a larger value is not copied), else the sizes of the leases held
+    and of the values the shared index shows."""
     if None not in local.views:
         return sum(view.nbytes for view in local.views)
     with fast.lock:
-        return sum(held.size for key in local.keys if (held := fast.leases.lookup(cache_key(key))))
+        arena = fast.mapping
+        held = [fast.leases.lookup(cache_key(key)) for key in local.keys]
+    bound = sum(lease.size for lease in held if lease is not None)
+    if arena is not None and fast.index_reads:
+        bound += sum(found[3] for key, lease in zip(local.keys, held)
+                     if lease is None and (found := arena.index.find(cache_key(key))) is not None)
+    return bound
 
 
 def _lease_and_copy(core, local: LocalRead, results: list[Any], misses: list[int], conn) -> Steps:
-    """Lease the values still missing, copy them, and check the copies; ``results`` when done."""
+    """Lease the values still missing, copy them, and check the copies; ``results`` when done.
+    With nothing missing, the round trip only reports reads (and releases)."""
     fast = core.fast
     arena = fast.mapping
     if arena is None:
         return REMAPPED
+    if not misses:
+        yield RoundTrip(fast.housekeeping())
+        return results
     for _ in range(LEASE_RETRIES):
         started = time.monotonic()
         lease = (fp.KV_LEASE, arena.token, fast.lease_ttl_ms, *(local.keys[i] for i in misses))

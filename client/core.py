@@ -16,12 +16,17 @@ operation from `layers`. For each one the core decides:
   the arena again and runs the operation once more (then the wire);
 - the wire instead: a node that cannot serve a value from its arena (it is
   staged outside it) answers NOTINARENA, and the operation goes over the wire;
+  what the fast path owes the node (reads served from the shared index to
+  report, leases and spares to give back) rides ahead of a wire call too, so
+  the node's counters are current by the time it answers the client's next
+  request of any kind;
 - retries: a connection that broke under a procedure is replaced and the
   procedure started again, where `RetryPolicy` allows (always before the
   request left, and after only for idempotent operations).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 from client import arena_reads, arena_writes, layers
@@ -76,6 +81,8 @@ class Core:
             if outcome is not REMAPPED:
                 return outcome
         fast.stats.wire_calls += 1
+        if isinstance(op, Call) and op.requests and fast.has_housekeeping():
+            op = _after(fast.housekeeping(), op)
         return (yield from op.over_wire(self))
 
     def on_connection(self, start: Callable[[Any], Steps], idempotent: bool) -> Steps:
@@ -101,3 +108,11 @@ class Core:
         if isinstance(op.local, LocalWrite) and arena_writes.worth_writing(op.local):
             return arena_writes.write(self, op)
         return None
+
+
+def _after(ahead: list[tuple], call: Call) -> Call:
+    """``call`` with the requests ``ahead`` pipelined before its own (their replies ignored)."""
+    skip = len(ahead)
+    return replace(call, requests=[*ahead, *call.requests],
+                   sinks=None if call.sinks is None else [None] * skip + list(call.sinks),
+                   finish=lambda replies: call.finish(replies[skip:]))

@@ -14,6 +14,10 @@ This module keeps what those procedures share, for both clients:
   carries the token of the mapping it was made with, and the mapping and
   everything held in it are dropped, to be made again) and NOTINARENA (the
   value is staged outside the arena: read it over the socket);
+- the reads served from the node's shared index (`shared_index`), which the
+  node did not see: their keys are reported (KV.TOUCH, so they count as hits
+  for recency, heat and stats) with the next request, or on their own once
+  `TOUCH_BATCH` of them are waiting;
 - the leases held after gets (`lease_cache`), the spare reservations kept
   for the next puts (`reservation_pool`), and the releases that ride along
   with the next request (or are left to the node, which reclaims everything
@@ -31,6 +35,7 @@ from client.arena import Arena, attach
 from client.errors import ConnectionError, FastPathUnavailable, KVError, TimeoutError
 from client.lease_cache import LeaseCache
 from client.reservation_pool import ReservationPool
+from client.shared_index import USABLE as INDEX_USABLE
 from client.sockets import Endpoint
 from proto import fastpath as fp
 
@@ -41,6 +46,7 @@ CACHE_ARENA_SHARE = 8            # ... on at most 1/8 of the arena
 POOL_PER_SIZE = 2                # spare reservations per recently put size
 POOL_SIZES = 4                   # sizes with spares
 POOL_ARENA_SHARE = 16            # spares take at most 1/16 of the arena
+TOUCH_BATCH = 256                # reads from the shared index reported at once, at the latest
 
 
 class Detour:
@@ -65,6 +71,8 @@ class FastPathStats:
     writes: int = 0
     wire_calls: int = 0
     cached_reads: int = 0        # values copied under a lease held from an earlier get
+    index_reads: int = 0         # values found in the shared index and copied with no round trip
+    index_races: int = 0         # ... found, but changed under the copy (then leased instead)
     pooled_writes: int = 0       # values copied into a spare reserved by an earlier put
     releases_deferred: int = 0
     lease_retries: int = 0
@@ -90,6 +98,8 @@ class FastPath:
         self.mapping: Arena | None = None            # the arena as mapped now (never maps)
         self.lock = threading.Lock()
         self._deferred: list[int] = []
+        self._touched: list[bytes] = []
+        self.index_reads = INDEX_USABLE              # False: a first get always asks the node (KV.LEASE)
         self.cache_entries = CACHE_ENTRIES           # 0: keep no lease (every get asks the node)
         self.leases = LeaseCache(0, 0)
         self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, 0)
@@ -133,33 +143,52 @@ class FastPath:
             return None
         code = str(reply).split(" ", 1)[0]
         if code == "STALEARENA":
-            self._drop_mapping()
-            return REMAPPED
+            return self.drop_mapping()
         if code == "NOTINARENA":
             return OVER_WIRE
         raise reply
 
-    def _drop_mapping(self) -> None:
-        """Forget a mapping of an arena the node no longer has, and all that was held in it."""
+    def drop_mapping(self) -> Detour:
+        """Forget a mapping of an arena the node no longer has, and all that was held in it:
+        REMAPPED, the outcome that has the operation run again on a new mapping."""
         with self.lock:
-            self.mapping = None
+            arena, self.mapping = self.mapping, None
             self.leases = LeaseCache(0, 0)
             self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, 0)
             self._deferred = []
+            self._touched = []
             gpu, self.gpu = self.gpu, False
             self.stats.remaps += 1
+        if arena is not None:
+            arena.close()
         if gpu:
             gpu.close()
+        return REMAPPED
 
     # ------------------------------------------------------------ releases
 
     def housekeeping(self) -> list[tuple]:
-        """Releases of given-up leases and reservations, to send ahead of the next request."""
+        """Reads to report and releases of given-up leases and reservations, to send ahead of
+        the next request."""
         with self.lock:
+            touched, self._touched = self._touched, []
             leases, self._deferred = self._deferred, []
             reservations = self.spares.given_up()
-        return [*([(fp.KV_RELEASE, *leases)] if leases else []),
+        return [*([(fp.KV_TOUCH, *touched)] if touched else []),
+                *([(fp.KV_RELEASE, *leases)] if leases else []),
                 *([(fp.KV_UNRESERVE, *reservations)] if reservations else [])]
+
+    def has_housekeeping(self) -> bool:
+        """Whether `housekeeping` has anything to send (read without the lock: a hint)."""
+        return bool(self._touched or self._deferred or self.spares.has_given_up())
+
+    def touched(self, keys: list[bytes]) -> bool:
+        """Report reads served from the shared index with the next request; True when enough
+        are waiting to be worth a round trip of their own."""
+        with self.lock:
+            self._touched.extend(keys)
+            self.stats.index_reads += len(keys)
+            return len(self._touched) >= TOUCH_BATCH
 
     def release_later(self, lease_ids: list[int]) -> None:
         """Release leases with the next request (their copies are already proven whole)."""
@@ -178,6 +207,9 @@ class FastPath:
             self.leases.clear()
             self.spares.clear()
             self._deferred = []
-            self.mapping = None
+            self._touched = []
+            arena, self.mapping = self.mapping, None
+        if arena is not None:
+            arena.close()
         if gpu:
             gpu.close()

@@ -88,6 +88,9 @@ class ReservationPool:
             queue.append(spare)
             self.bytes += spare.size
 
+    def has_given_up(self) -> bool:
+        return bool(self._given_up)
+
     def given_up(self) -> list[int]:
         """Reservations to give back to the node (KV.UNRESERVE), once."""
         ids, self._given_up = self._given_up, []

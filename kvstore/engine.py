@@ -111,6 +111,7 @@ class Engine:
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
         # Cluster copies of hot blocks (kvstore/cluster/replication.py): told of in-place rewrites, shed first.
         self.overwrite_listeners: list[Callable[[bytes], None]] = []        # fn(key) before an in-place rewrite
+        self.expire_listeners: list[Callable[[bytes], None]] = []           # fn(key) when it gets a deadline
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
 
@@ -340,6 +341,8 @@ class Engine:
     # ----------------------------------------------------------- expiry
 
     def set_expire(self, key: bytes, deadline_ms: int) -> None:
+        for listener in self.expire_listeners:
+            listener(key)
         self.expires[key] = deadline_ms
 
     def persist(self, key: bytes) -> bool:

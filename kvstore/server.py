@@ -27,6 +27,7 @@ from kvstore.engine import Engine
 from kvstore.layers import BlockTable
 from kvstore.leases import LeaseTable, claim_arena_identity
 from kvstore.metrics import serve_metrics
+from kvstore.shared_index import SharedIndex
 from kvstore.tiering import open_tiers
 from kvstore.tiers import TierError
 
@@ -68,6 +69,7 @@ class Server:
         # What local clients hold: leases, reservations, blocks written layer by layer.
         self.leases = LeaseTable(self.engine)
         self.blocks = BlockTable(self.engine)
+        self.shared_index = SharedIndex(self.engine)     # published at the first KV.ARENA
         self._arena_identity: tuple[int, bytes] | None = None
         self.cluster = None            # kvstore.cluster.node.ClusterState in cluster mode
         self.cluster_services = None   # kvstore.cluster.services.ClusterServices: hot copies, slot moves

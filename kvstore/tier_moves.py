@@ -24,6 +24,7 @@ class TierMoves:
     def __init__(self, slots: SlotTable, free_dram: Callable[[int, int], None]):
         self.slots = slots
         self.free_dram = free_dram
+        self.leave_listeners: list[Callable[[int], None]] = []   # fn(slot) before its DRAM home is let go
 
     def mark_on_ssd(self, slot: int) -> None:
         """A verified copy of the DRAM value is now on SSD."""
@@ -32,14 +33,20 @@ class TierMoves:
     def demoted_to_ssd(self, slot: int) -> None:
         """The value is safely on SSD: let its DRAM copy go."""
         slots = self.slots
+        self._leave_dram(slot)
         self.free_dram(slots.dram_offset(slot), slots.size[slot])
         slots.set_tier(slot, SSD, ON_SSD)
 
     def moved_to_gpu(self, slot: int) -> None:
         """A hot DRAM value now lives in the GPU arena (its offset is the tier manager's)."""
         slots = self.slots
+        self._leave_dram(slot)
         self.free_dram(slots.dram_offset(slot), slots.size[slot])
         slots.set_tier(slot, GPU, slots.flags[slot])
+
+    def _leave_dram(self, slot: int) -> None:
+        for listener in self.leave_listeners:
+            listener(slot)
 
     def home_in_dram(self, slot: int, extent: Extent) -> None:
         """Make a copy fetched into ``extent`` the value's home: promotion of a hot SSD

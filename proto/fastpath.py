@@ -4,6 +4,7 @@ The store's command modules and the client SDK both import these, so each
 command name, default and limit is spelled once (as `proto.wire` does for
 the core KV commands).
 """
+import xxhash
 
 # Shared-memory fast path (kvstore/commands/fastpath.py, client/fastpath.py).
 KV_ARENA = "KV.ARENA"            # map the DRAM arena: fd passing or /proc/<pid>/fd/<n>
@@ -15,6 +16,7 @@ KV_UNRESERVE = "KV.UNRESERVE"    # give back reservations never published
 KV_LEASES = "KV.LEASES"          # lease, reservation and partial-block counters
 KV_GPUARENA = "KV.GPUARENA"      # the GPU tier's CUDA IPC handle
 KV_LEASEGPU = "KV.LEASEGPU"      # pin values where they live, GPU included
+KV_TOUCH = "KV.TOUCH"            # reads served from the shared index count as hits
 
 # Layer-wise blocks (kvstore/commands/layers.py, client/layers.py).
 KV_BLOCK = "KV.BLOCK"            # open a partial block of n equal layer slots
@@ -28,6 +30,23 @@ RESERVATION_TTL_MS = 30000       # default life of a write reservation
 PARTIAL_TIMEOUT_MS = 30000       # an unfinished block with no progress this long is dropped
 MAX_TTL_MS = 600000
 VALIDITY_WORDS = 65536           # live leases with a validity word per node (8 bytes each, shared)
+
+# The shared index (kvstore/shared_index.py writes it, client/shared_index.py reads it): a memfd
+# passed with KV.ARENA, an array of buckets in sets of INDEX_WAYS; a key's set is its index hash
+# modulo the number of sets (a power of two). A bucket is INDEX_BUCKET_BYTES: four little-endian
+# u64 words, then the key's bytes.
+INDEX_WAYS = 8
+INDEX_BUCKET_BYTES = 128
+INDEX_BUCKET_WORDS = INDEX_BUCKET_BYTES // 8
+INDEX_SEQ, INDEX_HASH, INDEX_OFFSET, INDEX_SIZE = 0, 1, 2, 3   # word 3: value size | key length << 32
+INDEX_KEY_AT = 32                # the key's bytes start here in the bucket
+INDEX_KEY_MAX = INDEX_BUCKET_BYTES - INDEX_KEY_AT              # longer keys are never published
+INDEX_SEED = 0x6B7673696E646578  # b"kvsindex"
+
+
+def index_hash(key: bytes) -> int:
+    """The 64-bit hash that places ``key`` in the shared index; never 0 (an empty bucket)."""
+    return xxhash.xxh3_64_intdigest(key, INDEX_SEED) or 1
 
 # The header that opens every tensor value and layer-wise block (128 bytes, little-endian):
 #   magic "KVT1", u32 n_layers, u64 bytes per layer, 16-byte dtype name (NUL padded),

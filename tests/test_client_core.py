@@ -14,12 +14,14 @@ import pytest
 from client import KVClient, TensorMismatch, fastpath, gpu
 from client.arena import Arena
 from client.errors import error_from_reply
+from client.shared_index import SharedIndexView
 from client.pool import ConnectionPool
 from client.tensors import TensorSpec
 from proto import fastpath as fp
 
 ARENA_BYTES = 1 << 20
 WORDS = 16
+INDEX_BUCKETS = 64               # an empty shared index: every get asks the scripted node
 
 
 def memfd(size: int) -> int:
@@ -29,9 +31,10 @@ def memfd(size: int) -> int:
 
 
 def mapped_arena(token: bytes) -> Arena:
-    fds = memfd(ARENA_BYTES), memfd(WORDS * 8)
+    fds = memfd(ARENA_BYTES), memfd(WORDS * 8), memfd(INDEX_BUCKETS * fp.INDEX_BUCKET_BYTES)
+    watch = SimpleNamespace(peer=SimpleNamespace(closed=lambda: False), close=lambda: None)
     try:
-        return Arena(fds[0], ARENA_BYTES, token, fds[1], WORDS)
+        return Arena(fds[0], ARENA_BYTES, token, fds[1], WORDS, SharedIndexView(fds[2], INDEX_BUCKETS), watch)
     finally:
         for fd in fds:
             os.close(fd)

@@ -2,7 +2,8 @@
 another client changed (overwrite, delete, flush, expiry, eviction pressure, an SSD
 tier that demotes) is never returned from a held lease once the change is
 acknowledged, under a tiny lease TTL too; spares are reused by later puts and a
-killed client's spares and held leases are reclaimed."""
+killed client's spares and held leases are reclaimed. The readers here read without
+the shared index (tests/test_fastpath_index.py covers it), so every first get leases."""
 from __future__ import annotations
 
 import os
@@ -25,6 +26,12 @@ def version(n: int, size: int = MIB) -> np.ndarray:
     return np.full(size, n % 251, np.uint8)
 
 
+def leasing(kv: KVClient) -> KVClient:
+    """``kv`` reading without the shared index: a get of a key it holds no lease on leases it."""
+    kv.fast_path.index_reads = False
+    return kv
+
+
 def read_version(kv: KVClient, key: str, size: int = MIB) -> int | None:
     """The version a get returns (every byte must agree: a torn value fails here)."""
     into = np.empty(size, np.uint8)
@@ -36,8 +43,8 @@ def read_version(kv: KVClient, key: str, size: int = MIB) -> int | None:
 
 @pytest.mark.parametrize("lease_ttl_ms", [5000, 2])
 def test_a_held_lease_never_returns_a_value_another_client_changed(server, lease_ttl_ms):
-    with KVClient(unix_socket=server.unix_socket, fast_path="required", lease_ttl_ms=lease_ttl_ms) as reader, \
-            KVClient(unix_socket=server.unix_socket, fast_path="off") as writer:
+    with leasing(KVClient(unix_socket=server.unix_socket, fast_path="required", lease_ttl_ms=lease_ttl_ms)) \
+            as reader, KVClient(unix_socket=server.unix_socket, fast_path="off") as writer:
         for n in range(1, 40):
             writer.put("k", version(n), overwrite=True)           # acknowledged before the reads
             assert read_version(reader, "k") == n % 251
@@ -55,7 +62,7 @@ def test_a_held_lease_never_returns_a_value_another_client_changed(server, lease
 
 
 def test_repeated_gets_hold_the_lease_until_it_is_given_up(server):
-    with KVClient(unix_socket=server.unix_socket, fast_path="required") as kv:
+    with leasing(KVClient(unix_socket=server.unix_socket, fast_path="required")) as kv:
         kv.put("k", version(3))
         for _ in range(5):
             assert read_version(kv, "k") == 3
@@ -68,7 +75,7 @@ def test_repeated_gets_hold_the_lease_until_it_is_given_up(server):
 
 
 def test_a_key_with_an_expiry_is_never_read_past_it_from_a_held_lease(server):
-    with KVClient(unix_socket=server.unix_socket, fast_path="required") as kv:
+    with leasing(KVClient(unix_socket=server.unix_socket, fast_path="required")) as kv:
         kv.put("k", version(4))
         kv.execute("PEXPIRE", "k", 300)
         assert read_version(kv, "k") == 4
@@ -80,7 +87,7 @@ def test_a_key_with_an_expiry_is_never_read_past_it_from_a_held_lease(server):
 def test_eviction_pressure_leaves_held_values_whole_and_current(tmp_path):
     daemon = start_kvstore(tmp_path, "--dram-size", "16mb")
     try:
-        with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as reader, \
+        with leasing(KVClient(unix_socket=daemon.unix_socket, fast_path="required")) as reader, \
                 KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
             writer.put("held", version(9))
             assert read_version(reader, "held") == 9
@@ -96,7 +103,7 @@ def test_eviction_pressure_leaves_held_values_whole_and_current(tmp_path):
 def test_values_demoted_to_ssd_read_back_current_through_held_leases(tmp_path):
     daemon = start_kvstore(tmp_path, "--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"))
     try:
-        with KVClient(unix_socket=daemon.unix_socket, fast_path="required", lease_ttl_ms=20) as reader, \
+        with leasing(KVClient(unix_socket=daemon.unix_socket, fast_path="required", lease_ttl_ms=20)) as reader, \
                 KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
             for n in range(40):
                 writer.put(f"v{n}", version(n), overwrite=True)
@@ -125,6 +132,7 @@ import sys, time
 import numpy as np
 from client import KVClient
 kv = KVClient(unix_socket=sys.argv[1], fast_path="required")
+kv.fast_path.index_reads = False                # a get leases (and holds the lease)
 for n in range(3):
     kv.put(f"spare{n}", np.full(1 << 20, n, np.uint8))
 kv.get("spare0"); kv.get("spare0")

@@ -1,9 +1,10 @@
 """Every fast-path operation across a real restart of `kvstore serve` (same Unix socket,
 stopped cleanly or killed with SIGKILL): each client has mapped the old node's arena
-and holds what a busy client holds (a lease kept after a get, spares from a put), and
-its first operation after the restart must map the new arena and give the new node's
-answer: never the dead node's bytes, never a block published with bytes that were
-written into the dead node's memory."""
+and holds what a busy client holds (a lease kept after a get, spares from a put, the
+old node's shared index with values it read from it), and its first operation after
+the restart must map the new arena and give the new node's answer: never the dead
+node's bytes, never a block published with bytes that were written into the dead
+node's memory."""
 from __future__ import annotations
 
 import asyncio
@@ -55,11 +56,17 @@ class Blocking:
 # ------------------------------------------------------------- before the restart
 
 async def prime(kv, name: str) -> None:
-    """Map the old arena and hold in it what a working client holds."""
+    """Hold in the old arena what a working client holds: a spare, a lease kept after a get,
+    and the shared index of values it read without asking."""
     await kv.put(f"spare-{name}", value(OLD))                           # a spare reserved ahead
+    kv.fast_path.index_reads = False
     for _ in range(2):                                                  # the second from the held lease
         assert bytes((await kv.get("held"))[:1]) == bytes([OLD])
-    assert kv.fast_path.stats.cached_reads == 1 and len(kv.fast_path.spares) >= 1
+    kv.fast_path.index_reads = True
+    for key in ("v", "w"):
+        assert bytes((await kv.get(key))[:1]) == bytes([OLD])           # from the shared index
+    stats = kv.fast_path.stats
+    assert stats.cached_reads == 1 and stats.index_reads == 2 and len(kv.fast_path.spares) >= 1
 
 
 def write_values(wire: KVClient, version: int) -> None:
@@ -161,6 +168,7 @@ async def scenario(daemons: list, sig: int, connect: Callable[[], Any]) -> None:
     clients = {op.__name__: connect() for op in OPERATIONS}
     try:
         with KVClient(unix_socket=daemons[0].unix_socket, fast_path="off") as wire:
+            wire.execute("KV.ARENA")                                    # the node publishes its index
             write_values(wire, OLD)
             for name, kv in clients.items():
                 await prime(kv, name)

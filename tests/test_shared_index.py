@@ -1,0 +1,202 @@
+"""Unit tests of the shared index (kvstore/shared_index.py, client/shared_index.py), in one
+process: an engine with a small arena, the node's table over it, and the client's
+read-only view of the same memfd.
+
+What is checked: a committed DRAM value is published where the engine has it, and every
+way a value's bytes can change or go empties its bucket *before* that happens (delete,
+overwrite elsewhere and in place, expiry set, eviction, flush, demotion to SSD, a move to
+the GPU tier: a listener added after the index's sees the bucket already changed); a value
+back in DRAM is published on its next hit; keys are compared exactly (two keys with one
+hash stay apart; a full set or a long key is a miss, never a wrong value); a bucket being
+written is a miss; nothing is published before activation.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.shared_index import SharedIndexView
+from kvstore.engine import Engine
+from kvstore.shared_index import SharedIndex, buckets_for
+from proto import fastpath as fp
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def node():
+    engine = Engine(4 * MiB, prefault=False)
+    index = SharedIndex(engine)
+    index.activate()
+    yield engine, index, SharedIndexView(index.fd, index.buckets)
+    engine.close()
+
+
+def value(seed: int, size: int = 64 * KiB) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def read(engine: Engine, view: SharedIndexView, key: bytes) -> bytes | None:
+    """What a client would get from the index: the bytes, when the bucket held still."""
+    found = view.find(key)
+    if found is None:
+        return None
+    at, seq, offset, size = found
+    data = bytes(engine.arena.view[offset:offset + size])
+    return data if view.unchanged(at, seq) else None
+
+
+def changed_first(engine: Engine, view: SharedIndexView, key: bytes, listeners: list) -> list[bool]:
+    """A probe listener after the index's: whether the bucket of ``key`` had changed when
+    the engine went on to let the bytes go."""
+    at, seq, _, _ = view.find(key)
+    seen: list[bool] = []
+    listeners.append(lambda *args: seen.append(not view.unchanged(at, seq)))
+    return seen
+
+
+def test_a_committed_value_is_published_where_the_engine_has_it(node):
+    engine, index, view = node
+    engine.put(b"k", value(1))
+    at, seq, offset, size = view.find(b"k")
+    slot = engine.index[b"k"]
+    assert (offset, size) == (engine.slots.dram_offset(slot), 64 * KiB) and seq % 2 == 0
+    assert read(engine, view, b"k") == value(1)
+    assert view.find(b"absent") is None
+    assert index.info()["index_entries"] == 1
+
+
+@pytest.mark.parametrize("change", ["delete", "overwrite elsewhere", "flush"])
+def test_a_value_leaving_the_index_is_retracted_before_its_bytes_go(node, change):
+    engine, _, view = node
+    engine.put(b"k", value(1))
+    seen = changed_first(engine, view, b"k", engine.drop_listeners)
+    if change == "delete":
+        engine.delete(b"k")
+    elif change == "overwrite elsewhere":
+        engine.put(b"k", value(2, 100 * KiB))             # another size: a new extent
+    else:
+        engine.flush()
+    assert seen == [True]
+    assert read(engine, view, b"k") == (value(2, 100 * KiB) if change == "overwrite elsewhere" else None)
+
+
+def test_an_overwrite_in_place_is_retracted_before_the_bytes_change(node):
+    engine, _, view = node
+    engine.put(b"k", value(1))
+    offset = view.find(b"k")[2]
+    seen = changed_first(engine, view, b"k", engine.overwrite_listeners)
+    engine.put(b"k", value(2))                            # same size, not held: rewritten in place
+    assert seen == [True] and engine.slots.dram_offset(engine.index[b"k"]) == offset
+    assert view.find(b"k") is None                        # until its next hit
+    engine.get_slot(b"k")
+    assert read(engine, view, b"k") == value(2)
+
+
+def test_a_key_with_an_expiry_is_never_published(node):
+    engine, _, view = node
+    engine.put(b"k", value(1))
+    seen = changed_first(engine, view, b"k", engine.expire_listeners)
+    engine.set_expire(b"k", 2**62)
+    assert seen == [True] and view.find(b"k") is None
+    engine.get_slot(b"k")
+    assert view.find(b"k") is None                        # a hit does not publish it
+    engine.persist(b"k")
+    engine.get_slot(b"k")
+    assert read(engine, view, b"k") == value(1)           # without the expiry it is published again
+
+
+def test_demotion_and_a_move_to_the_gpu_retract_before_the_extent_is_freed(node):
+    engine, _, view = node
+    for key in (b"ssd", b"gpu"):
+        engine.put(key, value(3))
+    seen = {key: changed_first(engine, view, key, engine.moves.leave_listeners) for key in (b"ssd", b"gpu")}
+    engine.moves.mark_on_ssd(engine.index[b"ssd"])
+    engine.moves.demoted_to_ssd(engine.index[b"ssd"])
+    engine.moves.moved_to_gpu(engine.index[b"gpu"])
+    assert seen[b"ssd"][0] and seen[b"gpu"][1]            # each probe saw its own bucket changed first
+    assert view.find(b"ssd") is None and view.find(b"gpu") is None
+
+
+def test_a_value_back_in_dram_is_published_on_its_next_hit(node):
+    engine, _, view = node
+    engine.put(b"k", value(4))
+    slot = engine.index[b"k"]
+    engine.moves.mark_on_ssd(slot)
+    engine.moves.demoted_to_ssd(slot)
+    extent = engine.reserve(64 * KiB)
+    extent.view[:] = value(4)
+    engine.moves.home_in_dram(slot, extent)               # promoted: no commit, no listener
+    assert view.find(b"k") is None
+    engine.get_slot(b"k")
+    assert read(engine, view, b"k") == value(4)
+
+
+def test_eviction_retracts_the_evicted_values():
+    engine = Engine(1 * MiB, prefault=False)
+    try:
+        index = SharedIndex(engine)
+        index.activate()
+        view = SharedIndexView(index.fd, index.buckets)
+        for n in range(40):
+            engine.put(f"k{n}".encode(), value(n))        # 2.5 MiB through a 1 MiB arena
+        present = [n for n in range(40) if f"k{n}".encode() in engine.index]
+        assert engine.stats.evictions > 0
+        for n in range(40):
+            got = read(engine, view, f"k{n}".encode())
+            assert got == (value(n) if n in present else None)
+        assert index.info()["index_entries"] == len(present)
+    finally:
+        engine.close()
+
+
+def test_keys_sharing_a_hash_stay_apart_and_a_full_set_is_a_miss(node, monkeypatch):
+    engine, index, view = node
+    monkeypatch.setattr(fp, "index_hash", lambda key: 12345)
+    keys = [f"same{n}".encode() for n in range(fp.INDEX_WAYS + 1)]
+    for n, key in enumerate(keys):
+        engine.put(key, value(n, 4 * KiB))
+    for n, key in enumerate(keys[:-1]):
+        assert read(engine, view, key) == value(n, 4 * KiB)
+    assert view.find(keys[-1]) is None and index.stats.index_set_full == 1
+    engine.delete(keys[0])                                # a bucket frees; the next hit takes it
+    engine.get_slot(keys[-1])
+    assert read(engine, view, keys[-1]) == value(fp.INDEX_WAYS, 4 * KiB)
+
+
+def test_a_long_key_is_not_published_and_a_bucket_being_written_is_a_miss(node):
+    engine, index, view = node
+    long_key = b"x" * (fp.INDEX_KEY_MAX + 1)
+    engine.put(long_key, value(5))
+    assert view.find(long_key) is None
+    engine.put(b"k", value(6))
+    at = view.find(b"k")[0]
+    index._words[at + fp.INDEX_SEQ] += 1                 # as if the node were half-way through a write
+    assert view.find(b"k") is None
+    index._words[at + fp.INDEX_SEQ] += 1
+    assert read(engine, view, b"k") == value(6)
+
+
+def test_nothing_is_published_before_the_first_mapping():
+    engine = Engine(1 * MiB, prefault=False)
+    try:
+        index = SharedIndex(engine)
+        engine.put(b"early", value(7))
+        assert not index.active and not engine.commit_listeners
+        index.activate()
+        index.activate()                                  # once only
+        view = SharedIndexView(index.fd, index.buckets)
+        assert view.find(b"early") is None                # committed before: published on a hit
+        engine.get_slot(b"early")
+        assert read(engine, view, b"early") == value(7)
+        assert engine.commit_listeners.count(index._on_commit) == 1
+    finally:
+        engine.close()
+
+
+def test_the_table_grows_with_the_arena_in_powers_of_two():
+    assert buckets_for(1 * MiB) == 4096
+    assert buckets_for(1 << 30) == 65536
+    assert buckets_for(1 << 40) == 1 << 18
+    with pytest.raises(ValueError):
+        SharedIndexView(-1, 12)
