@@ -5,7 +5,9 @@
 ports (flags after ``--`` go to every node's ``serve``), waits until the
 leader's map covers every slot with all N nodes, and prints one JSON line that scripts and tests read::
 
-    {"etcd": "http://127.0.0.1:P", "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
+    {"etcd": "http://127.0.0.1:P", "etcd_pid": ..., "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
+
+(``etcd_pid`` only when it started the etcd).
 
 It then stays in the foreground; SIGINT or SIGTERM stops the nodes (cleanly,
 so they leave the cluster) and the etcd it started. ``status`` reads the
@@ -133,6 +135,8 @@ class LocalCluster:
             command += ["--dram-size", self.args.dram_size]
         if self.args.node_timeout:
             command += ["--cluster-node-timeout", str(self.args.node_timeout)]
+        if self.args.ssd_dir:
+            command += ["--ssd-dir", os.path.join(self.args.ssd_dir, f"node-{i}")]
         command += self.args.serve_flags
         with open(os.path.join(self.log_dir, f"node-{port}.log"), "ab") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -194,6 +198,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         nodes = cluster.wait_formed()
         lab = cluster.lab
         print(json.dumps({"etcd": cluster.etcd_url, "name": args.name, "nodes": nodes,
+                          **({} if cluster.etcd is None else {"etcd_pid": cluster.etcd.proc.pid}),
                           **({} if lab is None else {"netns": lab.namespaces, "nic_rate": args.nic_rate})}),
               flush=True)
         print(f"cluster {args.name} is up (logs in {cluster.log_dir}); Ctrl-C stops it", file=sys.stderr)
@@ -217,6 +222,7 @@ def cluster_main(argv: list[str]) -> int:
     up.add_argument("--etcd", metavar="URL", help="use this etcd (http://HOST:PORT) instead of starting one")
     up.add_argument("--name", default="kvstore", help="cluster name in etcd (default kvstore)")
     up.add_argument("--node-timeout", type=float, metavar="S", help="passed to each node as --cluster-node-timeout")
+    up.add_argument("--ssd-dir", metavar="DIR", help="each node's SSD tier in DIR/node-I (I from 0)")
     up.add_argument("serve_flags", nargs="*", metavar="-- SERVE-FLAG",
                     help="flags after -- are passed to every node's kvstore serve (e.g. -- --hot-reads 50)")
     up.add_argument("--netns", action="store_true", help="run each node in its own network namespace "

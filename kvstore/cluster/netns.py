@@ -50,6 +50,13 @@ class HostLab:
         self.namespaces = [f"kvns{self.id}_{i}" for i in range(count)]
         self._made: list[str] = []
 
+    @classmethod
+    def of(cls, namespaces: list[str]) -> "HostLab":
+        """The lab another process made (namespace names as `cluster up` prints them), to cut and
+        heal its links; closing it stays with its maker."""
+        lab_id = namespaces[0].removeprefix("kvns").rpartition("_")[0]
+        return cls(len(namespaces), lab_id=int(lab_id))
+
     @property
     def gateway(self) -> str:
         """The root namespace's address on the bridge: etcd and clients are reached here."""
