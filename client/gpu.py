@@ -3,21 +3,24 @@
 When the node keeps a value in its GPU arena and the caller's destination is
 a CUDA tensor on the same host, the bytes need not visit host memory: the
 node hands out a CUDA IPC handle of its whole device arena (KV.GPUARENA), the
-client opens it once, and each read is a lease (KV.LEASEGPU: the value's tier
-and offset), one copy into the caller's tensor, and a release whose answer
-says whether the value stayed put (a release answering 0 means the copy may
-be torn, and the read is retried). A value that lives in DRAM comes back from
-KV.LEASEGPU as a DRAM lease and is copied host-to-device from the arena
-mapping: one copy either way.
+client opens it once, and each read is a lease (KV.LEASEGPU: the value's tier,
+offset and tensor header, so the destination is checked before a byte moves)
+and one copy into the caller's tensor. While a lease lives its bytes stay
+put (a GPU extent is neither freed nor reused), so a copy finished while the
+lease's validity word still holds its tag is whole, and the lease is released
+with the client's next request; otherwise the release's answer says whether
+the lease lasted (0: the copy may be torn, and the read is retried). A value
+that lives in DRAM comes back from KV.LEASEGPU as a DRAM lease and is copied
+host-to-device from the arena mapping: one copy either way.
 
 Which stream, and when the tensor is ready: every copy is issued on the
 caller's current stream of the destination's device (torch's
 ``torch.cuda.current_stream()`` for a torch tensor, cupy's current stream for
 a cupy array), so it is ordered after the work the caller already queued
-there, and an event recorded after it is waited for before the lease is
-released. The node may free or rewrite the extent as soon as the release
-arrives, so the release must not overtake the copy. When the call returns the
-data is in the tensor, ready on every stream.
+there, and an event recorded after it is waited for before the lease's
+validity is read and before it is released. The node may free or rewrite the
+extent as soon as the lease ends, so neither may overtake the copy. When the
+call returns the data is in the tensor, ready on every stream.
 
 Which device: the node sends its device's PCI bus id, and the client opens
 the handle on its own device of that bus id (device numbers differ between
@@ -41,7 +44,7 @@ What can go wrong:
   generation: a GPU tier closed, or opened anew): STALEGPU, and this mapping
   alone is dropped and opened again.
 - A header that does not match the destination (`TensorMismatch`), or a CUDA
-  error during a copy: the lease is released before the error is raised.
+  error during the copy: the lease is released before the error is raised.
 """
 from __future__ import annotations
 
@@ -50,8 +53,6 @@ import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-
-import numpy as np
 
 from client import tensors
 from client.arena import Arena
@@ -132,16 +133,6 @@ class GPUPath:
             return torch.cuda.current_stream(tensor.device).cuda_stream
         with self._cupy.cuda.Device(self.device):
             return self._cupy.cuda.get_current_stream().ptr
-
-    def header(self, tier: bytes, offset: int, arena: Arena, stream: int) -> bytes:
-        """The value's tensor header, from the DRAM mapping or from the device."""
-        if bytes(tier) == b"dram":
-            return bytes(arena.view(offset, fp.HEADER_SIZE))
-        header = np.empty(fp.HEADER_SIZE, np.uint8)
-        runtime = self._cupy.cuda.runtime
-        self._copy_and_wait(header.ctypes.data, self.base_ptr + offset, fp.HEADER_SIZE,
-                            runtime.memcpyDeviceToHost, stream)
-        return header.tobytes()
 
     def copy(self, tier: bytes, offset: int, size: int, arena: Arena, tensor: Any, stream: int) -> None:
         """The value's data (after its header) into the CUDA ``tensor`` on ``stream``: one copy,
@@ -263,23 +254,36 @@ def _lease_copy_release(fast: FastPath, path: GPUPath, key, tensor: Any, stream:
             return detour
         if reply[0] is None:
             return None
-        lease_id, tier, offset, size = reply[0]
+        lease_id, tier, offset, size, word, tag, header = reply[0]
         try:
-            tensors.check_matches(tensors.parse_header(path.header(tier, offset, arena, stream)), tensor)
-            failure = yield Local(partial(_failure_of, path.copy, tier, offset, size, arena, tensor, stream))
-        except Exception as exc:        # a mismatch, or a CUDA error reading the header
-            failure = exc
+            tensors.check_matches(tensors.parse_header(_header(tier, offset, header, arena)), tensor)
+        except KVError:
+            yield RoundTrip([(fp.KV_RELEASE, lease_id)])      # a mismatch leaves nothing held
+            raise
+        failure = yield Local(partial(_failure_of, path.copy, tier, offset, size, arena, tensor, stream))
+        if failure is None and arena.still_valid(word, tag):  # read after the copy finished
+            fast.release_later([lease_id])
+            return _copied(fast, tier, tensor)
         valid = (yield RoundTrip([(fp.KV_RELEASE, lease_id)]))[0] == [1]   # only now: the copy is done
         if isinstance(failure, Unmapped):
             return REMAPPED
         if failure is not None:
             raise failure
         if valid:
-            if bytes(tier) == b"gpu":
-                fast.stats.gpu_ipc_reads += 1
-            return tensor
+            return _copied(fast, tier, tensor)
         fast.stats.lease_retries += 1
     raise LeaseExpired(f"the value of {key!r} moved during {LEASE_RETRIES} copies in a row")
+
+
+def _header(tier: bytes, offset: int, header: bytes, arena: Arena) -> bytes:
+    """The value's tensor header: a GPU value's comes with its lease, a DRAM value's is in the mapping."""
+    return bytes(arena.view(offset, fp.HEADER_SIZE)) if bytes(tier) == b"dram" else bytes(header)
+
+
+def _copied(fast: FastPath, tier: bytes, tensor: Any) -> Any:
+    if bytes(tier) == b"gpu":
+        fast.stats.gpu_ipc_reads += 1
+    return tensor
 
 
 def _failure_of(run, *args) -> Exception | None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from kvstore.engine import Engine, OutOfMemory
 from kvstore.slots import DRAM, GPU, ON_SSD, SSD, STAGED
 from kvstore.tiers import CorruptValue, TierError, ValueTooLarge
+from proto.fastpath import HEADER_SIZE
 
 log = logging.getLogger("kvstore")
 
@@ -85,6 +86,7 @@ class TierManager:
         self._gpu_offset: dict[int, int] = {}             # slot of a GPU value -> its extent
         self._gpu_reads: dict[int, int] = {}              # GPU offset -> copies reading it
         self._gpu_doomed: dict[int, int] = {}             # GPU offset -> size, freed when read
+        self._gpu_headers: dict[int, bytes] = {}          # slot of a GPU value -> its first bytes
         self._moving: dict[int, int] = {}                 # slot -> token of its copy to another tier
         self._tokens = itertools.count(1)
         self._inflight = 0
@@ -103,6 +105,11 @@ class TierManager:
     def gpu_offset(self, slot: int) -> int | None:
         """Where a GPU-tier value lives in the GPU arena (None: not on the GPU)."""
         return self._gpu_offset.get(slot)
+
+    def gpu_header(self, slot: int) -> bytes:
+        """The first HEADER_SIZE bytes of a GPU-tier value (a tensor's header), kept in host
+        memory so a lease can hand them out without a device read."""
+        return self._gpu_headers.get(slot, b"")
 
     # ------------------------------------------------------------ reads
 
@@ -171,6 +178,7 @@ class TierManager:
         offset = self._gpu_offset.pop(slot, None)
         if offset is None:
             return
+        self._gpu_headers.pop(slot, None)
         size = self.engine.size_of(slot)
         if offset in self._gpu_reads:
             self._gpu_doomed[offset] = size
@@ -463,6 +471,7 @@ class TierManager:
         engine.release_hold(hold)
         if future.exception() is None and same:
             self._gpu_offset[slot] = offset
+            self._gpu_headers[slot] = bytes(engine.view(slot)[:HEADER_SIZE])
             engine.moves.moved_to_gpu(slot)
             self.stats[DRAM].promotions += 1
         else:

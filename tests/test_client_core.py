@@ -60,7 +60,7 @@ class ScriptedNode:
         if name in (fp.KV_LEASEGPU, fp.KV_LEASE) and request[1] != self.token:
             return error_from_reply("STALEARENA the client's arena mapping is not this node's arena")
         if name == fp.KV_LEASEGPU:
-            return [[7, b"gpu", 4096, fp.HEADER_SIZE + 4 * 8 * 4]]
+            return [[7, b"gpu", 4096, fp.HEADER_SIZE + 4 * 8 * 4, -1, 0, self.header]]
         if name == fp.KV_LEASE:
             return error_from_reply("NOTINARENA a value is staged outside the shared arena")
         if name == fp.KV_RELEASE:
@@ -95,8 +95,7 @@ class FakeDevicePath:
     opened: list[FakeDevicePath] = []
     generation = b"G"
 
-    def __init__(self, header: bytes):
-        self._header = header
+    def __init__(self):
         self.closed = False
         FakeDevicePath.opened.append(self)
 
@@ -105,9 +104,6 @@ class FakeDevicePath:
 
     def stream_of(self, tensor) -> int:
         return 0
-
-    def header(self, tier, offset, arena, stream) -> bytes:
-        return self._header
 
     def copy(self, tier, offset, size, arena, tensor, stream) -> None:
         tensor.host[...] = 3.0
@@ -139,7 +135,7 @@ def scripted(monkeypatch):
     node = ScriptedNode(header_of("float32", (4, 8)))
     monkeypatch.setattr(fastpath, "attach", lambda *args: mapped_arena(node.token))
     monkeypatch.setattr(gpu, "_usable_cupy", lambda: SimpleNamespace())
-    monkeypatch.setattr(gpu.GPUPath, "open", classmethod(lambda cls, cupy, reply: FakeDevicePath(node.header)))
+    monkeypatch.setattr(gpu.GPUPath, "open", classmethod(lambda cls, cupy, reply: FakeDevicePath()))
     FakeDevicePath.opened = []
     kv = KVClient(unix_socket="/nonexistent", fast_path="required")
     kv._transport._pool = ConnectionPool(lambda: ScriptedConnection(node), 1, 1.0)

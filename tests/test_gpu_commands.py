@@ -4,8 +4,9 @@ processes: one without a GPU tier, and one whose GPU tier runs on the fake cupy
 path runs on any machine.
 
 What is checked: the arena's description (PCI bus id, IPC handle, generation), the
-generation refused when stale, DRAM leases through KV.LEASEGPU, a GPU value's extent
-held under its lease (a delete and a new value cannot reuse it mid-copy), and a
+generation refused when stale, DRAM leases through KV.LEASEGPU, a GPU value's lease
+(its validity word and the value's first bytes, so no device read is needed) and its extent
+held under it (a delete and a new value cannot reuse it mid-copy), and a
 node asked for a device it does not have failing cleanly at start-up.
 """
 from __future__ import annotations
@@ -64,8 +65,8 @@ def test_a_node_without_a_gpu_tier_has_no_gpu_arena(plain_node):
 def test_leasegpu_leases_dram_values_on_a_node_without_a_gpu_tier(plain_node):
     client, token = plain_node
     client.set("k", b"v" * 1000)
-    (lease_id, tier, offset, size), absent = lease_gpu(client, token, b"", "k", "absent")
-    assert (tier, size, absent) == (b"dram", 1000, None) and offset > 0
+    (lease_id, tier, offset, size, word, tag, header), absent = lease_gpu(client, token, b"", "k", "absent")
+    assert (tier, size, header, absent) == (b"dram", 1000, b"", None) and offset > 0 and word >= 0 and tag > 0
     assert active_leases(client) == 1
     assert client.execute_command("KV.RELEASE", lease_id) == [1]
     assert active_leases(client) == 0
@@ -96,7 +97,7 @@ def test_a_stale_gpu_generation_is_refused_by_a_node_with_a_gpu_tier(gpu_node):
     for stale in (b"", b"g" * 16):
         with pytest.raises(redis.ResponseError, match="^STALEGPU "):
             lease_gpu(client, token, stale, "k")
-    [(lease_id, tier, _, size)] = lease_gpu(client, token, generation, "k")
+    [(lease_id, tier, _, size, *_)] = lease_gpu(client, token, generation, "k")
     assert (tier, size) == (b"dram", SIZE)
     client.execute_command("KV.RELEASE", lease_id)
     assert active_leases(client) == 0
@@ -110,17 +111,17 @@ def test_a_leased_gpu_extent_is_not_reused_until_its_lease_ends(gpu_node):
     generation = client.execute_command("KV.GPUARENA")[4]
     client.set("a", b"1" * SIZE)
     on_gpu(client, "a")
-    [(lease_id, tier, offset, _)] = lease_gpu(client, token, generation, "a")
-    assert tier == b"gpu"
+    [(lease_id, tier, offset, size, word, tag, header)] = lease_gpu(client, token, generation, "a")
+    assert (tier, size, header) == (b"gpu", SIZE, b"1" * 128) and word >= 0 and tag > 0
     client.delete("a")
     client.set("b", b"2" * SIZE)
     on_gpu(client, "b")
-    [(other_id, _, other_offset, _)] = lease_gpu(client, token, generation, "b")
+    [(other_id, _, other_offset, *_)] = lease_gpu(client, token, generation, "b")
     assert other_offset != offset, "the extent of a leased value was given to another one"
     assert client.execute_command("KV.RELEASE", lease_id, other_id) == [0, 1]    # "a" was deleted
     client.set("c", b"3" * SIZE)
     on_gpu(client, "c")
-    [(last_id, _, last_offset, _)] = lease_gpu(client, token, generation, "c")
+    [(last_id, _, last_offset, *_)] = lease_gpu(client, token, generation, "c")
     assert last_offset == offset, "the extent was not freed when its lease ended"
     client.execute_command("KV.RELEASE", last_id)
 

@@ -16,7 +16,8 @@ everything a client holds has an id, an owner and a deadline).
     KV.LEASES                            -> lease, reservation, partial-block and shared index counters
     KV.GPUARENA                          -> [device, PCI bus id, CUDA IPC handle, size, generation]
                                             or nil without a GPU tier
-    KV.LEASEGPU token gen ttl_ms key [...] -> per key: [lease id, tier, offset, size] or nil
+    KV.LEASEGPU token gen ttl_ms key [...] -> per key: [lease id, tier, offset, size, word, tag, header]
+                                            or nil (header: a GPU value's first 128 bytes)
 
 How a client maps the arena: over the Unix socket the arena's memfd comes
 with the KV.ARENA reply (SCM_RIGHTS), and with it the lease table's validity
@@ -40,14 +41,17 @@ generation, and KV.LEASEGPU takes the generation back after the arena token
 (empty on a node without a GPU tier); any other answers ``-STALEGPU``, and the
 client opens the GPU arena again. A GPU value's lease also holds its device
 extent: until the lease ends the extent is neither freed nor reused, so a
-copy made under a lease that was valid at release is one whole value.
+copy made while the lease's validity word still held its tag is one whole
+value (the client then releases it with its next request, as after a DRAM
+read). The lease hands out the value's first bytes (a tensor's header, kept
+in host memory), so the client checks the destination without a device read.
 """
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from kvstore.commands.args import check_arena_token, option_map, parse_ids, parse_int, parse_ttl_ms
 from kvstore.commands.table import CommandError, command
@@ -238,8 +242,20 @@ def _ssd_reads(conn, args: list) -> list[bytes]:
     return [k for k in args[4:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
 
 
+class TierLease(NamedTuple):
+    """One key's answer to KV.LEASEGPU: a lease on the value where it lives."""
+
+    id: int
+    tier: bytes
+    offset: int | None
+    nbytes: int
+    word: int
+    tag: int
+    header: bytes              # a GPU value's first bytes (b"" for DRAM: the client reads its mapping)
+
+
 @command(fp.KV_LEASEGPU, -5, "readonly fast", "fastpath",
-         "Pins values where they live; per key [lease id, tier, offset, size] or nil.",
+         "Pins values where they live; per key [lease id, tier, offset, size, word, tag, header] or nil.",
          keys=(4, -1, 1), spans_slots=True, reads=_ssd_reads)
 def kv_leasegpu(conn, args):
     check_arena_token(conn, args[1])
@@ -249,18 +265,19 @@ def kv_leasegpu(conn, args):
     for key in args[4:]:
         slot = engine.lookup(key)
         if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:
-            granted.append((*_gpu_lease(conn, table, key, slot, ttl), b"gpu"))
+            granted.append(_gpu_lease(conn, table, key, slot, ttl))
         elif (lease := dram_lease(conn, table, key, ttl)) is None:
             granted.append(None)
         else:
-            granted.append((lease.id, lease.offset, lease.nbytes, b"dram"))
-    if any(g is not None and g[1] is None for g in granted):
-        refuse_outside_arena(table, [g[0] for g in granted if g is not None])
+            granted.append(TierLease(lease.id, b"dram", lease.offset, lease.nbytes, lease.word, lease.tag, b""))
+    if any(g is not None and g.offset is None for g in granted):
+        refuse_outside_arena(table, [g.id for g in granted if g is not None])
     return writer.array([conn.enc.null if g is None else writer.array(
-        [writer.integer(g[0]), writer.bulk(g[3]), writer.integer(g[1]), writer.integer(g[2])]) for g in granted])
+        [writer.integer(g.id), writer.bulk(g.tier), writer.integer(g.offset), writer.integer(g.nbytes),
+         writer.integer(g.word), writer.integer(g.tag), writer.bulk(g.header)]) for g in granted])
 
 
-def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> tuple[int, int, int]:
+def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> TierLease:
     """Pin a GPU-tier value against demotion and hold its extent; a delete or move shows at release."""
     engine = conn.engine
     tiers = engine.tiers
@@ -278,4 +295,4 @@ def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> tuple[int, in
                 and tiers.gpu_offset(slot) == offset)
 
     lease = table.grant(conn, size, ttl_ms, unpin, unchanged)
-    return lease.id, offset, size
+    return TierLease(lease.id, b"gpu", offset, size, lease.word, lease.tag, tiers.gpu_header(slot))
