@@ -19,6 +19,8 @@
              matched prefix): >= 99 % of chains keep a prefix of their blocks.
 - cost:      a 1-node cluster vs a standalone node, redis-py SET/GET of 1 MiB:
              ratio >= 0.95.
+- rebalance: a 4th node joins a 3-node cluster under a uniform read load over a
+             working set that fits: hit ratio over the next 30 s / before >= 0.9.
 
 The host's load average at start is printed with the table: on a busy 2-core
 host every figure is noisier. Rows whose machinery is missing (no network namespaces here)
@@ -32,6 +34,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -42,12 +45,12 @@ from client import KVClusterClient
 from client.errors import KVError
 from kvstore.cluster.netns import netns_available
 from loadtest.cluster_up import ClusterUp
-from loadtest.procs import ProcessGroup, start_kvstore
+from loadtest.procs import ProcessGroup, free_port, start_kvstore
 from loadtest.report import Table, Target, log, machine_info
 from loadtest.sealed import seal, verify
 
 MIB = 1 << 20
-FIGURES = ("striped", "match", "prefix", "cost", "failover", "hotblock")
+FIGURES = ("striped", "match", "prefix", "cost", "failover", "hotblock", "rebalance")
 SUBJECT, REFERENCE = "kvstore", "reference"      # each row names what the two are
 ERRORS = (OSError, KVError, redis.RedisError, RuntimeError)
 
@@ -60,10 +63,12 @@ class Settings:
     prefix_memory_factor: float = 4.0
     readers: int = 6
     reader_seconds: float = 4.0
+    rebalance_seconds: float = 30.0
 
     @classmethod
     def quick(cls) -> "Settings":
-        return cls(repeats=1, chain_blocks=32, match_calls=100, prefix_memory_factor=2.0, reader_seconds=2.0)
+        return cls(repeats=1, chain_blocks=32, match_calls=100, prefix_memory_factor=2.0, reader_seconds=2.0,
+                   rebalance_seconds=10.0)
 
 
 def _client(up: ClusterUp, **options) -> KVClusterClient:
@@ -256,11 +261,57 @@ def _read_hot(addrs: list[str], seconds: float) -> int:
         return moved
 
 
+# ---------------------------------------------------------------------- rebalance
+
+
+def rebalance(table: Table, s: Settings) -> None:
+    """Hit ratio of a uniform read load over a working set that fits, before and after a 4th
+    node joins (its slots arrive with their hottest values first)."""
+    window = s.rebalance_seconds
+    row = table.row(f"hit ratio over {window:g} s after a 4th node joins: after / before", "ratio", Target(0.9))
+    with ClusterUp(nodes=3, dram_size="128mb") as up, ProcessGroup() as group, \
+            _client(up, fast_path="off") as kv:
+        keys = [b"ws-%05d" % i for i in range(2000)]
+        for start in range(0, len(keys), 200):
+            kv.batch_put([(k, seal(k, os.urandom(16 * 1024))) for k in keys[start:start + 200]])
+        before = _hit_ratio(kv, keys, window / 3)
+        port = free_port()
+        group.start("node-4", [sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--dram-size",
+                               "128mb", "--cluster", up.etcd_url])
+        after = _hit_ratio(kv, keys, window)
+        kv.refresh()
+        row.add(SUBJECT, after)
+        row.add(REFERENCE, before)
+        table.notes.append(f"rebalance: hit ratio {before:.3f} before the join, {after:.3f} over {window:g} s after; "
+                           f"{len(kv.nodes)} nodes own slots at the end")
+
+
+def _hit_ratio(kv: KVClusterClient, keys: list[bytes], seconds: float) -> float:
+    """Random batched reads for ``seconds``: the share that hit (a wrong value counts as a miss
+    and is reported)."""
+    rng, hits, reads = np.random.default_rng(3), 0, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        batch = [keys[i] for i in rng.integers(0, len(keys), 32)]
+        try:
+            values = kv.batch_get(batch)
+        except KVError:
+            reads += len(batch)
+            with contextlib.suppress(KVError):
+                kv.refresh()
+            continue
+        reads += len(batch)
+        hits += sum(v is not None and verify(k, v) for k, v in zip(batch, values))
+        if any(v is not None and not verify(k, v) for k, v in zip(batch, values)):
+            log("  rebalance: a wrong value was served")
+    return hits / max(1, reads)
+
+
 # ---------------------------------------------------------------------- main
 
 
 RUNNERS = {"striped": striped, "match": match, "prefix": prefix_closed, "cost": cluster_cost,
-           "failover": failover, "hotblock": hot_block}
+           "failover": failover, "hotblock": hot_block, "rebalance": rebalance}
 
 
 def main(argv: list[str] | None = None) -> int:
