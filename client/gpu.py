@@ -70,18 +70,16 @@ class Unmapped(Exception):
 
 @dataclass(frozen=True)
 class GPUArena:
-    """What KV.GPUARENA says of the node's device arena."""
+    """What KV.GPUARENA says of the node's device arena that a client uses."""
 
-    device: int              # the node's own device number (for messages only: it is not ours)
     pci_bus_id: str
     handle: bytes
-    size: int
     generation: bytes
 
     @classmethod
     def from_reply(cls, reply: list) -> GPUArena:
-        device, pci_bus_id, handle, size, generation = reply
-        return cls(int(device), bytes(pci_bus_id).decode(), bytes(handle), int(size), bytes(generation))
+        _node_device, pci_bus_id, handle, _size, generation = reply    # the node's number is not ours
+        return cls(bytes(pci_bus_id).decode(), bytes(handle), bytes(generation))
 
 
 _open_paths: dict[bytes, GPUPath] = {}        # IPC handle -> its mapping in this process
@@ -95,7 +93,6 @@ class GPUPath:
         self._cupy = cupy
         self.device = device                  # this process's number of the node's device
         self.base_ptr = base_ptr
-        self.size = arena.size
         self.generation = arena.generation
         self._handle = arena.handle
         self._users = 0                       # clients holding this mapping

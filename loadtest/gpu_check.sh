@@ -51,7 +51,8 @@ set -e
 summary=$(grep -E "^=+ .*(passed|failed|skipped|error|no tests ran).* =+$" "$LOG" | tail -n 1)
 count() { grep -oE "[0-9]+ $1" <<<"$summary" | grep -oE "^[0-9]+" || echo 0; }
 passed=$(count passed) skipped=$(count skipped) failed=$(count failed) errors=$(count "errors?")
-echo "gpu tests: ${passed} passed, ${failed} failed, ${errors} errors, ${skipped} skipped (pytest status ${status}; log: ${LOG})"
+echo "gpu tests: ${passed} passed, ${failed} failed, ${errors} errors, ${skipped} skipped" \
+     "(pytest status ${status}; log: ${LOG})"
 if [ "$status" -ne 0 ] || [ "$failed" -ne 0 ] || [ "$errors" -ne 0 ]; then
     echo "gpu_check: FAILED (tests)"
     exit 1
@@ -62,10 +63,17 @@ if [ "$skipped" -ne 0 ] || [ "$passed" -eq 0 ]; then
 fi
 
 echo "== benchmark"
+BENCH_LOG=$(mktemp -t gpu_bench.XXXXXX)
+set +e
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-bench=$("$PYTHON" -m loadtest.bench_gpu ${BENCH_ARGS:-}) || { echo "$bench"; echo "gpu_check: FAILED (benchmark)"; exit 1; }
-echo "$bench"
-if [ "${STRICT_GOAL:-0}" = 1 ] && ! grep -q ": met$" <<<"$bench"; then
+"$PYTHON" -m loadtest.bench_gpu ${BENCH_ARGS:-} 2>&1 | tee "$BENCH_LOG"
+bench_status=${PIPESTATUS[0]}
+set -e
+if [ "$bench_status" -ne 0 ]; then
+    echo "gpu_check: FAILED (benchmark)"
+    exit 1
+fi
+if [ "${STRICT_GOAL:-0}" = 1 ] && ! grep -q ": met$" "$BENCH_LOG"; then
     echo "gpu_check: FAILED (benchmark goal missed)"
     exit 1
 fi
