@@ -8,7 +8,7 @@ release came after the wait, which device the handle was opened on.
 
 What is checked: reads device to device (the IPC path in use, at offset 0 and beyond),
 the copy's order (copy, event record, event wait, then KV.RELEASE) on the caller's
-stream, the handle opened on the client's device of the node's PCI bus id, an open
+stream (the asyncio client's too, though it copies on a worker thread), the handle opened on the client's device of the node's PCI bus id, an open
 failure falling back to host staging once, a stale GPU generation re-opened, a close
 during a copy waiting for it, one mapping shared by the clients of a process, a
 mismatch or a CUDA error releasing its lease, a node restart under a live client, and a
@@ -16,6 +16,7 @@ reader racing deletes, overwrites and promotions getting one whole version every
 """
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -23,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from client import KVClient, TensorMismatch, connection
+from client import AsyncKVClient, KVClient, TensorMismatch, connection
 from conftest import wait_until
 from gpu_fakes import NODE_BUS_ID, fake_cupy, start_fake_gpu_node  # noqa: F401  (a fixture)
 from proto import fastpath as fp
@@ -104,6 +105,24 @@ def test_the_copy_runs_on_the_callers_stream_and_is_waited_for_before_the_releas
             ("eventRecord", stream.ptr, 0), ("eventSynchronize", 0)]
     assert order == [*copy, (fp.KV_RELEASE,), *copy]
     assert kv.fast_path.stats.gpu_ipc_reads == 2
+
+
+def test_the_asyncio_client_copies_on_the_stream_current_where_it_was_called(node, fake_cupy):
+    """Its copies run on a worker thread, whose own current stream is the default one."""
+    async def scenario() -> None:
+        async with AsyncKVClient(unix_socket=node.unix_socket, fast_path="required") as kv:
+            await kv.put_tensor("t", tensor_of(13))
+            while (await kv.locate(["t"]))[0].tier != "gpu":
+                await kv.get("t")
+                await asyncio.sleep(0.02)
+            into = fake_cupy.zeros(SHAPE, np.float32)
+            with fake_cupy.cuda.Stream() as stream:
+                assert await kv.get_tensor_into("t", into) is True
+            assert calls_named(fake_cupy, "memcpyAsync")[-1][2] == stream.ptr
+            assert np.array_equal(fake_cupy.asnumpy(into), tensor_of(13))
+            assert kv.fast_path.stats.gpu_ipc_reads == 1
+
+    asyncio.run(scenario())
 
 
 def test_a_dram_value_is_copied_host_to_device_on_the_callers_stream(kv, fake_cupy, releases_logged):
