@@ -22,9 +22,11 @@ write permission, and a command that writes and returns the old value needs
 both. A key outside the user's patterns is refused before the command runs,
 whether the key exists or not, so a refusal reveals nothing about other
 tenants' keys. Commands that reach every key at once (KEYS, SCAN, FLUSHALL,
-FLUSHDB) and the fast path's commands (which map the node's whole arena, or act
-on lease and reservation ids that belong to nobody's key space) are for users
-allowed every key; anyone else uses the wire, key by key.
+FLUSHDB, KV.HOTKEYS), the fast path's commands (which map the node's whole
+arena, or act on lease and reservation ids that belong to nobody's key space),
+the commands nodes send each other, and any command that writes without
+naming its keys are for users allowed every key; anyone else uses the wire,
+key by key.
 
 Not here, on purpose: selectors (``(...)``), pub/sub channels (there is no
 pub/sub; ``&pattern`` rules are kept and shown so ACL files round-trip), first
@@ -51,15 +53,15 @@ READ_WRITE = READ | WRITE
 CATEGORIES = ("keyspace", "read", "write", "set", "sortedset", "list", "hash", "string", "bitmap",
               "hyperloglog", "geo", "stream", "pubsub", "admin", "fast", "slow", "blocking", "dangerous",
               "connection", "transaction", "scripting", "kvcache")
-# Command table groups that are also categories.
+# Command table groups that are also categories (every KV.* command is @kvcache, whatever its group).
 GROUP_CATEGORIES = {"keyspace": "keyspace", "string": "string", "connection": "connection",
-                    "transactions": "transaction", "kvcache": "kvcache", "fastpath": "kvcache",
-                    "layers": "kvcache"}
+                    "transactions": "transaction"}
 _ADMIN = ("admin", "dangerous")
 _CLUSTER_ADMIN = ("addslots", "addslotsrange", "bumpepoch", "count-failure-reports", "delslots",
                   "delslotsrange", "failover", "flushslots", "forget", "meet", "replicate", "replicas",
                   "reset", "saveconfig", "set-config-epoch", "setslot", "slaves")
 _ACL_ADMIN = ("deluser", "dryrun", "getuser", "list", "load", "save", "setuser", "users")
+_BETWEEN_NODES = ("kv.copy", "kv.uncopy", "kv.renew", "kv.import", "kv.migrated", "kv.drain")
 # Categories Redis gives a command (or a subcommand) beyond those its flags imply.
 EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
     "dbsize": ("keyspace",), "flushdb": ("keyspace", "dangerous"), "flushall": ("keyspace", "dangerous"),
@@ -68,11 +70,13 @@ EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
     "client|list": _ADMIN,
     **{f"cluster|{sub}": _ADMIN for sub in _CLUSTER_ADMIN},
     **{f"acl|{sub}": _ADMIN for sub in _ACL_ADMIN},
+    **{name: _ADMIN for name in _BETWEEN_NODES},
 }
-# Commands that reach every key at once, or the whole arena: only for users allowed every key.
+# Commands that reach every key at once, the whole arena, or keys their table entry does not
+# locate: only for users allowed every key (so is any command that writes without naming its keys).
 WHOLE_KEYSPACE = frozenset({"keys", "scan", "flushdb", "flushall", "kv.arena", "kv.gpuarena", "kv.lease",
                             "kv.leasegpu", "kv.leaselayers", "kv.layerdone", "kv.release", "kv.reserve",
-                            "kv.publish", "kv.unreserve"})
+                            "kv.publish", "kv.unreserve", "kv.hotkeys", *_BETWEEN_NODES})
 # Commands that write a key and return its old value: they need read and write permission.
 READS_AND_WRITES = frozenset({"getdel"})
 # Keys the command table cannot locate: in options, or after a subcommand.
@@ -131,6 +135,8 @@ def command_categories(cmd: Command, sub: str | None = None) -> list[str]:
         cats.append("fast" if "fast" in cmd.flags else "slow")
         if cmd.group in GROUP_CATEGORIES:
             cats.append(GROUP_CATEGORIES[cmd.group])
+        if cmd.name.startswith("kv."):
+            cats.append("kvcache")
     for extra in EXTRA_CATEGORIES.get(cmd.name, ()) + (EXTRA_CATEGORIES.get(name, ()) if sub else ()):
         if extra not in cats:
             cats.append(extra)
@@ -434,7 +440,7 @@ def denial(user: User, cmd: Command, args: list) -> Denial | None:
         return Denial(command=name)
     if user.all_keys:
         return None
-    if cmd.name in WHOLE_KEYSPACE:
+    if cmd.name in WHOLE_KEYSPACE or ("write" in cmd.flags and cmd.first_key <= 0):
         return Denial(key=b"*")
     need = READ_WRITE if cmd.name in READS_AND_WRITES or _set_with_get(cmd, args) else \
         WRITE if "write" in cmd.flags else READ

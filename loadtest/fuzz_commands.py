@@ -231,28 +231,36 @@ def _short(requests: list[list[bytes]]) -> str:
 
 
 def fuzz(session: Session, commands: int, rng_seed: int | None = None, most_per_pipeline: int = 30,
-         on_progress=None) -> None:
+         on_progress=None, seconds: float | None = None) -> None:
     """Sweep every command and subcommand of the table once (``commands`` // 20,000 times
-    for a long run), then send random pipelines until ``commands`` requests went out.
+    for a long run), then send random pipelines until ``commands`` requests went out (or,
+    after the sweep, ``seconds`` passed).
 
     Hypothesis runs in rounds, generating only: a live node's state does not replay,
     so nothing is shrunk; the pipeline that failed is in the error.
     """
+    deadline = None if seconds is None else time.monotonic() + seconds
+    sweeping = True                             # the sweep always runs whole
+
+    def more() -> bool:
+        in_time = sweeping or deadline is None or time.monotonic() < deadline
+        return session.tally.commands < commands and in_time
+
     def run_round(strategy, examples: int, round_seed: int | None) -> None:
         @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))
         @given(strategy)
         def one(pipelines):
             for drawn in pipelines:
-                if session.tally.commands < commands:
+                if more():
                     session.run(drawn)
                     if on_progress is not None:
                         on_progress(session)
         (one if round_seed is None else seed(round_seed)(one))()
 
     run_round(sweep(session.token, most_per_pipeline), max(1, commands // 20_000), rng_seed)
-    rounds = 1
-    while session.tally.commands < commands:
+    sweeping, rounds = False, 1
+    while more():
         run_round(batches(session.token, most_per_pipeline).map(lambda drawn: [drawn]), ROUND,
                   None if rng_seed is None else rng_seed + rounds)
         rounds += 1

@@ -9,7 +9,7 @@ import pytest
 
 import kvstore.commands  # noqa: F401  (fills the command table)
 from kvstore import acl
-from kvstore.commands.table import CommandError, lookup
+from kvstore.commands.table import CommandError, all_commands, lookup
 
 PW_HASH = hashlib.sha256(b"pw").hexdigest()
 
@@ -185,9 +185,19 @@ def test_no_auth_commands_are_never_denied():
     (("KV.ARENA",), False), (("KV.GPUARENA",), False), (("KV.LEASE", "t", "100", "tenantA:1"), False),
     (("KV.RESERVE", "t", "100", "10"), False), (("KV.PUBLISH", "1", "tenantA:1"), False),
     (("KV.RELEASE", "1"), False), (("KV.UNRESERVE", "1"), False), (("KV.STATS",), True), (("DBSIZE",), True),
+    (("KV.HOTKEYS",), False), (("KV.IMPORT", "1", "tenantA:1", "", "v"), False), (("KV.UNCOPY", "tenantA:1"), False),
+    (("KV.TOUCH", "tenantA:1"), True), (("KV.TOUCH", "tenantB:1"), False),
 ])
 def test_tenant_keys(request_, allowed):
     assert (denial(user(*TENANT), *request_) is None) == allowed
+
+
+def test_a_write_that_names_no_keys_needs_every_key():
+    """A command that writes without key positions cannot be checked key by key: refused."""
+    keyless_writes = [c.name for c in all_commands() if "write" in c.flags and c.first_key <= 0]
+    assert keyless_writes
+    for name in keyless_writes:
+        assert denial(user(*TENANT), name, "x", "y", "z") is not None, name
 
 
 def test_read_and_write_patterns():
