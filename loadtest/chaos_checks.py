@@ -1,12 +1,13 @@
 """What a chaos run checks around each fault: every slot answers, and what was stored is still right.
 
 - `SlotProbe` holds one key in each of the 16,384 slots, written once.
-  After a fault ends it reads them in chunks of consecutive slots until
-  every chunk has been answered once by its slots' owners (a dead, paused
-  or cut-off owner, or a slot without one, fails a chunk, which is asked
-  again; a value lost is no failure): the time until then is the time until
-  every slot is served again. Chunks keep a chunk whose slots are moving
-  (answered key by key after ``ASK``) from holding up the others' answer.
+  After a fault ends it reads them in chunks of consecutive slots, all
+  chunks at once, until every chunk has been answered once by its slots'
+  owners (a dead, paused or cut-off owner, or a slot without one, fails a
+  chunk, which is asked again; a value lost is no failure): the time until
+  the last chunk's answer is the time until every slot is served again.
+  Chunks keep a chunk whose slots are moving (answered key by key after
+  ``ASK``) from holding up the others' answer.
   Writes are checked by the load and the ledger.
 - `Ledger` writes sealed values across all slots before a fault and reads
   them back after it: those missing are values lost (a cache may lose
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from client import KVClusterClient
 from client.errors import KVError
@@ -25,7 +28,7 @@ from proto.slots import SLOTS, keyslot
 
 PROBE_VALUE_BYTES = 32
 ROUND_PAUSE_S = 0.05
-CHUNK_SLOTS = 512                # slots read in one batch: a chunk slowed by redirections delays no other
+CHUNKS = 32                      # of 512 slots each, read at once: one slowed by redirections delays no other
 
 
 def one_key_per_slot(prefix: bytes = b"chaos:probe:") -> list[bytes]:
@@ -43,12 +46,15 @@ class SlotProbe:
     """Reads of a key in every slot, in chunks of consecutive slots; the values are written once at the start."""
 
     def __init__(self, addrs: list[str], timeout: float = 1.0):
-        self.kv = KVClusterClient(addrs, fast_path="off", timeout=timeout, retries=0)
+        self.kv = KVClusterClient(addrs, fast_path="off", timeout=timeout, retries=0, parallelism=CHUNKS,
+                                  pool_size=CHUNKS)
+        self._threads = ThreadPoolExecutor(CHUNKS, thread_name_prefix="slot-probe")
         self.keys = one_key_per_slot()
         pool = PayloadPool(PROBE_VALUE_BYTES)
         self.kv.batch_put([(key, pool.sealed(key, PROBE_VALUE_BYTES, i)) for i, key in enumerate(self.keys)])
-        self.chunks = [self.keys[i:i + CHUNK_SLOTS] for i in range(0, SLOTS, CHUNK_SLOTS)]
+        self.chunks = [self.keys[i:i + SLOTS // CHUNKS] for i in range(0, SLOTS, SLOTS // CHUNKS)]
         self.wrong_bytes = 0
+        self._count_lock = threading.Lock()
         self.last_error = ""
         self.rounds: list[str] = []
 
@@ -61,29 +67,39 @@ class SlotProbe:
             with contextlib.suppress(KVError):
                 self.kv.refresh()
             return False
-        self.wrong_bytes += sum(len(v) for k, v in zip(keys, got) if not verify(k, v))
+        wrong = sum(len(v) for k, v in zip(keys, got) if not verify(k, v))
+        with self._count_lock:
+            self.wrong_bytes += wrong
         return True
 
     def served_after(self, since: float, limit_s: float) -> float | None:
         """Seconds from ``since`` until every slot has answered once (None: not within ``limit_s``).
 
-        A chunk that answered is not asked again; one that failed is asked again in the next
-        round. ``rounds`` keeps each round's start, length and failed chunks, for a row that
+        All chunks are read at once; a chunk that answered is not asked again, one that failed
+        is asked again in the next round; the answer is when the last chunk's read ended.
+        ``rounds`` keeps each round's start, its slowest chunk and its failures, for a row that
         missed its target.
         """
         pending = list(range(len(self.chunks)))
         self.rounds = []
         while time.monotonic() - since < limit_s:
             started = time.monotonic()
-            pending = [chunk for chunk in pending if not self.read(self.chunks[chunk])]
-            self.rounds.append(f"{started - since:.2f}+{time.monotonic() - started:.2f}s "
+            answered = dict(zip(pending, self._threads.map(self._timed_read, pending)))
+            pending = [chunk for chunk, ended in answered.items() if ended is None]
+            last = max((ended for ended in answered.values() if ended is not None), default=started)
+            self.rounds.append(f"{started - since:.2f}+{last - started:.2f}s "
                                + (f"{len(pending)} chunks failed: {self.last_error}" if pending else "ok"))
             if not pending:
-                return time.monotonic() - since
+                return last - since
             time.sleep(ROUND_PAUSE_S)
         return None
 
+    def _timed_read(self, chunk: int) -> float | None:
+        """When the read of a chunk ended, or None when it failed."""
+        return time.monotonic() if self.read(self.chunks[chunk]) else None
+
     def close(self) -> None:
+        self._threads.shutdown()
         self.kv.close()
 
 

@@ -134,15 +134,19 @@ class RedisUser(User):
         if random.random() < self.get_share:
             self._timed("GET", lambda: self._get(key))
         else:
-            size = int(math.exp(random.uniform(self.low, self.high)))
-            value = Shared.redis_pool.sealed(key, size, random.randrange(1 << 30))
-            self._timed("SET", lambda: (self.client.set(key, value), len(value))[1])
+            self._timed("SET", lambda: self._set(key))
 
     def _get(self, key: bytes) -> int:
         value = self.client.get(key)
         if not verify(key, value):
             raise WrongValue(1, len(value), [key.decode()])
         return len(value or b"")
+
+    def _set(self, key: bytes) -> int:
+        size = int(math.exp(random.uniform(self.low, self.high)))
+        value = Shared.redis_pool.sealed(key, size, random.randrange(1 << 30))
+        self.client.set(key, value)
+        return len(value)
 
     def _timed(self, name: str, run: Any) -> None:
         start = time.perf_counter()
