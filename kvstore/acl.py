@@ -94,6 +94,15 @@ NO_SUCH_PASSWORD = "The password you are trying to remove from the user does not
 SYNTAX = "Syntax error"
 
 
+def raw(text: str) -> bytes:
+    """The bytes a rule or name arrived as (they are decoded with surrogateescape: binary-safe)."""
+    return text.encode(errors="surrogateescape")
+
+
+def text(data: bytes) -> str:
+    return data.decode(errors="surrogateescape")
+
+
 class AclError(ValueError):
     """A rule that cannot be applied; the message is Redis's reason."""
 
@@ -187,13 +196,13 @@ class KeyPattern:
 
     def describe(self) -> str:
         flags = {READ_WRITE: "", READ: "%R", WRITE: "%W"}[self.perms]
-        return f"{flags}~{self.pattern.decode(errors='replace')}"
+        return f"{flags}~{text(self.pattern)}"
 
 
 def _parse_key_rule(op: str) -> KeyPattern:
     """``~p``, ``%R~p``, ``%W~p``, ``%RW~p`` (flags in either case and order)."""
     if op.startswith("~"):
-        return KeyPattern(op[1:].encode(), READ_WRITE)
+        return KeyPattern(raw(op[1:]), READ_WRITE)
     flags, sep, pattern = op[1:].partition("~")
     perms = 0
     for flag in flags.upper():
@@ -202,7 +211,7 @@ def _parse_key_rule(op: str) -> KeyPattern:
         perms |= READ if flag == "R" else WRITE
     if not sep or not perms:
         raise AclError(SYNTAX)
-    return KeyPattern(pattern.encode(), perms)
+    return KeyPattern(raw(pattern), perms)
 
 
 # ------------------------------------------------------------------ users
@@ -237,10 +246,10 @@ class User:
         self.__dict__.update(draft.__dict__)
 
     def _apply_one(self, op: str) -> None:
-        lowered = op.lower()
-        simple = _SIMPLE_RULES.get(lowered)
         if not op:
             raise AclError(SYNTAX)
+        lowered = op.lower()
+        simple = _SIMPLE_RULES.get(lowered)
         if simple is not None:
             simple(self)
         elif op[0] in "><#!":
@@ -261,8 +270,8 @@ class User:
     # -- passwords
 
     def _password_rule(self, op: str) -> None:
-        kind, text = op[0], op[1:]
-        digest = hashlib.sha256(text.encode()).hexdigest() if kind in "><" else text
+        kind, given = op[0], op[1:]
+        digest = hashlib.sha256(raw(given)).hexdigest() if kind in "><" else given
         if kind in "#!" and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
             raise AclError(BAD_HASH)
         if kind in ">#":
@@ -552,7 +561,7 @@ class Users:
     def save(self, path: str) -> None:
         """ACL SAVE: every user's line, written whole (a temporary file, then a rename)."""
         temp = f"{path}.tmp-{os.getpid()}"
-        with open(temp, "w", encoding="utf-8") as f:
+        with open(temp, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write("".join(line + "\n" for line in self.describe()))
             f.flush()
             os.fsync(f.fileno())
@@ -578,7 +587,7 @@ def parse_acl_file(path: str) -> dict[str, User]:
         if not line:
             continue
         try:
-            words = [w.decode(errors="surrogateescape") for w in split_inline(line.encode(errors="surrogateescape"))]
+            words = [text(w) for w in split_inline(raw(line))]
         except ProtocolError:
             errors.append(f"{path}:{number}: Syntax error. ")
             continue
@@ -608,7 +617,7 @@ def parse_acl_file(path: str) -> dict[str, User]:
 
 def login(users: Users, name: bytes, password: bytes) -> User:
     """The user ``AUTH name password`` logs in as, or Redis's WRONGPASS error."""
-    user = users.authenticate(name.decode(errors="surrogateescape"), password)
+    user = users.authenticate(text(name), password)
     if user is None:
         raise CommandError("invalid username-password pair or user is disabled.", "WRONGPASS")
     return user

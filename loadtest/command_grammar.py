@@ -34,10 +34,11 @@ OPTION_WORDS = [b"NX", b"XX", b"GET", b"EX", b"PX", b"EXAT", b"PXAT", b"KEEPTTL"
                 b"TOKEN", b"WAIT", b"COUNT", b"MATCH", b"TYPE", b"SAMPLES", b"AUTH", b"SETNAME", b"GT", b"LT",
                 b"ABORT", b"NOSAVE", b"NOW", b"FORCE", b"lib-name", b"lib-ver"]
 KEYS = [b"k", b"k2", b"block:0", b"block:1", b"{tag}a", b"tenantA:1", b"\x00\r\n\xff", b"", b"x" * 300]
-USERS = [b"fuzz1", b"fuzz2"]
+USERS = [b"fuzz1", b"fuzz2", b"fuzz\xff\x00"]
 ACL_RULES = [b"on", b"off", b"nopass", b">pw", b"<pw", b"~*", b"~k*", b"%R~block:*", b"allkeys", b"resetkeys",
              b"+@all", b"-@all", b"+get", b"-get", b"+@kvcache", b"-@dangerous", b"+config|get", b"reset",
-             b"#" + b"a" * 64, b"bogus", b"&*", b"resetchannels", b"+nosuch"]
+             b"#" + b"a" * 64, b"bogus", b"&*", b"resetchannels", b"+nosuch", b">\xff\x00pw", b"~\xff*",
+             b"%R~\x00*", b"+\xff", b"&\xfe"]
 # CONFIG SET may change these: none of them locks the fuzzer out, limits it, or floods the log.
 CONFIG_NAMES = [b"maxmemory-policy", b"high-watermark", b"low-watermark", b"promote-hits", b"promote-window-ms",
                 b"ssd-write-policy", b"protected-mode", b"dram-size", b"bind", b"save", b"appendonly", b"nosuch",

@@ -112,6 +112,20 @@ def test_rule_changes_apply_to_logged_in_clients(fresh_kv):
         assert alice.call("GET", "a:1") == b"$1\r\nv\r\n"
 
 
+def test_names_passwords_and_patterns_are_binary_safe(fresh_kv):
+    name, password, prefix = b"t\xff\xfe", b"p\xff\x00\r\n", b"\xffbin:"
+    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as user:
+        assert admin.call("ACL", "SETUSER", name, "on", b">" + password, b"~" + prefix + b"*", "+@all") == \
+            b"+OK\r\n"
+        fields = dict(zip(*[iter(decode(admin.call("ACL", "GETUSER", name)))] * 2))
+        assert fields[b"keys"] == b"~" + prefix + b"*"
+        assert user.call("AUTH", name, password) == b"+OK\r\n"
+        assert decode(user.call("ACL", "WHOAMI")) == name
+        assert user.call("SET", prefix + b"1", "v") == b"+OK\r\n"
+        assert user.call("SET", b"\xfebin:1", "v") == NOPERM_KEY
+        assert admin.call("ACL", "DELUSER", name) == b":1\r\n"
+
+
 def test_genpass_and_cat(fresh_kv):
     with RespConnection(fresh_kv) as conn:
         password = decode(conn.call("ACL", "GENPASS"))

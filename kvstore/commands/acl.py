@@ -56,33 +56,37 @@ def acl_(conn, args):
     return _SUBCOMMANDS[args[1].lower()](conn, args)
 
 
-def _text(arg: bytes) -> str:
-    return arg.decode(errors="surrogateescape")
+def _bulk(value: str) -> bytes:
+    """A name, rule or line as the bytes it was given in (binary-safe)."""
+    return writer.bulk(acl.raw(value))
+
+
+def _bulks(values: list[str]) -> bytes:
+    return writer.array([_bulk(v) for v in values])
 
 
 def _setuser(conn, args):
     try:
-        conn.server.users.setuser(_text(args[2]), [_text(a) for a in args[3:]])
+        conn.server.users.setuser(acl.text(args[2]), [acl.text(a) for a in args[3:]])
     except acl.AclError as exc:
         raise CommandError(str(exc)) from None
     return writer.OK
 
 
 def _getuser(conn, args):
-    user = conn.server.users.get(_text(args[2]))
+    user = conn.server.users.get(acl.text(args[2]))
     if user is None:
         return conn.enc.null
-    b = writer.bulk
+    b = _bulk
     return conn.enc.map([
-        (b("flags"), writer.array([b(f) for f in user.flags()])),
-        (b("passwords"), writer.array([b(h) for h in user.passwords])),
+        (b("flags"), _bulks(user.flags())), (b("passwords"), _bulks(user.passwords)),
         (b("commands"), b(user.describe_commands())), (b("keys"), b(user.describe_keys())),
         (b("channels"), b(user.describe_channels())), (b("selectors"), writer.EMPTY_ARRAY)])
 
 
 def _deluser(conn, args):
     try:
-        removed = conn.server.users.delete([_text(a) for a in args[2:]])
+        removed = conn.server.users.delete([acl.text(a) for a in args[2:]])
     except acl.AclError as exc:
         raise CommandError(str(exc)) from None
     _disconnect_users(conn, removed)
@@ -101,15 +105,15 @@ def _disconnect_users(conn, removed: list) -> None:
 
 
 def _list(conn, args):
-    return writer.bulk_array(conn.server.users.describe())
+    return _bulks(conn.server.users.describe())
 
 
 def _users(conn, args):
-    return writer.bulk_array(conn.server.users.names())
+    return _bulks(conn.server.users.names())
 
 
 def _whoami(conn, args):
-    return writer.bulk(conn.user.name)
+    return _bulk(conn.user.name)
 
 
 def _cat(conn, args):
@@ -117,10 +121,10 @@ def _cat(conn, args):
         raise CommandError("wrong number of arguments for 'acl|cat' command")
     if len(args) == 2:
         return writer.bulk_array(list(acl.CATEGORIES))
-    category = _text(args[2]).lower()
+    category = acl.text(args[2]).lower()
     names = acl.catalog().by_category.get(category)
     if names is None:
-        raise CommandError(f"Unknown category '{_text(args[2])}'")
+        raise CommandError(f"Unknown category '{acl.text(args[2])}'")
     return writer.bulk_array(sorted(names))
 
 
@@ -134,12 +138,12 @@ def _genpass(conn, args):
 
 
 def _dryrun(conn, args):
-    user = conn.server.users.get(_text(args[2]))
+    user = conn.server.users.get(acl.text(args[2]))
     if user is None:
-        raise CommandError(f"User '{_text(args[2])}' not found")
+        raise CommandError(f"User '{acl.text(args[2])}' not found")
     cmd = lookup(args[3])
     if cmd is None:
-        raise CommandError(f"Command '{_text(args[3])}' not found")
+        raise CommandError(f"Command '{acl.text(args[3])}' not found")
     request = args[3:]
     if not cmd.arity_ok(len(request)):
         raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
@@ -147,8 +151,8 @@ def _dryrun(conn, args):
     if denied is None:
         return writer.OK
     if denied.command is not None:
-        return writer.bulk(f"This user has no permissions to run the '{denied.command}' command")
-    return writer.bulk(f"This user has no permissions to access the '{_text(denied.key)}' key")
+        return _bulk(f"This user has no permissions to run the '{denied.command}' command")
+    return _bulk(f"This user has no permissions to access the '{acl.text(denied.key)}' key")
 
 
 def _acl_file(conn) -> str:
