@@ -45,11 +45,15 @@ Record = Callable[[str, float, int, "BaseException | None"], None]
 
 
 class WrongValue(KVError):
-    """Values read back that are not the sealed values of their keys."""
+    """Values read back that are not the sealed values of their keys.
+
+    The message is the same for every occurrence, so locust's error report counts them in one
+    line; how many values and bytes, and which keys, are attributes.
+    """
 
     def __init__(self, count: int, nbytes: int, keys: Sequence[str]):
-        super().__init__(f"{count} values ({nbytes} bytes) failed verification, e.g. key {keys[0]}")
-        self.count, self.nbytes = count, nbytes
+        super().__init__("a value read back failed verification (another key's, cut short, or changed)")
+        self.count, self.nbytes, self.keys = count, nbytes, list(keys)
 
 
 def default_trace() -> Path:

@@ -32,6 +32,7 @@ import random
 import time
 from typing import Any
 
+import gevent
 import redis
 from locust import User, constant, events, task
 from locust.runners import WorkerRunner
@@ -76,6 +77,9 @@ def _setup(environment: Any, **_: Any) -> None:
     Shared.cursor = TraceCursor(load_trace(options.kv_trace))
     Shared.kv_pool = PayloadPool(options.kv_block_bytes)
     Shared.redis_pool = PayloadPool(options.redis_max_bytes)
+    # locust sets its --run-time timer next, on the hub's clock, which has not moved since the hub
+    # was made (imports, this set-up): on a slow start a short run would end before it began.
+    gevent.get_hub().loop.update_now()
 
 
 @events.test_start.add_listener
