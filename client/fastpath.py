@@ -182,6 +182,10 @@ class FastPath:
         """Whether `housekeeping` has anything to send (read without the lock: a hint)."""
         return bool(self._touched or self._deferred or self.spares.has_given_up())
 
+    def reports_due(self) -> bool:
+        """Whether enough reads wait to be reported that the next read should send them."""
+        return len(self._touched) >= TOUCH_BATCH
+
     def touched(self, keys: list[bytes]) -> bool:
         """Report reads served from the shared index with the next request; True when enough
         are waiting to be worth a round trip of their own."""

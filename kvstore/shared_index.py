@@ -65,10 +65,11 @@ import mmap
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvstore.slots import DRAM
 from proto import fastpath as fp
+
+_SEQ, _HASH, _OFFSET, _SIZE = fp.INDEX_SEQ, fp.INDEX_HASH, fp.INDEX_OFFSET, fp.INDEX_SIZE
+_WORDS, _BYTES, _KEY_AT = fp.INDEX_BUCKET_WORDS, fp.INDEX_BUCKET_BYTES, fp.INDEX_KEY_AT
 
 MIN_BUCKETS = 4096
 MAX_BUCKETS = 1 << 18                # 32 MiB of table at most
@@ -112,8 +113,8 @@ class SharedIndex:
         self.fd = os.memfd_create("kvstore-index", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._words = np.frombuffer(self._map, dtype=np.uint64)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._bytes = memoryview(self._map)          # memoryviews: a store is one C store, no boxing
+        self._words = self._bytes.cast("Q")
         self._taken = bytearray(self.buckets)    # this thread's own view of which buckets hold a value
         self._set_mask = self.buckets // fp.INDEX_WAYS - 1
         engine.commit_listeners.append(self._on_commit)
@@ -175,12 +176,13 @@ class SharedIndex:
 
     def _write(self, bucket: int, digest: int, offset: int, size: int, key: bytes) -> None:
         """One seqlock write of a bucket (the module comment says why readers can trust it)."""
-        words, at = self._words, bucket * fp.INDEX_BUCKET_WORDS
-        seq = at + fp.INDEX_SEQ
-        words[seq] += 1                                      # odd: being written
-        words[at + fp.INDEX_HASH] = digest
-        words[at + fp.INDEX_OFFSET] = offset
-        words[at + fp.INDEX_SIZE] = size | len(key) << 32
-        start = bucket * fp.INDEX_BUCKET_BYTES + fp.INDEX_KEY_AT
-        self._bytes[start:start + len(key)] = np.frombuffer(key, np.uint8)
-        words[seq] += 1                                      # even: stable again
+        words, at = self._words, bucket * _WORDS
+        seq = words[at + _SEQ] + 1
+        words[at + _SEQ] = seq                               # odd: being written
+        words[at + _HASH] = digest
+        words[at + _OFFSET] = offset
+        words[at + _SIZE] = size | len(key) << 32
+        if key:
+            start = bucket * _BYTES + _KEY_AT
+            self._bytes[start:start + len(key)] = key
+        words[at + _SEQ] = seq + 1                           # even: stable again
