@@ -112,7 +112,8 @@ class SharedIndex:
         size = self.buckets * fp.INDEX_BUCKET_BYTES
         self.fd = os.memfd_create("kvstore-index", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
-        self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        populate = getattr(mmap, "MAP_POPULATE", 0)     # fault the table in now, not one commit at a time
+        self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes = memoryview(self._map)          # memoryviews: a store is one C store, no boxing
         self._words = self._bytes.cast("Q")
         self._taken = bytearray(self.buckets)    # this thread's own view of which buckets hold a value
