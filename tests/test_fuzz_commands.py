@@ -19,7 +19,7 @@ from loadtest.fuzz_commands import BadReply, Incomplete, Session, fuzz, reply_en
 from kvstore.commands.table import all_commands
 
 COMMANDS = 10_000
-SECONDS = 20                    # at most, after the sweep of every command: a loaded machine sends fewer
+SECONDS = 15                    # at most, after the sweep of every command: a loaded machine sends fewer
 MAX_RSS_GROWTH = 50 * 2**20
 
 
