@@ -90,7 +90,8 @@ def _map(conn: Connection, endpoint: Endpoint) -> Arena:
         if isinstance(reply, KVError):
             raise FastPathUnavailable(f"{endpoint} has no fast path: {reply}")
         try:
-            size, pid, fd_number, token_offset, token, _, words_fd_number, n_words, index_fd_number, buckets = reply
+            (size, pid, fd_number, token_offset, token, _, words_fd_number, n_words,
+             index_fd_number, buckets) = reply
         except (TypeError, ValueError):
             raise FastPathUnavailable(f"{endpoint} answered {fp.KV_ARENA} with {reply!r:.80}") from None
         if not fds:

@@ -102,8 +102,8 @@ def get_into_here(fast: FastPath, key: Key, buffer: Any) -> int | Detour:
     return result
 
 
-def read_held(fast: FastPath, arena: Arena, local: LocalRead, keys: list[bytes], held: list[HeldLease | None],
-              results: list[Any]) -> list[int]:
+def read_held(fast: FastPath, arena: Arena, local: LocalRead, keys: list[bytes],
+              held: list[HeldLease | None], results: list[Any]) -> list[int]:
     """Copy what held leases vouch for into ``results``; the indices they could not serve."""
     misses, ended = [], []
     for i, lease in enumerate(held):
@@ -125,8 +125,8 @@ def read_held(fast: FastPath, arena: Arena, local: LocalRead, keys: list[bytes],
     return misses
 
 
-def read_indexed(fast: FastPath, arena: Arena, local: LocalRead, keys: list[bytes], misses: list[int],
-                 results: list[Any]) -> tuple[list[Any], list[int], bool] | Detour:
+def read_indexed(fast: FastPath, arena: Arena, local: LocalRead, keys: list[bytes],
+                 misses: list[int], results: list[Any]) -> tuple[list[Any], list[int], bool] | Detour:
     """Copy what the shared index finds into ``results`` (client/shared_index.py: find, copy,
     check the bucket, check the node lives): the results, the indices still missing, and
     whether reads wait to be reported."""
@@ -147,7 +147,7 @@ def read_indexed(fast: FastPath, arena: Arena, local: LocalRead, keys: list[byte
     if not served:
         return results, left, False
     if not arena.node_alive():                 # a dead node's table: map the new node's
-        return fast.drop_mapping()
+        return fast.drop_mapping(arena)
     return results, left, fast.touched(served)
 
 

@@ -148,10 +148,13 @@ class FastPath:
             return OVER_WIRE
         raise reply
 
-    def drop_mapping(self) -> Detour:
-        """Forget a mapping of an arena the node no longer has, and all that was held in it:
-        REMAPPED, the outcome that has the operation run again on a new mapping."""
+    def drop_mapping(self, arena: Arena | None = None) -> Detour:
+        """Forget a mapping of an arena the node no longer has (``arena``, when it is still the
+        mapping: another thread may have mapped the new one already), and all that was held in
+        it: REMAPPED, the outcome that has the operation run again on a new mapping."""
         with self.lock:
+            if arena is not None and self.mapping is not arena:
+                return REMAPPED
             arena, self.mapping = self.mapping, None
             self.leases = LeaseCache(0, 0)
             self.spares = ReservationPool(POOL_PER_SIZE, POOL_SIZES, 0)

@@ -23,6 +23,8 @@ lease        what a local client holds while it copies through the shared arena
              (`leases.py`).
 reservation  an uncommitted extent a local client writes into (``KV.RESERVE``), committed
              by ``KV.PUBLISH``.
+shared index where each DRAM value is (key, offset, size), published in shared memory for
+             local clients so a get needs no round trip (`shared_index.py`).
 pin          a soft pin (``KV.PIN``): the block is evicted last, and the pin expires.
 tier         where a value lives: GPU, DRAM (the arena) or SSD (RocksDB); hot values move
              up, cold ones down (`tiering.py`).
@@ -51,7 +53,9 @@ GET:
   copy, a big one as a memoryview of the arena under a hold, released when the
   kernel has taken its last byte (sendmsg).
 A local client skips both copies: it maps the arena (KV.ARENA, fd passed over
-the Unix socket) and copies under a lease (commands/fastpath.py, leases.py).
+the Unix socket), finds the value in the shared index and copies it with no
+round trip (shared_index.py), or else copies under a lease (commands/fastpath.py,
+leases.py).
 """
 
 __version__ = "0.1.0"

@@ -13,6 +13,9 @@ pairs' ratios in a run, then the median over runs (with the spread over runs).
   beforehand over the whole pool, each read once, so its bytes are cold too):
   through the node's shared index, no round trip (targets: >= 0.6x the cold
   copy at 1 MiB, >= 0.8x at 4 MiB); the same over KV.LEASE for comparison;
+  the copy out of the arena alone, with no SDK around it (the floor: the
+  arena's 4 KiB shared-memory pages cost more TLB misses than the numpy
+  pool's transparent huge pages);
   and against Mooncake Store's get of the same size through its CPU wheel
   (master + holder process, TCP: >= 5x), when the wheel is installed. Its
   client runs in a process of its own after the other figures (its library's
@@ -151,8 +154,11 @@ def first_gets(kv: KVClient, leasing: KVClient, pool: ColdPool, size: int, run: 
     keys = [f"first-{run}-{size}-{i}" for i in range(samples)]
     for key in keys:
         kv.put(key, pool.take(size))
+    arena, view = kv.fast_path.arena(), memoryview(dst)
+    places = [arena.index.find(key.encode())[2] for key in keys]
     sides = {"first get": lambda i, _: kv.get_into(keys[i], dst),
-             "first get over KV.LEASE": lambda i, _: leasing.get_into(keys[i], dst)}
+             "first get over KV.LEASE": lambda i, _: leasing.get_into(keys[i], dst),
+             "arena memcpy alone": lambda i, _: arena.read_into(places[i], size, view)}
     for side, step in sides.items():
         copies, gets = paired(pool, size, samples, dst, step)
         out[f"get_into {name} {side} vs cold copy"] = ratio(copies, gets)
@@ -200,7 +206,8 @@ def batches(kv: KVClient, pool: ColdPool, run: int, repeats: int) -> dict[str, f
         get_pairs.append((copies(), timed(lambda: kv.batch_get_into(keys, into))))
         kv.delete(*keys)
     return {f"batch_put {BATCH}x1MiB time / {BATCH} cold copies": statistics.median(p / c for c, p in put_pairs),
-            f"batch_get_into {BATCH}x1MiB time / {BATCH} cold copies": statistics.median(g / c for c, g in get_pairs)}
+            f"batch_get_into {BATCH}x1MiB time / {BATCH} cold copies":
+                statistics.median(g / c for c, g in get_pairs)}
 
 
 def layerwise(kv: KVClient, sock: str, run: int) -> dict[str, float]:
@@ -269,7 +276,8 @@ def report(runs: list[dict[str, float]], notes: list[str]) -> None:
     for name in runs[0]:
         values = [r[name] for r in runs if name in r]
         spread = f"{min(values):.2f}-{max(values):.2f}"
-        print(f"{name:52} {statistics.median(values):9.2f} {spread:>15}  {verdict(name, statistics.median(values))}")
+        value = statistics.median(values)
+        print(f"{name:52} {value:9.2f} {spread:>15}  {verdict(name, value)}")
     for note in notes:
         print(note)
 
