@@ -103,6 +103,11 @@ def text(data: bytes) -> str:
     return data.decode(errors="surrogateescape")
 
 
+def printable(name: str) -> str:
+    """A name for text output (CLIENT LIST, logs): bytes that are not UTF-8 shown as U+FFFD."""
+    return raw(name).decode(errors="replace")
+
+
 class AclError(ValueError):
     """A rule that cannot be applied; the message is Redis's reason."""
 

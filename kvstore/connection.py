@@ -35,6 +35,7 @@ from array import array
 from collections import deque
 from itertools import islice
 
+from kvstore import acl
 from kvstore.commands import CommandError
 from kvstore.dispatch import dispatch, release_queued, value_destination
 from kvstore.engine import Extent
@@ -124,7 +125,8 @@ class Connection:
                 f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
                 f"ssub=0 multi={-1 if self.multi is None else len(self.multi)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
                 f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
-                f"omem=0 tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} user={self.user.name} redir=-1 "
+                f"omem={self.out_bytes} tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} "
+                f"user={acl.printable(self.user.name)} redir=-1 "
                 f"resp={self.enc.protocol} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}")
 
     # ------------------------------------------------------------- reading

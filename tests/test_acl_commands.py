@@ -121,6 +121,7 @@ def test_names_passwords_and_patterns_are_binary_safe(fresh_kv):
         assert fields[b"keys"] == b"~" + prefix + b"*"
         assert user.call("AUTH", name, password) == b"+OK\r\n"
         assert decode(user.call("ACL", "WHOAMI")) == name
+        assert "user=t\ufffd\ufffd " in decode(admin.call("CLIENT", "LIST")).decode()
         assert user.call("SET", prefix + b"1", "v") == b"+OK\r\n"
         assert user.call("SET", b"\xfebin:1", "v") == NOPERM_KEY
         assert admin.call("ACL", "DELUSER", name) == b":1\r\n"

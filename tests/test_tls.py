@@ -4,8 +4,9 @@ throwaway CA made by `openssl` (loadtest/certs.py).
 redis-py with ssl=True stores and reads values of every size (1 MiB values
 cross many TLS records each way), pipelines, and is refused without a client
 certificate when --tls-auth-clients is yes; the SDK's ``tls=`` option does
-the same work over TLS (with the fast path off, so every byte crosses TLS). A peer that speaks plain RESP to the TLS port, or
-stops in the middle of a handshake, costs only its own connection.
+the same work over TLS (with the fast path off, so every byte crosses TLS).
+A peer that speaks plain RESP to the TLS port, or stops in the middle of a
+handshake, costs only its own connection.
 """
 from __future__ import annotations
 
