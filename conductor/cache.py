@@ -12,6 +12,8 @@ holding it, and walks the prefix ANDing masks until no node is left.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from kvstore.eviction import NO_PARENT, SampledLRU
 
 
@@ -104,24 +106,25 @@ class BlockDirectory:
         else:
             self._where.pop(block, None)
 
-    def prefix_matches(self, blocks, n_nodes: int) -> list[int]:
-        """For each node, how many leading ``blocks`` it holds."""
-        matches = [0] * n_nodes
+    def prefix_matches(self, blocks, n_nodes: int) -> np.ndarray:
+        """For each node, how many leading ``blocks`` it holds.
+
+        The masks of the nodes still matching shrink along the prefix; a node's
+        match is the number of them it is in, counted over all nodes at once by
+        unpacking the masks' bits (a shared first block is on every node, so a
+        loop over nodes would cost one step per node per request).
+        """
         alive = (1 << n_nodes) - 1
         where = self._where
-        for i, b in enumerate(blocks):
-            still = alive & where.get(b, 0)
-            gone = alive & ~still
-            while gone:
-                low = gone & -gone
-                matches[low.bit_length() - 1] = i
-                gone ^= low
-            alive = still
+        still_matching = []
+        for b in blocks:
+            alive &= where.get(b, 0)
             if not alive:
-                return matches
-        n = len(blocks)
-        while alive:
-            low = alive & -alive
-            matches[low.bit_length() - 1] = n
-            alive ^= low
-        return matches
+                break
+            still_matching.append(alive)
+        if not still_matching:
+            return np.zeros(n_nodes, dtype=np.int64)
+        width = (n_nodes + 7) // 8
+        packed = b"".join(mask.to_bytes(width, "little") for mask in still_matching)
+        bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), bitorder="little")
+        return bits.reshape(len(still_matching), width * 8)[:, :n_nodes].sum(axis=0, dtype=np.int64)

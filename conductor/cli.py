@@ -118,8 +118,6 @@ def replay_main(argv: list[str]) -> int:
     """`kvstore replay TRACE [flags]`; returns the exit status."""
     try:
         args = replay_parser().parse_args(argv)
-        if args.prefill > 60:
-            raise UsageError("--prefill must be at most 60")
         return _run_replay(args)
     except (UsageError, TraceError, CalibrationError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -113,7 +113,8 @@ class CostModel:
                 + self.p_load * c)
 
     def transfer_s(self, tokens: int) -> float:
-        return self.t_fixed + self.t_token * tokens if tokens > 0 else 0.0
+        """Zero for nothing to move; elementwise over an array of token counts."""
+        return (self.t_fixed + self.t_token * tokens) * (tokens > 0)
 
     def decode_step_s(self, batch: int, kv_tokens: float) -> float:
         return self.d_fixed + self.d_seq * batch + self.d_kv * kv_tokens

@@ -11,6 +11,11 @@ instance's next departure. Decode batches are simulated per event, never
 per token (see `decode`). Caches hold 512-token blocks under the store's
 eviction policy (see `cache`). Arrivals are processed in timestamp order;
 all events due by an arrival's time are applied first.
+
+Per arrival the work grows with the number of instances only through numpy
+operations over them (the prefill queues, `BlockDirectory`'s bitmasks, the
+decode loads on a `DecodeBoard`), so hundreds of instances replay a million
+requests in minutes (docs/scale.md).
 """
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from conductor.admission import Admission, Slo
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
-from conductor.decode import DecodeInstance
+from conductor.decode import DecodeBoard, DecodeInstance
 from conductor.metrics import (REJECTED_AT_ARRIVAL, REJECTED_AT_DECODE, Outcomes,
                                RunSummary, summarize)
 from conductor.outputs import OutputLengths
@@ -58,8 +65,6 @@ class Simulator:
     def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel):
         if config.prefill < 1 or config.decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
-        if config.prefill > 60:
-            raise ValueError("at most 60 prefill instances are simulated")
         self.trace = trace
         self.cfg = config
         self.cost = cost
@@ -69,9 +74,10 @@ class Simulator:
         capacity = max(1, config.cache_tokens_per_node // config.block_tokens)
         self.caches = [NodeCache(i, capacity, self.directory, config.seed)
                        for i in range(config.prefill)]
-        self.busy_until = [0.0] * config.prefill
+        self.busy_until = np.zeros(config.prefill)
         self.outputs = OutputLengths()
         self.decodes = [DecodeInstance(j, cost, self.outputs) for j in range(config.decode)]
+        self.board = DecodeBoard(config.decode)
         self.out = Outcomes(len(trace))
         self._events: list[tuple] = []
         self._seq = 0
@@ -113,17 +119,17 @@ class Simulator:
 
     def _arrive(self, rid: int, req: TraceRequest, now: float) -> None:
         matches = self.directory.prefix_matches(req.hash_ids, self.cfg.prefill)
-        queue = [max(0.0, b - now) for b in self.busy_until]
+        queue = np.maximum(self.busy_until - now, 0.0)
         cand = Candidates(req.input_length, queue, matches, self.cfg.block_tokens)
         placement = self.policy.choose_prefill(cand)
-        for d in self.decodes:
-            d.advance(now)
-        j = self.policy.choose_decode([d.committed_load() for d in self.decodes],
-                                      req.input_length)
+        j = self.policy.choose_decode(self.board.committed(now), req.input_length)
         self._sample_load(now, queue)
+        decode = self.decodes[j]
+        decode.advance(now)             # the admission check reads its load as of now
+        self.board.publish(decode)
         self.out.input_tokens[rid] = req.input_length
-        reason = self.admission.at_arrival(now, placement, self.decodes[j], req.input_length,
-                                           self.outputs.mean, min(queue))
+        reason = self.admission.at_arrival(now, placement, decode, req.input_length,
+                                           self.outputs.mean, float(queue.min()))
         if reason is not None:
             self.out.status[rid] = REJECTED_AT_ARRIVAL
             return
@@ -139,7 +145,7 @@ class Simulator:
         held = tuple(b for b in reused if b in cache)
         cache.touch(held)
         cache.pin(held)
-        start = max(now, self.busy_until[p.prefill])
+        start = max(now, float(self.busy_until[p.prefill]))
         finish = start + p.service_s
         self.busy_until[p.prefill] = finish
         self.out.prefill_busy_s += p.service_s
@@ -148,6 +154,7 @@ class Simulator:
         self._inflight[rid] = _Inflight(p, j, held)
         self.decodes[j].bind(rid, req.input_length, now, start,
                              finish + self.cost.transfer_s(req.input_length))
+        self.board.publish(self.decodes[j])
         self._push(finish, _PREFILL_DONE, rid)
 
     def _prefill_done(self, rid: int, now: float) -> None:
@@ -163,12 +170,13 @@ class Simulator:
         decode = self.decodes[fl.decode]
         del decode.inflight[rid]
         decode.advance(now)
-        if not self.admission.at_decode(decode, req.input_length, self.outputs.mean):
+        if self.admission.at_decode(decode, req.input_length, self.outputs.mean):
+            decode.join(rid, req.input_length, req.output_length, now)
+            self._schedule_departure(decode)
+        else:
             self.out.status[rid] = REJECTED_AT_DECODE
             self.out.wasted_prefill_s += fl.placement.service_s
-            return
-        decode.join(rid, req.input_length, req.output_length, now)
-        self._schedule_departure(decode)
+        self.board.publish(decode)
 
     def _decode_step(self, j: int, now: float) -> None:
         decode = self.decodes[j]
@@ -176,18 +184,19 @@ class Simulator:
             self.out.tbt_s[r.request] = (now - r.join_s) / r.output_length
             self.outputs.observe(r.output_length)
         self._schedule_departure(decode)
+        self.board.publish(decode)
 
     def _schedule_departure(self, decode: DecodeInstance) -> None:
         at_s = decode.next_departure_s()
         if at_s is not None:
             self._push(at_s, _DECODE_STEP, decode.index, decode.version)
 
-    def _sample_load(self, now: float, queue: list[float]) -> None:
+    def _sample_load(self, now: float, queue: np.ndarray) -> None:
         out = self.out
         out.load_time_s.append(now)
-        out.prefill_load.append(sum(queue) / len(queue))
-        out.decode_load.append(sum(d.kv_tokens() for d in self.decodes)
-                               / sum(d.capacity_tokens for d in self.decodes))
+        out.prefill_load.append(float(queue.mean()))
+        out.decode_load.append(float(self.board.resident_kv(now).sum())
+                               / (self.cost.decode_capacity_tokens * len(self.decodes)))
 
 
 def stderr_progress(label: str) -> Callable[[int, int], None]:
