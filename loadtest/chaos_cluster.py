@@ -68,7 +68,7 @@ class ChaosCluster:
         try:
             self.up.__enter__()
         except BaseException:
-            self._unmount()
+            self._clean_up()
             raise
         info = self.up.info
         namespaces = info.get("netns") or [None] * len(info["nodes"])
@@ -144,13 +144,14 @@ class ChaosCluster:
                     node.restarted.kill()
                     node.restarted.wait()
         self.up.__exit__(*exc)
-        self._unmount()
-        shutil.rmtree(self.work, ignore_errors=True)
+        self._clean_up()
 
-    def _unmount(self) -> None:
+    def _clean_up(self) -> None:
+        """Unmount the small filesystem and remove the run's folder."""
         if self.small_fs_problem is None:
             subprocess.run(["umount", "-l", str(self.small_fs)], capture_output=True)
             self.small_fs_problem = "unmounted"
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 def _mount_tmpfs(path: Path, size: int) -> str | None:
