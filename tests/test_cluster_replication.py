@@ -9,7 +9,6 @@ connections, as a cluster-aware client does.
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -213,7 +212,7 @@ def test_a_holder_serves_copies_only_of_the_slot_owner_and_only_under_lease():
         assert not held.store(C, 5000, b"k", b"x", store)               # C does not own the slot
         assert held.store(A, 5000, b"k", b"x", store) and held.serves([b"k"])
         assert held.store(A, 1, b"short", b"y", store)
-        time.sleep(0.01)
+        await asyncio.sleep(0.01)
         assert not held.serves([b"short"]) and not held.serves([b"k", b"short"])
         read(engine, b"k", 3)
         assert held.renew(A, 5000, [b"k", b"short", b"none"]) == [3, 0, -1]

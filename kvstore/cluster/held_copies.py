@@ -15,18 +15,18 @@ the owner died, handed back to the caller to push to the slot's new owner.
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.cluster.node import ClusterState
+from kvstore.cluster.simclock import loop_time
 from kvstore.cluster.slots import SlotMap, keyslot
 
 
 @dataclass(slots=True)
 class HeldCopy:
-    """A copy held for ``owner``: served until ``deadline`` (monotonic seconds)."""
+    """A copy held for ``owner``: served until ``deadline`` (`loop_time` seconds)."""
 
     owner: str
     deadline: float
@@ -61,7 +61,7 @@ class HeldCopies:
 
     def serves(self, keys: list[bytes]) -> bool:
         """Whether every key is a copy held here under a live lease (a READONLY read may run here)."""
-        now = time.monotonic()
+        now = loop_time()
         for key in keys:
             copy = self.copies.get(key)
             if copy is None or copy.deadline < now:
@@ -73,7 +73,7 @@ class HeldCopies:
         if owner == self.cluster.my_id or self.cluster.owner(keyslot(key)) != owner:
             return False
         store(key, value)           # replacing an older copy forgets it (the drop listener)
-        self.copies[key] = HeldCopy(owner, time.monotonic() + lease_ms / 1000)
+        self.copies[key] = HeldCopy(owner, loop_time() + lease_ms / 1000)
         return True
 
     def forget(self, key: bytes) -> bool:
@@ -93,7 +93,7 @@ class HeldCopies:
 
     def renew(self, owner: str, lease_ms: int, keys: list[bytes]) -> list[int]:
         """Extend ``owner``'s copies of ``keys``: per key the reads served since the last renewal, -1 if gone."""
-        deadline = time.monotonic() + lease_ms / 1000
+        deadline = loop_time() + lease_ms / 1000
         reads = []
         for key in keys:
             copy = self.copies.get(key)
@@ -114,7 +114,7 @@ class HeldCopies:
         return True
 
     def drop_lapsed(self) -> None:
-        now = time.monotonic()
+        now = loop_time()
         for key in [key for key, copy in self.copies.items() if copy.deadline < now]:
             self.engine.delete(key)
 

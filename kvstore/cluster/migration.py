@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvstore.cluster.node import MOVE_GRACE, ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
+from kvstore.cluster.simclock import loop_time
 from kvstore.cluster.slots import SlotMap, keyslot
 from kvstore.eviction import NO_PARENT
 from kvstore.slots import DRAM, STAGED
@@ -72,7 +72,7 @@ class MoveStats:
 class ImportGuard:
     """Which pushed values a node takes: keys of slots coming in, never over a write made here since.
 
-    ``accepting`` maps a slot to the monotonic time until which it takes
+    ``accepting`` maps a slot to the `loop_time` until which it takes
     pushed values (forever while the map says it is importing); ``touched``
     holds, per such slot, the keys written or deleted here since it started
     coming in.
@@ -85,7 +85,7 @@ class ImportGuard:
         self.storing = False            # our own KV.IMPORT commits are not writes to guard against
 
     def on_map(self, cluster: ClusterState, old: SlotMap, new: SlotMap) -> None:
-        now = time.monotonic()
+        now = loop_time()
         me = cluster.my_id
         for slot, (_, target) in new.migrating.items():
             if target == me and self.accepting.get(slot) != FOREVER:
@@ -124,7 +124,7 @@ class ImportGuard:
         since and absent here, or only a copy of a hot block (older than, or the same as, what comes)."""
         slot = keyslot(key)
         until = self.accepting.get(slot)
-        return until is not None and until > time.monotonic() and key not in self.touched[slot] \
+        return until is not None and until > loop_time() and key not in self.touched[slot] \
             and (key in held or engine.lookup(key) is None)
 
     def expire(self, now: float) -> None:
@@ -181,7 +181,7 @@ class Migrator:
         return hot + [key for key in reversed(list(self.engine.index)) if key not in heat]
 
     async def _move(self, epoch: int, moving: dict[int, str]) -> None:
-        started = time.monotonic()
+        started = loop_time()
         deadline = started + self.budget
         batches: dict[str, list] = {}
         weights: dict[str, int] = {}
@@ -193,7 +193,7 @@ class Migrator:
             target = moving.get(slot)
             if target is None or self.cluster.migrating_to(slot) != target:
                 continue
-            item = self._take(key, time.monotonic() < deadline)
+            item = self._take(key, loop_time() < deadline)
             if item is None:
                 continue
             batches.setdefault(target, []).append(item)
@@ -264,7 +264,7 @@ class Migrator:
         self.stats.dropped_bytes += size
 
     def _finish_move(self, epoch: int, moving: dict[int, str], started: float, moved0: int, dropped0: int) -> None:
-        elapsed = time.monotonic() - started
+        elapsed = loop_time() - started
         self.stats.moves += 1
         self.stats.last_move_seconds = elapsed
         targets = sorted({self.cluster.addr_of(t) or t for t in moving.values()})

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
 from kvstore.cluster.replication import HotCopies
+from kvstore.cluster.simclock import loop_time
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -25,13 +25,13 @@ log = logging.getLogger("kvstore.cluster")
 class ClusterServices:
     """Peers, hot copies and slot moves of one node, wired to its engine and its ClusterState."""
 
-    def __init__(self, server, cluster: ClusterState):
+    def __init__(self, server, cluster: ClusterState, peers: Peers | None = None):
         def config():
             return server.config            # CONFIG SET replaces it: always read the one in force
 
         self.server = server
         self.cluster = cluster
-        self.peers = Peers(server.config.requirepass)
+        self.peers = peers or Peers(server.config.requirepass)     # a simulation passes in-process links
         self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads)
         self.copies = HotCopies(server.engine, cluster, self.peers, config, self.moves.rescue)
         self.copies.attach()
@@ -47,7 +47,7 @@ class ClusterServices:
         while True:
             await self.copies.run_once()
             self.cluster.move_budget = self.server.config.cluster_move_budget
-            self.moves.guard.expire(time.monotonic())
+            self.moves.guard.expire(loop_time())
             self.peers.keep_only(set(self.cluster.map.nodes.values()) | set(self.cluster.nodes.values()))
 
     async def drain(self) -> None:

@@ -7,12 +7,25 @@ so minutes of cluster life (leases expiring, leaders taking over) pass in the
 milliseconds the code itself takes, and a run is deterministic. Real I/O
 still works (the selector is polled without blocking), but a simulation has
 none: `FakeEtcd` stands in for etcd.
+
+Cluster code that measures time itself (copy leases, move budgets) reads
+`loop_time`, the running loop's clock: the monotonic clock in a server, the
+virtual one in a simulation.
 """
 from __future__ import annotations
 
 import asyncio
 import selectors
+import time
 from collections.abc import Coroutine
+
+
+def loop_time() -> float:
+    """The running event loop's clock (``time.monotonic()`` when no loop runs)."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 class SimulationStalled(RuntimeError):
