@@ -81,6 +81,8 @@ class Connection:
         self.writing = False
         self.multi: list | None = None      # commands queued since MULTI
         self.multi_dirty = False
+        self.watched: dict[bytes, bool] = {}    # WATCHed key -> already expired then (kvstore/watch.py)
+        self.watch_dirty = False                # a watched key was touched: EXEC answers null
         self.asking = False                 # cluster: ASKING was sent (the next command may run here)
         self.readonly = False               # cluster: READONLY was sent (copies of hot blocks may serve reads)
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)

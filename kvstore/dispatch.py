@@ -43,8 +43,10 @@ PREFETCH_COMMANDS = 16     # pipelined commands whose SSD values are fetched tog
 OOM_ERROR = writer.error("command not allowed when used memory > 'maxmemory'.", "OOM")
 NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
 INTERNAL_ERROR = writer.error("internal error while running the command")
-# Commands that run at once inside MULTI instead of being queued (Redis's list).
-RUN_INSIDE_MULTI = frozenset((b"exec", b"discard", b"multi", b"quit"))
+# Commands that run at once inside MULTI instead of being queued (Redis's list); their own
+# errors there (MULTI nested, WATCH inside MULTI) do not abort the transaction, as in Redis.
+RUN_INSIDE_MULTI = frozenset((b"exec", b"discard", b"multi", b"quit", b"watch"))
+NO_MULTI_ERROR = "Command not allowed inside a transaction"
 
 
 class Redirected(Exception):
@@ -84,6 +86,8 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
         if failure is not None:
             raise failure
         if conn.multi is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
+            if "no_multi" in cmd.flags:
+                raise CommandError(NO_MULTI_ERROR)     # and EXEC answers EXECABORT
             conn.multi.append((args, has_holders))
             conn.write(writer.QUEUED)
             settled = False
@@ -101,7 +105,7 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
     except CommandError as exc:
         if cmd is None and args[0].lower() == b"exec":
             exc = _abort_transaction(conn, exc)
-        _fail(conn, writer.error(str(exc), exc.code))
+        _fail(conn, writer.error(str(exc), exc.code), cmd is None or cmd.name.encode() not in RUN_INSIDE_MULTI)
     except OutOfMemory:
         _fail(conn, OOM_ERROR)
     except Exception:
@@ -236,8 +240,8 @@ def run_transaction(conn, queued: list) -> None:
     conn.backlog.extendleft((args, None, has_holders) for args, has_holders in reversed(queued))
 
 
-def _fail(conn, reply: bytes) -> None:
-    if conn.multi is not None:
+def _fail(conn, reply: bytes, aborts: bool = True) -> None:
+    if conn.multi is not None and aborts:
         conn.multi_dirty = True       # EXEC will answer EXECABORT
     conn.write(reply)
 

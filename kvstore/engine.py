@@ -188,7 +188,7 @@ class Engine:
         size = src.nbytes
         slot = self.index.get(key)
         if slot is not None and self._same_parent(slot, key, parent) \
-                and self._overwrite_in_place(slot, src, size, keep_ttl):
+                and self._rewrite_in_place(slot, 0, src, size, keep_ttl):
             return
         extent = self.reserve(size)
         extent.view[:] = src
@@ -197,8 +197,35 @@ class Engine:
     def _same_parent(self, slot: int, key: bytes, parent: bytes | None) -> bool:
         return self.eviction.parent_of(slot) == self._parent_slot(key, parent) or parent is None
 
-    def _overwrite_in_place(self, slot: int, src: memoryview, size: int, keep_ttl: bool) -> bool:
-        """Reuse the old extent when the new value needs one of the same size.
+    def splice(self, key: bytes, at: int, data) -> int:
+        """Write ``data`` at byte ``at`` of the live value of ``key`` (APPEND, SETRANGE),
+        zero-filling any gap past its end; its TTL and chain parent stay. Returns the new length.
+
+        In place when the value's chunk has room (the allocator rounds sizes up
+        to a power of two), through the same listeners as an overwrite; else the
+        old bytes are copied once into a new extent, committed as a new value.
+        """
+        slot = self.index[key]
+        src = memoryview(data).cast("B")
+        size = max(self.slots.size[slot], at + src.nbytes)
+        if self._rewrite_in_place(slot, at, src, size, keep_ttl=True):
+            return size
+        hold = self.hold(slot)          # the old value must survive making room for the new one
+        try:
+            extent = self.reserve(size)
+            old = self.view(slot)
+            extent.view[:old.nbytes] = old
+            extent.view[old.nbytes:at] = bytes(max(0, at - old.nbytes))
+            extent.view[at:at + src.nbytes] = src
+        finally:
+            self.release_hold(hold)
+        parent = self.eviction.parent_of(slot)
+        self.commit(key, extent, None if parent == NO_PARENT else self.slots.keys[parent], keep_ttl=True)
+        return size
+
+    def _rewrite_in_place(self, slot: int, at: int, src: memoryview, size: int, keep_ttl: bool) -> bool:
+        """Write ``src`` at byte ``at`` of the old extent, the value becoming ``size`` bytes,
+        when that size needs a chunk of the same order.
 
         The copy happens in one step on the loop thread, so no reader sees a
         mix; a held extent (being sent) is never rewritten.
@@ -211,7 +238,10 @@ class Engine:
             return False
         for listener in self.overwrite_listeners:
             listener(slots.keys[slot])
-        self.arena.view[offset:offset + size] = src
+        view = self.arena.view
+        if at > old:
+            view[offset + old:offset + at] = bytes(at - old)
+        view[offset + at:offset + at + src.nbytes] = src
         slots.resize(slot, size)
         alloc.requested += size - old
         if not keep_ttl and self.expires:

@@ -116,6 +116,13 @@ def server(tmp_path):
 
 @pytest.fixture
 def redis_server(tmp_path):
+    daemon = start_redis(tmp_path)
+    yield daemon
+    daemon.stop()
+
+
+def start_redis(tmp_path) -> Daemon:
+    """A real redis-server (the reference) on a free local port."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed (make test installs it)")
@@ -125,5 +132,4 @@ def redis_server(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     daemon = Daemon(proc, "127.0.0.1", port)
     wait_ready("127.0.0.1", port, proc)
-    yield daemon
-    daemon.stop()
+    return daemon

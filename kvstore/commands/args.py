@@ -23,7 +23,7 @@ WRONG_TYPE_INT = "value is not an integer or out of range"
 def parse_int(arg: bytes, message: str = WRONG_TYPE_INT) -> int:
     """An integer argument, strictly as Redis's string2ll reads it."""
     digits = arg[1:] if arg[:1] == b"-" else arg
-    if digits.isdigit() and (digits[0] != 48 or len(digits) == 1) and arg != b"-0":
+    if len(digits) <= 19 and digits.isdigit() and (digits[0] != 48 or len(digits) == 1) and arg != b"-0":
         value = int(arg)
         if -2**63 <= value < 2**63:
             return value

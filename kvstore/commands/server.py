@@ -202,7 +202,7 @@ def quit_(conn, args):
     return writer.OK
 
 
-@command("SHUTDOWN", -1, "admin noscript loading stale", "server", "Synchronously saves the database(s) to disk "
+@command("SHUTDOWN", -1, "admin noscript loading stale no_multi", "server", "Synchronously saves the database(s) to disk "
          "and shuts down the Redis server.", keys=(0, 0, 0))
 def shutdown(conn, args):
     for opt in args[1:]:

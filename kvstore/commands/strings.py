@@ -1,6 +1,8 @@
-"""String commands: SET, GET, GETDEL, MGET, MSET, STRLEN, GETRANGE.
+"""String commands: SET and its older forms (SETEX, PSETEX, SETNX, GETSET, MSETNX), GET, GETEX,
+GETDEL, MGET, MSET, STRLEN, GETRANGE, APPEND, SETRANGE.
 
-Values stay in the arena: a big SET value arrives as an `Extent` the reader
+APPEND and SETRANGE edit the value where it lies when its chunk has room
+(`Engine.splice`). Values stay in the arena: a big SET value arrives as an `Extent` the reader
 already filled (committed as is), a small one is copied in; GET sends from
 the arena through the connection. Replies match Redis 7 byte for byte.
 """
@@ -134,3 +136,113 @@ def getrange(conn, args):
     if start > end or size == 0:
         return writer.bulk(b"")
     return writer.bulk(conn.engine.view(slot)[start:end + 1].tobytes())
+
+
+def _set_with_ttl(conn, args: list, unit: bytes) -> bytes:
+    deadline = _deadline(unit, parse_int(args[2]), args[0].decode().lower())
+    store(conn, args[1], args[3])
+    conn.engine.set_expire(args[1], deadline)
+    return writer.OK
+
+
+@command("SETEX", 4, "write denyoom", "string", "Sets the string value and expiration time of a key.",
+         values=lambda i: i == 3)
+def setex(conn, args):
+    return _set_with_ttl(conn, args, b"EX")
+
+
+@command("PSETEX", 4, "write denyoom", "string",
+         "Sets both string value and expiration time in milliseconds of a key.", values=lambda i: i == 3)
+def psetex(conn, args):
+    return _set_with_ttl(conn, args, b"PX")
+
+
+@command("SETNX", 3, "write denyoom fast", "string", "Set the string value of a key only when the key doesn't exist.",
+         values=lambda i: i == 2)
+def setnx(conn, args):
+    if conn.engine.lookup(args[1]) is not None:
+        return writer.ZERO
+    store(conn, args[1], args[2])
+    return writer.ONE
+
+
+@command("GETSET", 3, "write denyoom fast", "string", "Returns the previous string value of a key after setting it "
+         "to a new value.", values=lambda i: i == 2, reads=first_key)
+def getset(conn, args):
+    slot = conn.engine.lookup(args[1])
+    old = conn.enc.null if slot is None else writer.bulk(conn.engine.value(slot))
+    store(conn, args[1], args[2])
+    return old
+
+
+@command("MSETNX", -3, "write denyoom", "string", "Atomically modifies the string values of one or more keys only "
+         "when all keys don't exist.", keys=(1, -1, 2), values=lambda i: i % 2 == 0)
+def msetnx(conn, args):
+    if len(args) % 2 == 0:
+        raise CommandError("wrong number of arguments for 'msetnx' command")
+    if any(conn.engine.lookup(args[i]) is not None for i in range(1, len(args), 2)):
+        return writer.ZERO
+    for i in range(1, len(args), 2):
+        store(conn, args[i], args[i + 1])
+    return writer.ONE
+
+
+_GETEX_OPTIONS = {b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1, b"PERSIST": 0}
+
+
+@command("GETEX", -2, "write fast", "string", "Returns the string value of a key after setting its expiration time.",
+         reads=first_key)
+def getex(conn, args):
+    chosen = [(opt, values) for opt, values in options(args, 2, _GETEX_OPTIONS)]
+    if len(chosen) > 1 and len({opt for opt, _ in chosen}) > 1:
+        raise CommandError(SYNTAX)
+    engine = conn.engine
+    slot = engine.get_slot(args[1])
+    if slot is None:
+        return conn.enc.null        # as Redis: the expire time is read only for a key that exists
+    deadline = None
+    if chosen and chosen[-1][0] != b"PERSIST":
+        deadline = _deadline(chosen[-1][0], parse_int(chosen[-1][1][0]), "getex")
+    reply = writer.bulk(engine.value(slot))
+    if deadline is not None and deadline <= now_ms():
+        engine.delete(args[1])
+    elif deadline is not None:
+        engine.set_expire(args[1], deadline)
+    elif chosen:
+        engine.persist(args[1])
+    return reply
+
+
+MAX_STRING = 512 * 1024 * 1024     # Redis's proto-max-bulk-len default
+
+
+@command("APPEND", 3, "write denyoom fast", "string", "Appends a string to the value of a key. Creates the key if it "
+         "doesn't exist.", reads=first_key)
+def append(conn, args):
+    engine = conn.engine
+    slot = engine.lookup(args[1])
+    if slot is None:
+        store(conn, args[1], args[2])
+        return writer.integer(len(args[2]))
+    size = engine.size_of(slot)
+    if size + len(args[2]) > MAX_STRING:
+        raise CommandError("string exceeds maximum allowed size (proto-max-bulk-len)")
+    return writer.integer(engine.splice(args[1], size, args[2]))
+
+
+@command("SETRANGE", 4, "write denyoom", "string", "Overwrites a part of a string value with another by an offset. "
+         "Creates the key if it doesn't exist.", reads=first_key)
+def setrange(conn, args):
+    offset = parse_int(args[2])
+    if offset < 0:
+        raise CommandError("offset is out of range")
+    engine, value = conn.engine, args[3]
+    slot = engine.lookup(args[1])
+    if not value:
+        return writer.integer(0 if slot is None else engine.size_of(slot))
+    if offset + len(value) > MAX_STRING:
+        raise CommandError("string exceeds maximum allowed size (proto-max-bulk-len)")
+    if slot is None:
+        store(conn, args[1], bytes(offset) + value)
+        return writer.integer(offset + len(value))
+    return writer.integer(engine.splice(args[1], offset, value))

@@ -1,18 +1,20 @@
-"""MULTI / EXEC / DISCARD: Redis transactions, as redis-py pipelines use them.
+"""MULTI / EXEC / DISCARD / WATCH / UNWATCH: Redis transactions, as redis-py pipelines use them.
 
 The loop is single-threaded, so running the queued commands back to back is
 atomic unless one of them must wait for a tier (a fetch from SSD, room in
 DRAM): then the rest of the transaction waits behind it, replies in order,
 while other clients may run. The work here is the bookkeeping Redis clients
 rely on: +QUEUED for each command (kvstore/dispatch.py queues them),
-EXECABORT when a queued command had an error at queue time, and the nesting
-errors.
+EXECABORT when a queued command had an error at queue time (or was one Redis
+refuses inside MULTI: kvstore/dispatch.py), the nesting errors, and WATCH's
+null reply when a watched key was touched (kvstore/watch.py).
 """
 from __future__ import annotations
 
 from kvstore import dispatch
 from kvstore.commands.table import CommandError, command
 from kvstore.protocol import writer
+from kvstore.watch import unwatch, watches_of
 
 
 @command("MULTI", 1, "noscript loading stale fast", "transactions", "Starts a transaction.", keys=(0, 0, 0))
@@ -30,9 +32,14 @@ def exec_(conn, args):
         raise CommandError("EXEC without MULTI")
     queued, dirty = conn.multi, conn.multi_dirty
     conn.multi = None
-    if dirty:
+    touched = bool(conn.watched) and watches_of(conn.engine).aborts(conn)
+    unwatch(conn)
+    if dirty or touched:
         dispatch.release_queued(conn.engine, queued)
+    if dirty:
         raise CommandError("Transaction discarded because of previous errors.", "EXECABORT")
+    if touched:
+        return conn.enc.null_array
     dispatch.run_transaction(conn, queued)
 
 
@@ -42,4 +49,23 @@ def discard(conn, args):
         raise CommandError("DISCARD without MULTI")
     dispatch.release_queued(conn.engine, conn.multi)
     conn.multi = None
+    unwatch(conn)
+    return writer.OK
+
+
+@command("WATCH", -2, "noscript loading stale fast", "transactions", "Monitors changes to keys to determine the "
+         "execution of a transaction.", keys=(1, -1, 1))
+def watch(conn, args):
+    if conn.multi is not None:
+        raise CommandError("WATCH inside MULTI is not allowed")
+    watches = watches_of(conn.engine)
+    for key in args[1:]:
+        watches.watch(conn, key)
+    return writer.OK
+
+
+@command("UNWATCH", 1, "noscript loading stale fast", "transactions", "Forgets about watched keys of a transaction.",
+         keys=(0, 0, 0))
+def unwatch_(conn, args):
+    unwatch(conn)
     return writer.OK

@@ -1,0 +1,79 @@
+"""WATCH: which connections watch which keys, and the signal that one was touched.
+
+Redis's optimistic transactions: EXEC answers a null array when a key the
+client watched was written, deleted, expired, evicted or flushed by anyone
+(the client included) since WATCH. The signal comes from the engine's
+listeners (commit, drop, in-place overwrite, new deadline), installed on the
+first WATCH so a node whose clients never watch pays nothing per write.
+A touched key's watchers are flagged and the key forgotten at once, so the
+table only holds keys still worth watching; a closed connection's entries go
+with it (weak references).
+"""
+from __future__ import annotations
+
+from weakref import WeakKeyDictionary, WeakSet
+
+from kvstore.engine import Engine, now_ms
+
+_BY_ENGINE: WeakKeyDictionary = WeakKeyDictionary()
+
+
+class Watches:
+    """Watched key -> the connections watching it, for one engine."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._watchers: dict[bytes, WeakSet] = {}
+        engine.commit_listeners.append(lambda key, slot: self.touch(key))
+        engine.drop_listeners.append(lambda slot, key: self.touch(key))
+        engine.overwrite_listeners.append(self.touch)
+        engine.expire_listeners.append(self.touch)
+
+    def touch(self, key: bytes) -> None:
+        """``key`` changed: every transaction watching it will abort."""
+        if self._watchers:
+            for conn in self._watchers.pop(key, ()):
+                conn.watch_dirty = True
+
+    def watch(self, conn, key: bytes) -> None:
+        """Watch ``key`` for ``conn``, noting whether it had already expired (as Redis does)."""
+        if key in conn.watched:
+            return
+        deadline = self.engine.expires.get(key)
+        conn.watched[key] = deadline is not None and deadline <= now_ms()
+        self._watchers.setdefault(key, WeakSet()).add(conn)
+
+    def unwatch(self, conn) -> None:
+        """Forget every key ``conn`` watches (EXEC, DISCARD, UNWATCH)."""
+        for key in conn.watched:
+            conns = self._watchers.get(key)
+            if conns is not None:
+                conns.discard(conn)
+                if not conns:
+                    del self._watchers[key]
+        conn.watched.clear()
+        conn.watch_dirty = False
+
+    def aborts(self, conn) -> bool:
+        """Whether ``conn``'s EXEC must fail: a watched key was touched, or has expired
+        since WATCH without anyone noticing yet."""
+        if conn.watch_dirty:
+            return True
+        now, expires = now_ms(), self.engine.expires
+        return any(not was_expired and expires.get(key, now + 1) <= now
+                   for key, was_expired in conn.watched.items())
+
+
+def watches_of(engine: Engine) -> Watches:
+    """The engine's watch table, made (and its listeners installed) on first use."""
+    watches = _BY_ENGINE.get(engine)
+    if watches is None:
+        watches = _BY_ENGINE[engine] = Watches(engine)
+    return watches
+
+
+def unwatch(conn) -> None:
+    """Forget ``conn``'s watched keys, if it watches any."""
+    if conn.watched:
+        watches_of(conn.engine).unwatch(conn)
+    conn.watch_dirty = False

@@ -1,0 +1,142 @@
+"""Reply-for-reply compatibility with Redis 7 for the rest of the string, key, expiry,
+transaction and introspection commands.
+
+Same method as tests/test_redis_compat.py (whose helpers it uses): each
+scenario runs on a real redis-server and on a kvstore node from an empty
+keyspace, with the same raw requests, and the raw replies must be equal byte
+for byte (TTL readings within a tolerance). Both servers start once for the
+module, so the whole file runs in seconds.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import Daemon, start_kvstore, start_redis
+from test_redis_compat import (Pipelined, RespConnection, Step, assert_same_replies, normalize,
+                               run_steps)
+
+BIG = b"\x5a" * 5000
+
+SCENARIOS: dict[str, list[Step]] = {
+    "no-multi-commands-abort-exec": [
+        ("MULTI",), ("SHUTDOWN",), ("SET", "a", "1"), ("EXEC",), ("EXISTS", "a"),
+        ("MULTI",), ("SHUTDOWN", "NOSAVE"), ("DISCARD",), ("PING",),
+    ],
+    "multi-and-watch-inside-multi-do-not-abort": [
+        ("MULTI",), ("MULTI",), ("SET", "a", "1"), ("EXEC",), ("GET", "a"),
+        ("MULTI",), ("WATCH", "a"), ("INCR", "a"), ("EXEC",),
+        ("MULTI",), ("WATCH",), ("EXEC",),
+    ],
+    "multi-queue-errors": [
+        ("MULTI",), ("SETEX", "k"), ("SET", "k", "v"), ("EXEC",), ("EXISTS", "k"),
+        ("MULTI",), ("SETEX", "k", "10", "v"), ("INCR", "k"), ("GET", "k"), ("EXEC",), ("TTL", "k"),
+    ],
+    "watch": [
+        ("WATCH", "a", "b"), ("SET", "a", "1"), ("MULTI",), ("SET", "b", "2"), ("EXEC",), ("GET", "b"),
+        ("WATCH", "a"), ("MULTI",), ("SET", "b", "3"), ("EXEC",), ("GET", "b"),
+        ("WATCH", "a"), ("UNWATCH",), ("SET", "a", "2"), ("MULTI",), ("SET", "b", "4"), ("EXEC",),
+        ("WATCH", "a"), ("DEL", "a"), ("MULTI",), ("EXEC",),
+        ("WATCH", "missing"), ("MULTI",), ("PING",), ("EXEC",),
+        ("SET", "e", "v"), ("WATCH", "e"), ("EXPIRE", "e", "100"), ("MULTI",), ("EXEC",),
+        ("WATCH", "a"), ("FLUSHALL",), ("MULTI",), ("EXEC",),
+        ("SET", "a", "x"), ("WATCH", "a"), ("APPEND", "a", "y"), ("MULTI",), ("EXEC",),
+        ("SET", "a", "1"), ("WATCH", "a"), ("INCR", "a"), ("MULTI",), ("EXEC",),
+        ("WATCH", "a"), ("MULTI",), ("DISCARD",), ("SET", "a", "9"), ("MULTI",), ("GET", "a"), ("EXEC",),
+        ("WATCH", "a"), ("MULTI",), ("SETEX", "a"), ("EXEC",), ("SET", "a", "8"), ("MULTI",), ("EXEC",),
+        ("SET", "t", "v", "PX", "100"), ("WATCH", "t"), 0.2, ("MULTI",), ("EXEC",),
+        ("UNWATCH", "x"), ("WATCH",),
+    ],
+    "setex-psetex": [
+        ("SETEX", "k", "100", "v"), ("GET", "k"), ("TTL", "k"), ("PSETEX", "p", "100000", "v"), ("PTTL", "p"),
+        ("SETEX", "k", "0", "v"), ("SETEX", "k", "-1", "v"), ("SETEX", "k", "abc", "v"),
+        ("PSETEX", "k", "0", "v"), ("SETEX", "k", "99999999999999999999", "v"),
+        ("SETEX", "k", "9999999999999999", "v"), ("PSETEX", "k", "9223372036854775807", "v"),
+        ("SETEX", "k", "10"), ("SETEX", "k", "10", "v", "x"), ("PSETEX", "short", "50", "v"), 0.15,
+        ("GET", "short"), ("SETEX", "big", "100", BIG), ("STRLEN", "big"),
+    ],
+    "setnx-getset-msetnx": [
+        ("SETNX", "k", "v"), ("SETNX", "k", "w"), ("GET", "k"), ("SETNX", "k"),
+        ("SET", "t", "v", "EX", "100"), ("GETSET", "t", "w"), ("TTL", "t"), ("GETSET", "new", "x"), ("GET", "new"),
+        ("GETSET", "t"), ("MSETNX", "a", "1", "b", "2"), ("MGET", "a", "b"), ("MSETNX", "b", "3", "c", "4"),
+        ("MGET", "b", "c"), ("MSETNX", "a"), ("MSETNX", "a", "1", "b"), ("MSETNX", "x", "1", "x", "2"),
+        ("GET", "x"),
+    ],
+    "getex": [
+        ("GETEX", "missing"), ("SET", "k", "v"), ("GETEX", "k"), ("TTL", "k"), ("GETEX", "k", "EX", "100"),
+        ("TTL", "k"), ("GETEX", "k", "PX", "200000"), ("TTL", "k"), ("GETEX", "k", "PERSIST"), ("TTL", "k"),
+        ("GETEX", "k", "EXAT", "99999999999"), ("TTL", "k"), ("GETEX", "k", "PXAT", "99999999999000"),
+        ("GETEX", "k", "EX", "0"), ("GETEX", "k", "EX", "-5"), ("GETEX", "k", "EX", "x"), ("GETEX", "k", "EX"),
+        ("GETEX", "k", "EX", "10", "PX", "100"), ("GETEX", "k", "EX", "10", "EX", "20"), ("TTL", "k"),
+        ("GETEX", "k", "PERSIST", "EX", "10"), ("GETEX", "k", "KEEPTTL"), ("GETEX", "k", "FOO"),
+        ("GETEX", "missing", "EX", "0"), ("GETEX", "missing", "EX", "x"), ("GETEX", "missing", "BAR"), ("GETEX", "k", "EXAT", "1"),
+        ("EXISTS", "k"), ("GETEX",),
+    ],
+    "append-setrange": [
+        ("APPEND", "k", "hello"), ("APPEND", "k", " world"), ("GET", "k"), ("APPEND", "k", ""),
+        ("SET", "t", "v", "EX", "100"), ("APPEND", "t", "w"), ("TTL", "t"),
+        ("SETRANGE", "k", "6", "WORLD"), ("GET", "k"), ("SETRANGE", "k", "15", "!"), ("GET", "k"),
+        ("SETRANGE", "n", "3", "x"), ("GET", "n"), ("SETRANGE", "e", "5", ""), ("EXISTS", "e"),
+        ("SETRANGE", "k", "0", ""), ("SETRANGE", "k", "-1", "x"), ("SETRANGE", "k", "x", "x"),
+        ("SETRANGE", "k", "536870911", "xx"), ("SETRANGE", "k", "1"), ("APPEND", "k"),
+        ("SET", "g", "abc"), ("APPEND", "g", BIG), ("STRLEN", "g"), ("GETRANGE", "g", "0", "5"),
+        ("SETRANGE", "g", "4000", "xyz"), ("GETRANGE", "g", "3998", "4004"), ("APPEND", "g", "end"),
+        ("GETRANGE", "g", "-5", "-1"), ("SET", "h", "x" * 30), ("APPEND", "h", "y" * 2), ("GET", "h"),
+    ],
+    "incr-decr": [
+        ("INCR", "n"), ("INCR", "n"), ("DECR", "n"), ("INCRBY", "n", "10"), ("DECRBY", "n", "3"), ("GET", "n"),
+        ("INCRBY", "n", "-20"), ("DECRBY", "n", "-5"), ("SET", "s", "abc"), ("INCR", "s"), ("DECR", "s"),
+        ("SET", "sp", " 1"), ("INCR", "sp"), ("SET", "z", "01"), ("INCR", "z"),
+        ("SET", "max", "9223372036854775807"), ("INCR", "max"), ("SET", "min", "-9223372036854775808"),
+        ("DECR", "min"), ("INCRBY", "n", "abc"), ("INCRBY", "n", "1.5"), ("DECRBY", "n", "-9223372036854775808"),
+        ("INCRBY", "n", "99999999999999999999"), ("SET", "t", "5", "EX", "100"), ("INCR", "t"), ("TTL", "t"),
+        ("SET", "long", "1" * 30), ("INCR", "long"), ("INCR",), ("INCRBY", "n"),
+    ],
+    "incrbyfloat": [
+        ("INCRBYFLOAT", "f", "10.5"), ("INCRBYFLOAT", "f", "0.1"), ("INCRBYFLOAT", "g", "0.1"),
+        ("INCRBYFLOAT", "g", "0.2"), ("INCRBYFLOAT", "f", "-5"), ("INCRBYFLOAT", "f", "5.0e3"),
+        ("INCRBYFLOAT", "f", "abc"), ("INCRBYFLOAT", "f", ""), ("INCRBYFLOAT", "f", " 1"),
+        ("INCRBYFLOAT", "f", "inf"), ("INCRBYFLOAT", "f", "nan"), ("SET", "s", "x"), ("INCRBYFLOAT", "s", "1"),
+        ("SET", "i", "3"), ("INCRBYFLOAT", "i", "1.5"), ("INCRBYFLOAT", "i", "-4.5"), ("GET", "i"),
+        ("INCRBYFLOAT", "h", "1e10"), ("INCRBYFLOAT", "h", ".5"), ("INCRBYFLOAT", "h", "-1e10"),
+        ("INCRBYFLOAT", "f"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def kv(tmp_path_factory) -> Daemon:
+    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-more"))
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory) -> Daemon:
+    daemon = start_redis(tmp_path_factory.mktemp("redis-more"))
+    yield daemon
+    daemon.stop()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_replies_match_redis(scenario, redis, kv):
+    expected = normalize(run_steps(redis, SCENARIOS[scenario]))
+    assert_same_replies(expected, normalize(run_steps(kv, SCENARIOS[scenario])))
+
+
+def test_a_write_from_another_client_aborts_exec(target):
+    with RespConnection(target) as watcher, RespConnection(target) as other:
+        assert watcher.call("WATCH", "k") == b"+OK\r\n"
+        assert other.call("SET", "k", "v") == b"+OK\r\n"
+        assert watcher.call("MULTI") == b"+OK\r\n"
+        assert watcher.call("SET", "k", "mine") == b"+QUEUED\r\n"
+        assert watcher.call("EXEC") == b"*-1\r\n"
+        assert watcher.call("GET", "k") == b"$1\r\nv\r\n"
+
+
+@pytest.fixture(params=["redis", "kvstore"])
+def target(request, redis, kv) -> Daemon:
+    """Each server in turn, with an empty keyspace."""
+    daemon = redis if request.param == "redis" else kv
+    with RespConnection(daemon) as conn:
+        conn.call("FLUSHALL")
+    return daemon
