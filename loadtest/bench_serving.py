@@ -17,10 +17,11 @@ In-process (one store daemon, the engines in this process):
 
 Live (`kvstore llm up --prefill 2 --decode 1`, see `loadtest/serving_replay.py`):
 
-- replay: a slice of the conversation trace through the gateway under `random`
+- replay: a slice of the conversation trace (whole conversations, sent at
+  `--rate` requests per second) through the gateway under `random`
   and `kvcache-centric`: mean TTFT ratio, TTFT/TBT p50/p90, prefix hit rate, and
   the simulator calibrated on the workers' own timings against the measurement.
-- rejection: the slice at 3x its speed, `--rejection predictive` against
+- rejection: the slice at 3x the rate, `--rejection predictive` against
   `baseline`: 429s and requests completed within the SLO.
 
 Every figure is printed with its target; ratios come from one run.
@@ -205,7 +206,7 @@ def main() -> None:
                    "shared host, OpenMP threads spinning at barriers make multi-thread timings erratic)")
     p.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block of the timed figures")
     p.add_argument("--requests", type=int, default=200, help="trace requests replayed live")
-    p.add_argument("--speed", type=float, default=0.5, help="replay speed of the live slice")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second of the live replay (default 1)")
     args = p.parse_args()
     sections = set(args.only.split(","))
     torch.set_num_threads(args.threads)

@@ -1,12 +1,24 @@
 """Replaying a slice of the Mooncake conversation trace through a live `kvstore llm up` deployment.
 
+The slice keeps whole conversations: the first multi-turn conversations of
+the trace with all their turns, in trace order (a request continues the
+conversation that first used its second hash id). A plain window of 200
+consecutive requests spans about a minute and holds almost no second turns
+(at most 10 % of its blocks are prefix hits, against 37 % over the whole
+trace), so it could not show what reuse is worth. The slice's own arrival
+times are front-loaded (a third of it in the first minute, then hours of
+stragglers), so requests are sent in trace order as a Poisson process at a
+fixed rate (seeded): a steady load at which a policy's choices show.
+
 The trace's requests are too long for a CPU model, so lengths are scaled:
-each 512-token block (`hash_id`) becomes `tokens_per_hash` token ids drawn
+each 512-token block (`hash_id`) becomes `TOKENS_PER_HASH` token ids drawn
 from a generator seeded by the hash id, so two requests that share hash ids
-share exactly those tokens, and the store and conductor (with block size
-`tokens_per_hash`) see the same prefix sharing as the trace. Output lengths
-scale by the same factor. Each request is sent at its (sped-up) arrival time
-as a streamed `/v1/completions`; TTFT is the first event, TBT the gaps after.
+share exactly those tokens. The store and conductor cut prompts into blocks
+of `BLOCK_TOKENS` (a few hash ids each, fewer puts per request); the
+simulator gets the same blocks, named by the last hash id in each (the ids are
+prefix-chained, so that names the whole prefix). Output lengths scale like
+inputs. Each request is a streamed `/v1/completions` sent at its arrival time;
+TTFT is the first event, TBT the gaps after.
 
 Runs: a calibration run whose workers' timings fit the conductor's cost model
 (the live conductor then prices prefill and decode as this machine runs them);
@@ -42,8 +54,9 @@ from conductor.trace import TraceRequest, load_trace
 from loadtest.report import log
 from proto import grpc_codegen
 
-TRACE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "conversation_head200.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
 TOKENS_PER_HASH = 8
+BLOCK_TOKENS = 32
 MAX_INPUT = 1024
 MAX_OUTPUT = 16
 TTFT_SLO_S = 3.0
@@ -70,16 +83,45 @@ class Outcome:
         return self.status == 200 and self.ttft_s <= slo.ttft_s and mean_tbt <= slo.tbt_s
 
 
-def scaled_slice(requests: int, vocab: int) -> tuple[list[LiveRequest], list[TraceRequest]]:
-    """The first ``requests`` of the trace, scaled; also as the simulator's trace."""
+def conversation_slice(trace: list[TraceRequest], requests: int) -> list[TraceRequest]:
+    """The first ``requests`` requests of multi-turn conversations, in trace order, from time 0."""
+    owner: dict[int, int] = {}
+    conversation = []
+    for i, r in enumerate(trace):
+        c = owner.get(r.hash_ids[1], i) if len(r.hash_ids) > 1 else i
+        for h in r.hash_ids:
+            owner.setdefault(h, c)
+        conversation.append(c)
+    turns: dict[int, int] = {}
+    for c in conversation:
+        turns[c] = turns.get(c, 0) + 1
+    chosen, total = set(), 0
+    for c in sorted(c for c, n in turns.items() if n > 1):      # by first appearance
+        if total >= requests:
+            break
+        chosen.add(c)
+        total += turns[c]
+    picked = [r for r, c in zip(trace, conversation) if c in chosen][:requests]
+    start = picked[0].arrival_s if picked else 0.0
+    return [TraceRequest(r.arrival_s - start, r.input_length, r.output_length, r.hash_ids) for r in picked]
+
+
+def scaled_slice(requests: int, vocab: int, rate: float) -> tuple[list[LiveRequest], list[TraceRequest]]:
+    """The slice, scaled to this model and sent at ``rate`` requests per second; also as the simulator's
+    trace (in BLOCK_TOKENS blocks)."""
     live, sim = [], []
-    for r in load_trace(TRACE)[:requests]:
+    per_block = BLOCK_TOKENS // TOKENS_PER_HASH
+    arrivals = random.Random(5)
+    arrival_s = 0.0
+    for r in conversation_slice(load_trace(TRACE), requests):
+        arrival_s += arrivals.expovariate(rate)
         n = max(1, min(MAX_INPUT, math.ceil(r.input_length * TOKENS_PER_HASH / 512)))
         ids = r.hash_ids[:math.ceil(n / TOKENS_PER_HASH)]
         prompt = [t for h in ids for t in _block(h, vocab)][:n]
         out = max(2, min(MAX_OUTPUT, round(r.output_length * TOKENS_PER_HASH / 512)))
-        live.append(LiveRequest(r.arrival_s, prompt, out, ids))
-        sim.append(TraceRequest(r.arrival_s, n, out, ids))
+        live.append(LiveRequest(arrival_s, prompt, out, ids))
+        blocks = tuple(ids[min(i + per_block, len(ids)) - 1] for i in range(0, len(ids), per_block))
+        sim.append(TraceRequest(arrival_s, n, out, blocks))
     return live, sim
 
 
@@ -92,7 +134,7 @@ def _block(hash_id: int, vocab: int) -> list[int]:
 def deployment(model: str, policy: str, rejection: str, slo: Slo, calibrate: str | None = None) -> Iterator[dict]:
     """`kvstore llm up --prefill 2 --decode 1`; yields its JSON line, stops it afterwards."""
     argv = [sys.executable, "-m", "kvstore", "llm", "up", "--prefill", "2", "--decode", "1", "--model", model,
-            "--policy", policy, "--rejection", rejection, "--port", "0", "--block-tokens", str(TOKENS_PER_HASH),
+            "--policy", policy, "--rejection", rejection, "--port", "0", "--block-tokens", str(BLOCK_TOKENS),
             "--ttft-slo", str(slo.ttft_s), "--tbt-slo", str(slo.tbt_s), "--dram-size", "1gb"]
     if calibrate:
         argv += ["--calibrate", calibrate]
@@ -138,6 +180,7 @@ def send(gateway: str, req: LiveRequest) -> Outcome:
 
 
 def run_slice(gateway: str, requests: list[LiveRequest], speed: float) -> list[Outcome]:
+    """Send each request at its arrival time divided by ``speed``; the outcomes in request order."""
     outcomes = [Outcome() for _ in requests]
     start = time.perf_counter()
 
@@ -202,7 +245,7 @@ def measured_run(model: str, policy: str, rejection: str, slo: Slo, calibrate: s
         prompt = gateway_counter(info["gateway"], "kvstore_gateway_prompt_tokens_total")
         reused = gateway_counter(info["gateway"], "kvstore_gateway_prefix_tokens_reused_total")
         timings = worker_timings(info)
-    return summary(f"{policy}/{rejection}@{speed:g}x", outcomes, reused / prompt if prompt else 0.0), outcomes, timings
+    return summary(f"{policy}/{rejection} x{speed:g}", outcomes, reused / prompt if prompt else 0.0), outcomes, timings
 
 
 def live_figures(args: argparse.Namespace, sections: set[str]) -> list:
@@ -211,17 +254,17 @@ def live_figures(args: argparse.Namespace, sections: set[str]) -> list:
 
     tokenizer, _ = load_tokenizer(args.model)
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
-    requests, sim_trace = scaled_slice(args.requests, vocab)
+    requests, sim_trace = scaled_slice(args.requests, vocab, args.rate)
     slo = Slo(TTFT_SLO_S, TBT_SLO_S)
     folder = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     calibration = folder / "calibration.json"
-    log(f"calibrating on {CALIBRATION_REQUESTS} requests at {args.speed / 2:g}x")
+    log(f"calibrating on {CALIBRATION_REQUESTS} requests at {args.rate / 2:g} req/s")
     _, _, rows = measured_run(args.model, "kvcache-centric", "none", slo, None,
-                              requests[:CALIBRATION_REQUESTS], args.speed / 2)
+                              requests[:CALIBRATION_REQUESTS], 0.5)
     calibration.write_text(json.dumps(rows))
     figures = []
     if "replay" in sections:
-        runs = {p: measured_run(args.model, p, "none", slo, str(calibration), requests, args.speed)
+        runs = {p: measured_run(args.model, p, "none", slo, str(calibration), requests, 1.0)
                 for p in ("random", "kvcache-centric")}
         rnd, kvc = runs["random"][0], runs["kvcache-centric"][0]
         ratio = rnd["ttft_mean_s"] / kvc["ttft_mean_s"]
@@ -234,17 +277,17 @@ def live_figures(args: argparse.Namespace, sections: set[str]) -> list:
         fitted = folder / "kvcache-centric.json"
         fitted.write_text(json.dumps(runs["kvcache-centric"][2]))
         cost = fit_cost_model(read_timings(fitted))
-        predicted, _ = replay(sim_trace, SimConfig(prefill=2, decode=1, policy="kvcache-centric", speed=args.speed,
-                                                   slo=slo, block_tokens=TOKENS_PER_HASH), cost)
+        predicted, _ = replay(sim_trace, SimConfig(prefill=2, decode=1, policy="kvcache-centric", speed=1.0,
+                                                   slo=slo, block_tokens=BLOCK_TOKENS), cost)
         err = predicted.ttft_mean_s / kvc["ttft_mean_s"]
         figures.append(Figure("simulator (--calibrate) / measured mean TTFT", f"{err:.2f}x "
                               f"({predicted.ttft_mean_s:.2f}/{kvc['ttft_mean_s']:.2f}s)", "0.5-2x", 0.5 <= err <= 2))
     if "rejection" in sections:
-        fast = args.speed * 3
+        fast = 3.0
         base = measured_run(args.model, "kvcache-centric", "baseline", slo, str(calibration), requests, fast)
         pred = measured_run(args.model, "kvcache-centric", "predictive", slo, str(calibration), requests, fast)
         good = [sum(o.within(slo) for o in run[1]) for run in (base, pred)]
-        figures.append(Figure(f"at {fast:g}x: 429s predictive (baseline)",
+        figures.append(Figure(f"at {fast * args.rate:g} req/s: 429s predictive (baseline)",
                               f"{pred[0]['rejected_429']} ({base[0]['rejected_429']})", "> 0", pred[0]["rejected_429"] > 0))
         figures.append(Figure("  completed within SLO, predictive vs baseline", f"{good[1]} vs {good[0]}",
                               "predictive >= baseline", good[1] >= good[0]))

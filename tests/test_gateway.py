@@ -127,7 +127,7 @@ def test_models_health_and_unknown_routes(deployment):
 
 @pytest.fixture
 def bare_conductor(tmp_path, request):
-    """A conductor (admission from the test's parameter) with one prefill and one decode instance whose
+    """A conductor (admission from the test's parameter) with two prefill and one decode instance whose
     addresses nothing listens on, and an in-process gateway in front of it."""
     store = start_kvstore(tmp_path)
     port = free_port()
@@ -135,7 +135,7 @@ def bare_conductor(tmp_path, request):
                              f"127.0.0.1:{store.port}", *request.param], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("conductor listening")
     stub = cpb_grpc.ConductorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    for name, role in (("p", cpb.PREFILL), ("d", cpb.DECODE)):
+    for name, role in (("p", cpb.PREFILL), ("p2", cpb.PREFILL), ("d", cpb.DECODE)):
         stub.RegisterInstance(cpb.InstanceInfo(instance_id=name, role=role, address=f"127.0.0.1:{free_port()}"))
     router = Router(f"127.0.0.1:{port}", TINY, ByteTokenizer(), TINY_CONTEXT, None, GatewayMetrics())
     server = make_server(router, "127.0.0.1", 0)
@@ -156,7 +156,7 @@ def test_a_rejected_request_gets_429_with_the_reason(bare_conductor):
 
 
 @pytest.mark.parametrize("bare_conductor", [["--rejection", "none"]], indirect=True)
-def test_an_unreachable_worker_gets_503_not_a_hang(bare_conductor):
+def test_an_unreachable_worker_gets_503_not_a_hang_and_the_retry_goes_elsewhere(bare_conductor):
     status, reply = post(bare_conductor, {"prompt": "hello", "max_tokens": 4})
     assert status == 503
-    assert "prefill worker p" in json.loads(reply)["error"]["message"]
+    assert "prefill worker p2:" in json.loads(reply)["error"]["message"]      # p was tried first, then p2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -67,8 +68,6 @@ def worker_parser() -> argparse.ArgumentParser:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    import os
-
     import torch
 
     from client import KVClient, KVError
@@ -92,13 +91,17 @@ def _run_worker(args: argparse.Namespace) -> int:
     timings = Timings()
     connector = make_connector(store, loaded, args.block_tokens)
     if args.role == "prefill":
-        engine = PrefillEngine(loaded, connector, timings)
-        service = WorkerService(timings, prefill=engine)
-        load = lambda: (engine.queued_seconds(), 0, 0)      # noqa: E731
+        prefill = PrefillEngine(loaded, connector, timings)
+        service = WorkerService(timings, prefill=prefill)
+
+        def load() -> tuple[float, int, int]:
+            return prefill.queued_seconds(), 0, 0
     else:
-        engine = DecodeEngine(loaded, connector, timings, args.max_batch)
-        service = WorkerService(timings, decode=engine)
-        load = lambda: (0.0, *engine.load())                # noqa: E731
+        decode = DecodeEngine(loaded, connector, timings, args.max_batch)
+        service = WorkerService(timings, decode=decode)
+
+        def load() -> tuple[float, int, int]:
+            return (0.0, *decode.load())
     server, bound = serve(service, args.host, args.port)
     instance_id = args.id or f"{args.role}-{os.getpid()}"
     link = ConductorLink(args.conductor, instance_id, args.role, f"{args.host}:{bound}", load)

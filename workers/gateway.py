@@ -6,14 +6,16 @@ prefix tokens to reuse from the store), calls the prefill worker, sends the
 first token at once (that is the TTFT), then relays the decode worker's stream.
 A conductor rejection is HTTP 429 with its reason; no instance, or a worker
 that cannot be reached before the first token, is 503 after one more
-`Schedule` (which may pick another instance); a worker lost mid-stream ends the
+`Schedule` (a prefill instance that cannot be reached is reported to the
+conductor as saturated first, so the retry goes elsewhere until that instance
+reports its own load again); a worker lost mid-stream ends the
 stream with an error event. Every call carries a deadline, so nothing waits
 forever on a dead process.
 
 `GET /v1/models`, `/health` and Prometheus `/metrics` (TTFT and TBT histograms,
 prefix tokens reused) complete the surface. The server is the standard
 library's threaded HTTP server: one thread per connection, bodies capped at
-`MAX_BODY_BYTES`.
+`MAX_BODY_BYTES`, a client silent for `CLIENT_TIMEOUT_S` dropped.
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ cpb, cpb_grpc = grpc_codegen.load("conductor")
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
+CLIENT_TIMEOUT_S = 60.0
 SCHEDULE_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 300.0
 DECODE_TIMEOUT_S = 900.0
 SCHEDULE_TRIES = 2
+UNREACHABLE_QUEUE_S = 1e6       # the queue reported for a prefill instance that cannot be reached
 
 
 class StreamBroken(Exception):
@@ -117,7 +121,18 @@ class Router:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise api.ApiError(400, exc.details()) from None
                 error = f"prefill worker {decision.prefill_instance}: {exc.code().name} {exc.details()}"
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._report_unreachable(decision.prefill_instance)
         raise api.ApiError(503, error, kind="service_unavailable")
+
+    def _report_unreachable(self, instance_id: str) -> None:
+        """Tell the conductor this prefill instance is saturated, so the next Schedule looks elsewhere;
+        the instance's own next load report (if it comes back) sets it right."""
+        try:
+            self.conductor.ReportLoad(cpb.LoadReport(instance_id=instance_id, queued_prefill_s=UNREACHABLE_QUEUE_S),
+                                      timeout=SCHEDULE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.debug("could not report %s as unreachable: %s", instance_id, exc)
 
     def _schedule(self, req: api.CompletionRequest, ids: list[int]):
         try:
@@ -169,6 +184,7 @@ class IncrementalText:
 
 class GatewayHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_TIMEOUT_S          # a client that stalls mid-request is dropped, not waited on forever
     router: Router                      # set on the subclass the server is built with
 
     def log_message(self, fmt: str, *args: Any) -> None:

@@ -55,8 +55,9 @@ def llm_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argument
 
 @dataclass
 class Deployment:
-    """The processes started so far, newest last, and what they printed."""
+    """The processes started so far, newest last, and what they printed; ``stopping`` cuts a start short."""
 
+    stopping: threading.Event = field(default_factory=threading.Event)
     procs: list[subprocess.Popen] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
 
@@ -67,7 +68,9 @@ class Deployment:
         self.procs.append(proc)
         if not ready_line:
             return ""
-        line = _first_line(proc, START_TIMEOUT_S)
+        line = _first_line(proc, self.stopping)
+        if self.stopping.is_set():
+            raise UsageError("stopped while starting")
         if not line:
             raise UsageError(f"`kvstore {' '.join(args[:2])}` exited with {proc.poll()} before it was ready")
         return line
@@ -84,11 +87,14 @@ class Deployment:
                 proc.wait()
 
 
-def _first_line(proc: subprocess.Popen, timeout: float) -> str:
+def _first_line(proc: subprocess.Popen, stopping: threading.Event) -> str:
+    """The process's first stdout line; "" when it exits, stalls START_TIMEOUT_S, or a stop is asked."""
     box: list[str] = []
     reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
     reader.start()
-    reader.join(timeout)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while reader.is_alive() and time.monotonic() < deadline and not stopping.is_set():
+        reader.join(0.1)
     return box[0].strip() if box else ""
 
 
@@ -149,7 +155,7 @@ def launch(args: argparse.Namespace) -> int:
     if args.model == SMOLLM2:
         converted_dir()                  # convert once here, not in every worker at the same time
     d = Deployment()
-    stop = threading.Event()
+    stop = d.stopping
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with tempfile.TemporaryDirectory(prefix="kvstore-llm-") as folder:

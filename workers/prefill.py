@@ -50,6 +50,7 @@ class PrefillEngine:
         self._queue_lock = threading.Lock()
         self._queued_tokens = 0
         self._saving: str | None = None         # request whose layers the hooks store
+        self._saving_thread = 0                 # the thread running that forward (another may share the model)
         self._cache = None
         for index, layer in enumerate(loaded.model.model.layers):
             layer.register_forward_hook(self._layer_hook(index))
@@ -86,6 +87,7 @@ class PrefillEngine:
             cache = self._load(request, 0)
         loaded_at = time.perf_counter()
         self._cache, self._saving = cache, rid if store_kv else None
+        self._saving_thread = threading.get_ident()
         try:
             ids = torch.tensor([request.prompt_token_ids[hit:]], dtype=torch.long)
             out = self.loaded.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -118,7 +120,7 @@ class PrefillEngine:
 
     def _layer_hook(self, index: int):
         def after_layer(module, args, output) -> None:
-            if self._saving is None:
+            if self._saving is None or threading.get_ident() != self._saving_thread:
                 return
             layer = self._cache.layers[index]
             self.connector.save_kv_layer(self.names[index], (layer.keys, layer.values), request_id=self._saving)

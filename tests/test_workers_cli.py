@@ -1,0 +1,42 @@
+"""`kvstore worker`, `kvstore gateway` and `kvstore llm`: user errors are one `error:` line and exit 2
+(run as real `python -m kvstore` processes)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import free_port
+
+
+def kvstore(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["worker", "prefill"], "--conductor"),
+    (["worker", "sideways", "--conductor", "127.0.0.1:1"], "role"),
+    (["worker", "decode", "--conductor", "nowhere", "--model", "tiny"], "--conductor must be HOST:PORT"),
+    (["worker", "decode", "--conductor", "127.0.0.1:1", "--model", "gpt-9"], "--model"),
+    (["gateway"], "--conductor"),
+    (["llm", "up", "--prefill", "0", "--model", "tiny"], "at least 1"),
+    (["llm", "down"], "action"),
+])
+def test_bad_flags_are_one_error_line(args, says):
+    done = kvstore(*args)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and says in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_worker_without_a_store_says_so():
+    done = kvstore("worker", "prefill", "--conductor", "127.0.0.1:1", "--model", "tiny",
+                   "--store", f"127.0.0.1:{free_port()}")
+    assert done.returncode == 2
+    assert "cannot reach the store" in done.stderr
+
+
+def test_the_top_level_help_lists_the_serving_commands():
+    out = kvstore("--help").stdout
+    assert "worker" in out and "gateway" in out and "llm" in out
