@@ -58,17 +58,17 @@ class Handshake:
         self.fd = self.sock.fileno()
         self.admit = admit
         self.timer = loop.call_later(HANDSHAKE_SECONDS, self._give_up, "no handshake in time")
-        self.waiting_for = None
+        self.waiting_for: str | None = None        # "read" or "write" while registered with the loop
         self._step()
 
     def _step(self) -> None:
         try:
             self.sock.do_handshake()
         except ssl.SSLWantReadError:
-            self._wait(self.loop.add_reader)
+            self._wait("read")
             return
         except ssl.SSLWantWriteError:
-            self._wait(self.loop.add_writer)
+            self._wait("write")
             return
         except OSError as exc:              # ssl.SSLError included: a bad or missing certificate
             self._give_up(exc)
@@ -77,16 +77,18 @@ class Handshake:
         self.timer.cancel()
         self.admit(self.sock)
 
-    def _wait(self, add) -> None:
-        if self.waiting_for is not add:
+    def _wait(self, event: str) -> None:
+        if self.waiting_for != event:
             self._stop_waiting()
-            add(self.fd, self._step)
-            self.waiting_for = add
+            (self.loop.add_reader if event == "read" else self.loop.add_writer)(self.fd, self._step)
+            self.waiting_for = event
 
     def _stop_waiting(self) -> None:
-        if self.waiting_for is self.loop.add_reader:
+        """Unregister before the socket closes or becomes a client: a closed fd left registered
+        would shadow the next socket that gets its number."""
+        if self.waiting_for == "read":
             self.loop.remove_reader(self.fd)
-        elif self.waiting_for is self.loop.add_writer:
+        elif self.waiting_for == "write":
             self.loop.remove_writer(self.fd)
         self.waiting_for = None
 
