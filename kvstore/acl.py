@@ -68,6 +68,7 @@ EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
     "keys": ("dangerous",), "info": ("dangerous",), "command": ("connection",),
     "readonly": ("connection",), "readwrite": ("connection",), "asking": ("connection",),
     "client|list": _ADMIN,
+    **{f"object|{sub}": ("read",) for sub in ("encoding", "freq", "idletime", "refcount")},
     **{f"cluster|{sub}": _ADMIN for sub in _CLUSTER_ADMIN},
     **{f"acl|{sub}": _ADMIN for sub in _ACL_ADMIN},
     **{name: _ADMIN for name in _BETWEEN_NODES},

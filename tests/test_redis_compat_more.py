@@ -100,6 +100,47 @@ SCENARIOS: dict[str, list[Step]] = {
         ("INCRBYFLOAT", "h", "1e10"), ("INCRBYFLOAT", "h", ".5"), ("INCRBYFLOAT", "h", "-1e10"),
         ("INCRBYFLOAT", "f"),
     ],
+    "rename-renamenx": [
+        ("RENAME", "missing", "x"), ("RENAMENX", "missing", "x"), ("SET", "a", "1", "EX", "100"),
+        ("RENAME", "a", "b"), ("EXISTS", "a"), ("GET", "b"), ("TTL", "b"), ("RENAME", "b", "b"), ("GET", "b"),
+        ("SET", "c", "3"), ("RENAMENX", "b", "c"), ("RENAMENX", "b", "b"), ("RENAMENX", "b", "d"), ("GET", "d"),
+        ("SET", "e", "5", "EX", "100"), ("RENAME", "c", "e"), ("TTL", "e"), ("GET", "e"),
+        ("SET", "big", BIG), ("RENAME", "big", "big2"), ("STRLEN", "big2"), ("RENAME", "a"),
+        ("RENAME", "a", "b", "c"),
+    ],
+    "copy": [
+        ("COPY", "missing", "x"), ("SET", "a", "1", "PX", "100000"), ("COPY", "a", "b"), ("GET", "b"),
+        ("PTTL", "b"), ("SET", "c", "3"), ("COPY", "a", "c"), ("GET", "c"), ("COPY", "a", "c", "REPLACE"),
+        ("GET", "c"), ("COPY", "a", "a"), ("COPY", "a", "d", "DB", "0"), ("GET", "d"),
+        ("COPY", "a", "d", "FOO"), ("COPY", "a", "d", "DB"), ("COPY", "a", "d", "DB", "x"),
+        ("COPY", "a", "d", "replace", "db", "0"), ("COPY", "a"), ("SET", "big", BIG), ("COPY", "big", "big2"),
+        ("STRLEN", "big2"), ("GETRANGE", "big2", "0", "3"),
+    ],
+    "touch-randomkey": [
+        ("RANDOMKEY",), ("TOUCH", "a"), ("SET", "a", "1"), ("SET", "b", "2"), ("TOUCH", "a", "b", "c", "a"),
+        ("DEL", "b"), ("RANDOMKEY",), ("TOUCH",), ("RANDOMKEY", "x"),
+        ("SET", "gone", "v", "PX", "30"), ("DEL", "a"), 0.1, ("RANDOMKEY",),
+    ],
+    "expireat-expiretime": [
+        ("SET", "k", "v"), ("EXPIRETIME", "k"), ("PEXPIRETIME", "k"), ("EXPIRETIME", "missing"),
+        ("PEXPIRETIME", "missing"), ("EXPIREAT", "k", "99999999999"), ("EXPIRETIME", "k"),
+        ("PEXPIREAT", "k", "99999999999123"), ("PEXPIRETIME", "k"), ("EXPIRETIME", "k"),
+        ("EXPIREAT", "k", "99999999999", "NX"), ("EXPIREAT", "k", "99999999990", "XX"), ("EXPIRETIME", "k"),
+        ("EXPIREAT", "k", "99999999999", "LT"), ("EXPIREAT", "k", "99999999999", "GT"), ("EXPIRETIME", "k"),
+        ("EXPIREAT", "k", "99999999999", "NX", "XX"), ("EXPIREAT", "k", "1", "GT", "LT"),
+        ("EXPIREAT", "k", "x"), ("EXPIREAT", "k", "99999999999", "FOO"), ("EXPIREAT", "missing", "99999999999"),
+        ("EXPIREAT", "k", "1"), ("EXISTS", "k"), ("SET", "k", "v"), ("PEXPIREAT", "k", "-5"), ("EXISTS", "k"),
+        ("EXPIRETIME",), ("PEXPIREAT", "k"), ("SET", "p", "v"), ("EXPIRE", "p", "100", "NX"),
+        ("EXPIRE", "p", "200", "NX"), ("EXPIRE", "p", "50", "GT"), ("EXPIRE", "p", "50", "LT"), ("TTL", "p"),
+    ],
+    "object": [
+        ("OBJECT", "ENCODING", "missing"), ("SET", "i", "12345"), ("OBJECT", "ENCODING", "i"),
+        ("SET", "s", "hello"), ("OBJECT", "ENCODING", "s"), ("SET", "r", "x" * 45), ("OBJECT", "ENCODING", "r"),
+        ("SET", "e", "x" * 44), ("OBJECT", "encoding", "e"), ("SET", "z", "012"), ("OBJECT", "ENCODING", "z"),
+        ("OBJECT", "REFCOUNT", "s"), ("OBJECT", "REFCOUNT", "missing"), ("OBJECT", "FREQ", "s"),
+        ("OBJECT", "FREQ", "missing"), ("OBJECT", "HELP"), ("OBJECT", "FOO"), ("OBJECT",),
+        ("OBJECT", "ENCODING"), ("OBJECT", "ENCODING", "s", "x"), ("OBJECT", "HELP", "x"),
+    ],
 }
 
 
@@ -140,3 +181,11 @@ def target(request, redis, kv) -> Daemon:
     with RespConnection(daemon) as conn:
         conn.call("FLUSHALL")
     return daemon
+
+
+def test_object_idletime_says_it_is_not_tracked(kv):
+    """A deliberate departure: eviction keeps an access order, not access times."""
+    with RespConnection(kv) as conn:
+        conn.call("SET", "k", "v")
+        assert conn.call("OBJECT", "IDLETIME", "k").startswith(b"-ERR kvstore keeps the order of accesses")
+        assert conn.call("OBJECT", "IDLETIME", "missing") == b"$-1\r\n"

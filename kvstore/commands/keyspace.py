@@ -1,11 +1,14 @@
-"""Keyspace commands: DEL, UNLINK, EXISTS, TYPE, the expiry family, DBSIZE,
-FLUSHDB/FLUSHALL, SCAN and KEYS.
+"""Keyspace commands: DEL, UNLINK, EXISTS, TYPE, TOUCH, RANDOMKEY, OBJECT, the expiry
+family (EXPIRE, PEXPIRE, EXPIREAT, PEXPIREAT, TTL, PTTL, EXPIRETIME, PEXPIRETIME,
+PERSIST), DBSIZE, FLUSHDB/FLUSHALL, SCAN and KEYS.
 
 Patterns follow Redis's stringmatchlen (``*``, ``?``, ``[a-z]``, ``[^x]``,
 backslash escapes); they are translated once to a regular expression and
 cached, since SCAN calls repeat the same pattern.
 """
 from __future__ import annotations
+
+import random
 
 from kvstore.commands.args import SYNTAX, options, parse_int
 from kvstore.commands.table import CommandError, command
@@ -32,6 +35,90 @@ def exists(conn, args):
 @command("TYPE", 2, "readonly fast", "keyspace", "Determines the type of value stored at a key.")
 def type_(conn, args):
     return writer.simple("none" if conn.engine.lookup(args[1]) is None else "string")
+
+
+@command("TOUCH", -2, "readonly fast", "keyspace", "Returns the number of existing keys out of those specified "
+         "after updating the time they were last accessed.", keys=(1, -1, 1))
+def touch(conn, args):
+    engine, found = conn.engine, 0
+    for key in args[1:]:
+        slot = engine.lookup(key)
+        if slot is not None:
+            engine.eviction.touch(slot)
+            found += 1
+    return writer.integer(found)
+
+
+RANDOM_TRIES = 64
+
+
+@command("RANDOMKEY", 1, "readonly", "keyspace", "Returns a random key name from the database.", keys=(0, 0, 0))
+def randomkey(conn, args):
+    """A few random slots first (O(1) each); the index in order when they all miss."""
+    engine = conn.engine
+    names = engine.slots.keys
+    for _ in range(RANDOM_TRIES if names else 0):
+        key = names[random.randrange(len(names))]
+        if key is not None and engine.index.get(key) is not None and engine.lookup(key) is not None:
+            return writer.bulk(key)
+    for key in list(engine.index):
+        if engine.lookup(key) is not None:
+            return writer.bulk(key)
+    return conn.enc.null
+
+
+_OBJECT_HELP = [
+    "OBJECT <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
+    "ENCODING <key>",
+    "    Return the kind of internal representation used in order to store the value",
+    "    associated with a <key>.",
+    "FREQ <key>",
+    "    Return the access frequency index of the <key>. The returned integer is",
+    "    proportional to the logarithm of the recent access frequency of the key.",
+    "IDLETIME <key>",
+    "    Return the idle time of the <key>, that is the approximated number of",
+    "    seconds elapsed since the last access to the key.",
+    "REFCOUNT <key>",
+    "    Return the number of references of the value associated with the specified",
+    "    <key>.",
+    "HELP",
+    "    Prints this help.",
+]
+NO_LFU = ("An LFU maxmemory policy is not selected, access frequency not tracked. Please note that when "
+          "switching between policies at runtime LRU and LFU data will take some time to adjust.")
+NO_IDLE_TIME = "kvstore keeps the order of accesses, not their times: the idle time of a key is not tracked"
+
+
+def _encoding(engine, slot: int) -> str:
+    """Redis's encoding of a string it was given whole: int, embstr (up to 44 bytes) or raw."""
+    size = engine.size_of(slot)
+    if size <= 20:
+        try:
+            parse_int(engine.value(slot))
+            return "int"
+        except CommandError:
+            pass
+    return "embstr" if size <= 44 else "raw"
+
+
+@command("OBJECT", -2, "", "keyspace", "A container for object introspection commands.", keys=(2, 2, 1),
+         subcommands={"encoding": (3, "Returns the internal encoding of a Redis object."),
+                      "freq": (3, "Returns the logarithmic access frequency counter of a Redis object."),
+                      "idletime": (3, "Returns the time since the last access to a Redis object."),
+                      "refcount": (3, "Returns the reference count of a value of a key."),
+                      "help": (2, "Returns helpful text about the different subcommands.")})
+def object_(conn, args):
+    sub = args[1].lower()
+    if sub == b"help":
+        return writer.array([writer.simple(line) for line in _OBJECT_HELP])
+    slot = conn.engine.lookup(args[2])
+    if slot is None:
+        return conn.enc.null
+    if sub == b"encoding":
+        return writer.bulk(_encoding(conn.engine, slot))
+    if sub == b"refcount":
+        return writer.ONE
+    raise CommandError(NO_LFU if sub == b"freq" else NO_IDLE_TIME)
 
 
 def _expire(conn, args, unit_ms: int, absolute: bool = False):
@@ -75,14 +162,36 @@ def pexpire(conn, args):
     return _expire(conn, args, 1)
 
 
-def _ttl(conn, key: bytes, unit_ms: int) -> bytes:
+@command("EXPIREAT", -3, "write fast", "keyspace", "Sets the expiration time of a key to a Unix timestamp.")
+def expireat(conn, args):
+    return _expire(conn, args, 1000, absolute=True)
+
+
+@command("PEXPIREAT", -3, "write fast", "keyspace", "Sets the expiration time of a key to a Unix milliseconds "
+         "timestamp.")
+def pexpireat(conn, args):
+    return _expire(conn, args, 1, absolute=True)
+
+
+def _ttl(conn, key: bytes, unit_ms: int, absolute: bool = False) -> bytes:
     if conn.engine.lookup(key) is None:
         return writer.integer(-2)
     deadline = conn.engine.expires.get(key)
     if deadline is None:
         return writer.integer(-1)
-    left = max(0, deadline - now_ms())
+    left = deadline if absolute else max(0, deadline - now_ms())
     return writer.integer((left + unit_ms // 2) // unit_ms)
+
+
+@command("EXPIRETIME", 2, "readonly fast", "keyspace", "Returns the expiration time of a key as a Unix timestamp.")
+def expiretime(conn, args):
+    return _ttl(conn, args[1], 1000, absolute=True)
+
+
+@command("PEXPIRETIME", 2, "readonly fast", "keyspace", "Returns the expiration time of a key as a Unix "
+         "milliseconds timestamp.")
+def pexpiretime(conn, args):
+    return _ttl(conn, args[1], 1, absolute=True)
 
 
 @command("TTL", 2, "readonly fast", "keyspace", "Returns the expiration time in seconds of a key.")
