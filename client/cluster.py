@@ -179,8 +179,15 @@ class KVClusterClient:
             groups.setdefault(self._addrs[owner], []).append(index)
         return groups
 
-    def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]]) -> list[Any]:
+    def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]],
+                 tail_first: bool = True) -> list[Any]:
         """Run ``run(client, indices)`` on every node with keys, in parallel; results in key order.
+
+        Each node gets its part ``tail_first`` (last key first): a batch is
+        usually a chain's blocks in chain order, and a node touched tail first
+        ends with the head most recently used, so its LRU drops the chain's tail
+        before its head although it holds only scattered blocks of it (the
+        node's KV.MATCH refreshes tail first too).
 
         A node that answers MOVED for its part gets the map read again and
         that part is sent again where it now belongs; a part that meets ASK (a
@@ -189,6 +196,8 @@ class KVClusterClient:
         """
         results: list[Any] = [None] * len(keys)
         pending = self._by_node(keys)
+        if tail_first:
+            pending = {addr: indices[::-1] for addr, indices in pending.items()}
         for _ in range(REDIRECTS):
             futures = {addr: self._pool.submit(run, self._client(addr), indices) for addr, indices in pending.items()}
             moved: list[int] = []
@@ -297,8 +306,9 @@ class KVClusterClient:
                   overwrite: bool = True) -> list[bool]:
         pairs, links = with_parents(items, parents)
         keys = [k for k, _ in pairs]
+        links = self._local_parents(keys, links)
         return self._scatter(keys, lambda c, ix: c.batch_put([pairs[i] for i in ix], parents=[links[i] for i in ix],
-                                                             overwrite=overwrite))
+                                                             overwrite=overwrite), tail_first=False)
 
     def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
         return self._scatter(keys, lambda c, ix: c.batch_get([keys[i] for i in ix]))
@@ -309,8 +319,31 @@ class KVClusterClient:
     def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
         pairs, links = with_parents(items, parents)
         keys = [k for k, _ in pairs]
+        links = self._local_parents(keys, links)
         return self._scatter(keys, lambda c, ix: c.batch_put_tensors([pairs[i] for i in ix],
-                                                                     parents=[links[i] for i in ix]))
+                                                                     parents=[links[i] for i in ix]),
+                             tail_first=False)
+
+    def _local_parents(self, keys: list[Key], links: list[Key | None]) -> list[Key | None]:
+        """Each block's nearest ancestor (through the batch's own links) on the block's node.
+
+        A chain's blocks are spread over nodes, so a block's parent usually
+        lives elsewhere and its node could link nothing; linked to the nearest
+        ancestor it holds, each node keeps a chain of its own blocks and evicts
+        them leaf first (tail first). Written in chain order (not tail first),
+        so the ancestor is there when its descendant is linked to it.
+        """
+        owner = {key: self.node_of(key) for key in keys}
+        up = dict(zip(keys, links))
+        local = []
+        for key, parent in zip(keys, links):
+            for _ in range(len(keys)):              # bounded: links from callers may loop
+                if parent is None or owner.get(parent) == owner[key] \
+                        or (parent not in owner and self.node_of(parent) == owner[key]):
+                    break
+                parent = up.get(parent)
+            local.append(parent)
+        return local
 
     def batch_get_tensors_into(self, keys: Sequence[Key], tensors: Sequence[Any]) -> list[bool]:
         return self._scatter(keys, lambda c, ix: c.batch_get_tensors_into([keys[i] for i in ix],
@@ -325,7 +358,8 @@ class KVClusterClient:
         """How many leading keys of a chain are cached, over all nodes in one parallel round."""
         if not keys:
             return 0
-        leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]), len(ix)))
+        leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]), len(ix)),
+                                tail_first=False)
         return leading.index(False) if False in leading else len(keys)
 
     def match_tokens(self, hasher: BlockHasher, token_ids: Any) -> int:

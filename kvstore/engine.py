@@ -311,15 +311,22 @@ class Engine:
         return self.view(slot).tobytes()
 
     def match_prefix(self, keys: list[bytes]) -> int:
-        """How many leading keys are present: the longest cached prefix."""
-        n = 0
+        """How many leading keys are present: the longest cached prefix.
+
+        The matched keys are refreshed tail first, so the head ends up the most
+        recently used: in a cluster, where a node holds scattered blocks of a
+        chain and no parent links between them, plain LRU then drops a chain's
+        tail before its head.
+        """
+        matched = []
         for key in keys:
             slot = self.lookup(key)
             if slot is None:
                 break
+            matched.append(slot)
+        for slot in reversed(matched):
             self.eviction.touch(slot)
-            n += 1
-        return n
+        return len(matched)
 
     # ----------------------------------------------------------- holds
 

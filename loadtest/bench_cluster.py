@@ -242,7 +242,7 @@ def hot_block(table: Table, s: Settings) -> None:
     if not ok:
         row.fail(SUBJECT, why)
         return
-    for column, flags in ((SUBJECT, ("--hot-reads", "20")), (REFERENCE, ("--hot-reads", "0"))):
+    for column, flags in ((SUBJECT, ("--", "--hot-reads", "20")), (REFERENCE, ("--", "--hot-reads", "0"))):
         with ClusterUp(nodes=3, dram_size="256mb", extra=("--netns", "--nic-rate", "1gbit", *flags)) as up:
             addrs = [f"{h}:{p}" for h, p in up.addrs]
             with KVClusterClient(addrs, fast_path="off") as kv:
