@@ -136,13 +136,19 @@ class TierManager:
                 # the heap instead, for this command only.
                 dest = bytearray(size)
                 view = memoryview(dest)
-            jobs.append((key, slot, dest, self._copy_in(key, slot, view)))
-        results = await asyncio.gather(*(job[3] for job in jobs), return_exceptions=True)
-        return [(key, slot, extent, result) for (key, slot, extent, _), result in zip(jobs, results)]
+            jobs.append((key, slot, dest, view, engine.tier_code(slot) == GPU))
+        from_ssd = [job for job in jobs if not job[4]]
+        copies = [self._copy_from_gpu(slot, view) for _, slot, _, view, on_gpu in jobs if on_gpu]
+        if from_ssd:   # one batched multi_get for every SSD value of the fetch
+            copies.append(self.worker.submit(self.ssd.get_many_into, [job[0] for job in from_ssd],
+                                             [job[3] for job in from_ssd]))
+        gathered = await asyncio.gather(*copies, return_exceptions=True)
+        ssd_results = iter(_spread(gathered.pop(), len(from_ssd)) if from_ssd else ())
+        gpu_results = iter(gathered)
+        return [(key, slot, dest, next(gpu_results if on_gpu else ssd_results))
+                for key, slot, dest, _, on_gpu in jobs]
 
-    def _copy_in(self, key: bytes, slot: int, view: memoryview) -> asyncio.Future:
-        if self.engine.tier_code(slot) != GPU:
-            return self.worker.submit(self.ssd.get_into, key, view)
+    def _copy_from_gpu(self, slot: int, view: memoryview) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         offset = self.hold_gpu_extent(slot)
         if offset is None:                  # moved or dropped since the command asked
@@ -545,6 +551,11 @@ def open_tiers(engine: Engine, config) -> TierManager | None:
     cfg = TieringConfig(config.high_watermark, config.low_watermark, config.promote_hits,
                         config.promote_window_ms / 1000, config.ssd_write_policy == "write-through")
     return TierManager(engine, cfg, worker, gpu)
+
+
+def _spread(result, count: int) -> list:
+    """Per-key results of a batched SSD read (a failure of the whole batch is every key's)."""
+    return [result] * count if isinstance(result, BaseException) else result
 
 
 def _log_failure(future: asyncio.Future) -> None:

@@ -235,6 +235,7 @@ def main() -> None:
     if args.repeats:
         settings = replace(settings, repeats=args.repeats)
 
+    machine = machine_info()        # the load average at start, beside the figures
     wal = "with WAL" if settings.wal else "without WAL"
     table = Table(f"SSD tier vs raw rocksdict ({wal}, {args.dir})", TIER, RAW, extras=(RAW_DEFAULTS,))
     throughput_rows(table, args.dir, settings)
@@ -243,8 +244,7 @@ def main() -> None:
     table.notes.append(f"medians of {settings.repeats} runs of {settings.bytes_per_run // MIB} MiB each; "
                        f"'{RAW}' has RocksDB block compression off like the tier's payloads, "
                        f"'{RAW_DEFAULTS}' is Options(raw_mode=True) untouched")
-    machine = machine_info()
-    print(table.render_markdown(machine) if args.markdown else table.render_text())
+    print(table.render_markdown(machine) if args.markdown else table.render_text(machine))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table.to_json(machine), f, indent=1)

@@ -470,10 +470,10 @@ def main() -> None:
     settings = Settings().quick() if args.quick else Settings()
     if args.repeats:
         settings = replace(settings, repeats=args.repeats)
+    machine = machine_info()        # the load average at start, beside the figures
     tables = run(settings, args.dir, args.trace)
-    machine = machine_info()
     for table in tables:
-        print(table.render_markdown(machine) if args.markdown else table.render_text(), end="\n\n")
+        print(table.render_markdown(machine) if args.markdown else table.render_text(machine), end="\n\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([table.to_json(machine) for table in tables], f, indent=1)

@@ -201,6 +201,50 @@ def test_corrupted_compressed_payload_is_caught_by_get_into(tmp_path):
         tier.close()
 
 
+class CountingColumn:
+    """A column family that records the keys of each ``get`` it is asked for."""
+
+    def __init__(self, column):
+        self.column, self.calls = column, []
+
+    def get(self, keys, **options):
+        self.calls.append(keys)
+        return self.column.get(keys, **options)
+
+
+def test_get_many_into_reads_the_headers_of_a_prefix_with_one_multi_get(tier):
+    keys = [b"block-%d" % i for i in range(8)]
+    tier.put_batch([(key, value_for(i), None) for i, key in enumerate(keys)])
+    tier._meta, tier._values = CountingColumn(tier._meta), CountingColumn(tier._values)
+    wanted = keys[:3] + [b"absent"] + keys[3:]
+    buffers = [bytearray(64 * 1024) for _ in wanted]
+
+    results = tier.get_many_into(wanted, buffers)
+
+    assert results == [64 * 1024] * 3 + [None] + [64 * 1024] * 5
+    assert [bytes(b) for i, b in enumerate(buffers) if i != 3] == [value_for(i) for i in range(8)]
+    assert tier._meta.calls == [wanted] and tier._values.calls == keys
+
+
+def test_get_many_into_drops_a_corrupt_value_and_serves_the_rest(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    tier.put_batch([(b"good", value_for(1), None), (b"bad", value_for(2), None)])
+    tier.close()
+    flip_byte(path, VALUE_CF, b"bad", 777)
+
+    tier = SSDTier.open(path, GIB)
+    try:
+        buffers = [bytearray(64 * 1024), bytearray(64 * 1024), bytearray(10)]
+        good, bad, small = tier.get_many_into([b"good", b"bad", b"good"], buffers)
+        assert good == 64 * 1024 and bytes(buffers[0]) == value_for(1)
+        assert isinstance(bad, CorruptValue) and tier.checksum_failures == 1
+        assert isinstance(small, ValueError)
+        assert tier.get(b"bad") is None and not has_record(tier, b"bad")
+    finally:
+        tier.close()
+
+
 def test_corrupted_header_is_dropped_after_open(tmp_path):
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, GIB)
