@@ -7,7 +7,8 @@ token of the mapping: STALEARENA after a restart, before any byte is
 written). ``KV.PUBLISH`` then commits the values under their keys, and the
 same round trip reserves the spares for the next put. A reservation is
 written only while at least half of its life is left; a copy that took
-longer gives the extents back and fails with `TimeoutError`.
+longer, or a copy that failed, gives the extents back at once (else they
+would stay reserved until their deadline) and fails.
 
 Puts smaller than `FAST_PUT_MIN` in all go over the wire, where one round
 trip is cheaper.
@@ -66,15 +67,24 @@ def _reserve_copy_publish(core, call: Call, conn) -> Steps:
         missing = [i for i, spare in enumerate(spares) if spare is None]
         for i, spare in zip(missing, _spares_of(fast, reply, sizes, started, conn)):
             spares[i] = spare
-    sent = yield from core.copy(partial(_copy_and_publish, fast, arena, local, spares, conn), local.nbytes)
+    try:
+        sent = yield from core.copy(partial(_copy_and_publish, fast, arena, local, spares, conn), local.nbytes)
+    except Exception:                            # a source buffer that failed under the copy
+        yield _unreserve(spares)
+        raise
     if sent is None:
-        yield RoundTrip([(fp.KV_UNRESERVE, *(spare.reservation_id for spare in spares))])
+        yield _unreserve(spares)
         raise TimeoutError("the copy into reserved extents took longer than half their lifetime")
     replies = yield RoundTrip(sent.requests)
     if sent.ahead and not isinstance(replies[-1], KVError):
         with fast.lock:
             fast.spares.add(_spares_of(fast, replies[-1], sent.ahead, sent.started, conn))
     return call.finish(replies[sent.first:sent.first + sent.count])
+
+
+def _unreserve(spares: list[Spare]) -> RoundTrip:
+    """Give back reservations that will not be published (nothing was committed from them)."""
+    return RoundTrip([(fp.KV_UNRESERVE, *(spare.reservation_id for spare in spares))])
 
 
 def _take_spares(fast: FastPath, local: LocalWrite, owner: Any) -> list[Spare | None]:
