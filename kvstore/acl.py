@@ -67,7 +67,7 @@ EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
     "dbsize": ("keyspace",), "flushdb": ("keyspace", "dangerous"), "flushall": ("keyspace", "dangerous"),
     "keys": ("dangerous",), "info": ("dangerous",), "command": ("connection",),
     "readonly": ("connection",), "readwrite": ("connection",), "asking": ("connection",),
-    "client|list": _ADMIN,
+    "client|list": _ADMIN, "client|kill": _ADMIN, "client|no-evict": _ADMIN,
     **{f"object|{sub}": ("read",) for sub in ("encoding", "freq", "idletime", "refcount")},
     **{f"cluster|{sub}": _ADMIN for sub in _CLUSTER_ADMIN},
     **{f"acl|{sub}": _ADMIN for sub in _ACL_ADMIN},

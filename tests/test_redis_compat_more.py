@@ -141,6 +141,23 @@ SCENARIOS: dict[str, list[Step]] = {
         ("OBJECT", "FREQ", "missing"), ("OBJECT", "HELP"), ("OBJECT", "FOO"), ("OBJECT",),
         ("OBJECT", "ENCODING"), ("OBJECT", "ENCODING", "s", "x"), ("OBJECT", "HELP", "x"),
     ],
+    "command-getkeys": [
+        ("COMMAND", "GETKEYS", "GET", "a"), ("COMMAND", "GETKEYS", "get", "a"), ("COMMAND", "GETKEYS", "FOO", "a"),
+        ("COMMAND", "GETKEYS", "GET"), ("COMMAND", "GETKEYS", "GET", "a", "b"), ("COMMAND", "GETKEYS", "PING", "x"),
+        ("COMMAND", "GETKEYS", "MSET", "a", "1", "b", "2"), ("COMMAND", "GETKEYS", "MSET", "a", "1", "b"),
+        ("COMMAND", "GETKEYS", "SET", "k"), ("COMMAND", "GETKEYS", "RENAME", "a", "b"),
+        ("COMMAND", "GETKEYS", "CLIENT", "LIST"), ("COMMAND", "GETKEYS", "OBJECT", "ENCODING", "k"),
+        ("COMMAND", "GETKEYS", "MSETNX", "a", "1"), ("COMMAND", "GETKEYS"),
+    ],
+    "client-kill-and-no-evict": [
+        ("CLIENT", "KILL", "1.2.3.4:5"), ("CLIENT", "KILL", "ID", "0"), ("CLIENT", "KILL", "ID", "x"),
+        ("CLIENT", "KILL", "ID", "99999"), ("CLIENT", "KILL", "TYPE", "foo"),
+        ("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "maybe"), ("CLIENT", "KILL", "USER", "nobody"),
+        ("CLIENT", "KILL", "ID"), ("CLIENT", "KILL", "LADDR", "1:1"), ("CLIENT", "KILL", "ADDR", "1.2.3.4:5"),
+        ("CLIENT", "KILL", "SKIPME", "yes"), ("CLIENT", "KILL", "TYPE", "master"), ("CLIENT", "KILL", "FOO", "bar"),
+        ("CLIENT", "KILL", "ID", "1", "TYPE"), ("CLIENT", "KILL"), ("CLIENT", "NO-EVICT", "on"),
+        ("CLIENT", "NO-EVICT", "OFF"), ("CLIENT", "NO-EVICT", "x"), ("CLIENT", "NO-EVICT"),
+    ],
 }
 
 
@@ -189,3 +206,36 @@ def test_object_idletime_says_it_is_not_tracked(kv):
         conn.call("SET", "k", "v")
         assert conn.call("OBJECT", "IDLETIME", "k").startswith(b"-ERR kvstore keeps the order of accesses")
         assert conn.call("OBJECT", "IDLETIME", "missing") == b"$-1\r\n"
+
+
+def client_id(conn: RespConnection) -> int:
+    return int(conn.call("CLIENT", "ID")[1:-2])
+
+
+def test_client_kill_by_id_closes_that_client(target):
+    with RespConnection(target) as killer, RespConnection(target) as victim, RespConnection(target) as bystander:
+        assert killer.call("CLIENT", "KILL", "ID", client_id(victim)) == b":1\r\n"
+        assert victim.closed_by_peer()
+        assert bystander.call("PING") == b"+PONG\r\n"
+
+
+def test_client_kill_by_user_skips_the_caller_unless_asked(target):
+    with RespConnection(target) as killer, RespConnection(target) as victim:
+        victim.call("PING")
+        assert killer.call("CLIENT", "KILL", "USER", "default") == b":1\r\n"
+        assert victim.closed_by_peer()
+        assert killer.call("CLIENT", "KILL", "USER", "default", "SKIPME", "no") == b":1\r\n"
+        assert killer.closed_by_peer()
+
+
+def test_client_kill_old_form_by_address(target):
+    with RespConnection(target) as killer, RespConnection(target) as victim:
+        addr = victim.sock.getsockname()
+        assert killer.call("CLIENT", "KILL", f"{addr[0]}:{addr[1]}") == b"+OK\r\n"
+        assert victim.closed_by_peer()
+
+
+def test_client_tracking_is_refused_as_an_unknown_subcommand(kv):
+    """A deliberate departure: no client-side caching invalidations; Redis's error for a subcommand it lacks."""
+    with RespConnection(kv) as conn:
+        assert conn.call("CLIENT", "TRACKING", "on") == b"-ERR unknown subcommand 'TRACKING'. Try CLIENT HELP.\r\n"

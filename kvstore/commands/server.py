@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvstore import acl, info, live_config
 from kvstore.commands.args import SYNTAX, parse_int
+from kvstore.commands.client_kill import client_kill, command_getkeys
 from kvstore.commands.table import CommandError, all_commands, command, lookup
 from kvstore.protocol import writer
 
@@ -74,9 +75,17 @@ def hello(conn, args):
                                       "id": (2, "Returns the unique client ID of the connection."),
                                       "list": (-2, "Lists open connections."),
                                       "info": (2, "Returns information about the connection."),
-                                      "setinfo": (4, "Sets information specific to the client or connection.")})
+                                      "setinfo": (4, "Sets information specific to the client or connection."),
+                                      "kill": (-3, "Terminates open connections."),
+                                      "no-evict": (3, "Sets the client eviction mode of the connection.")})
 def client(conn, args):
     sub = args[1].lower()
+    if sub == b"kill":
+        return client_kill(conn, args)
+    if sub == b"no-evict":      # kvstore never evicts clients: the mode is accepted, as Redis does
+        if args[2].lower() not in (b"on", b"off"):
+            raise CommandError(SYNTAX)
+        return writer.OK
     if sub == b"setname":
         conn.set_name(args[2])
         return writer.OK
@@ -167,12 +176,15 @@ def _command_docs(conn, cmd) -> bytes:
          keys=(0, 0, 0), subcommands={"count": (2, "Returns a count of commands."),
                                       "docs": (-2, "Returns documentary information about one, multiple or all commands."),
                                       "info": (-2, "Returns information about one, multiple or all commands."),
-                                      "list": (-2, "Returns a list of command names.")})
+                                      "list": (-2, "Returns a list of command names."),
+                                      "getkeys": (-3, "Extracts the key names from an arbitrary command.")})
 def command_(conn, args):
     commands = sorted(all_commands(), key=lambda c: c.name)
     if len(args) == 1:
         return writer.array([_command_info(c) for c in commands])
     sub = args[1].lower()
+    if sub == b"getkeys":
+        return command_getkeys(args)
     if sub == b"count":
         return writer.integer(len(commands))
     if sub == b"list":
