@@ -3,7 +3,8 @@
 Redis's optimistic transactions: EXEC answers a null array when a key the
 client watched was written, deleted, expired, evicted or flushed by anyone
 (the client included) since WATCH. The signal comes from the engine's
-listeners (commit, drop, in-place overwrite, new deadline), installed on the
+listeners (commit, drop, in-place overwrite, new deadline; PERSIST, which
+has none, calls `touched`), installed on the
 first WATCH so a node whose clients never watch pays nothing per write.
 A touched key's watchers are flagged and the key forgotten at once, so the
 table only holds keys still worth watching; a closed connection's entries go
@@ -70,6 +71,13 @@ def watches_of(engine: Engine) -> Watches:
     if watches is None:
         watches = _BY_ENGINE[engine] = Watches(engine)
     return watches
+
+
+def touched(engine: Engine, key: bytes) -> None:
+    """A change the engine has no listener for (PERSIST removing a TTL) reaches the watchers."""
+    watches = _BY_ENGINE.get(engine)
+    if watches is not None:
+        watches.touch(key)
 
 
 def unwatch(conn) -> None:

@@ -44,6 +44,10 @@ SCENARIOS: dict[str, list[Step]] = {
         ("WATCH", "a"), ("MULTI",), ("DISCARD",), ("SET", "a", "9"), ("MULTI",), ("GET", "a"), ("EXEC",),
         ("WATCH", "a"), ("MULTI",), ("SETEX", "a"), ("EXEC",), ("SET", "a", "8"), ("MULTI",), ("EXEC",),
         ("SET", "t", "v", "PX", "100"), ("WATCH", "t"), 0.2, ("MULTI",), ("EXEC",),
+        ("SET", "p", "v", "EX", "100"), ("WATCH", "p"), ("PERSIST", "p"), ("MULTI",), ("EXEC",),
+        ("WATCH", "p"), ("PERSIST", "p"), ("MULTI",), ("EXEC",),
+        ("SET", "p", "v", "EX", "100"), ("WATCH", "p"), ("GETEX", "p", "PERSIST"), ("MULTI",), ("EXEC",),
+        ("WATCH", "p"), ("GET", "p"), ("TTL", "p"), ("EXISTS", "p"), ("MULTI",), ("EXEC",),
         ("UNWATCH", "x"), ("WATCH",),
     ],
     "setex-psetex": [

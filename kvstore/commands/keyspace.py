@@ -15,6 +15,7 @@ from kvstore.commands.table import CommandError, command
 from kvstore.engine import now_ms
 from kvstore.glob import matches
 from kvstore.protocol import writer
+from kvstore.watch import touched
 
 
 @command("DEL", -2, "write", "keyspace", "Deletes one or more keys.", keys=(1, -1, 1))
@@ -206,9 +207,10 @@ def pttl(conn, args):
 
 @command("PERSIST", 2, "write fast", "keyspace", "Removes the expiration time of a key.")
 def persist(conn, args):
-    if conn.engine.lookup(args[1]) is None:
+    if conn.engine.lookup(args[1]) is None or not conn.engine.persist(args[1]):
         return writer.ZERO
-    return writer.integer(int(conn.engine.persist(args[1])))
+    touched(conn.engine, args[1])
+    return writer.ONE
 
 
 @command("DBSIZE", 1, "readonly fast loading", "server", "Returns the number of keys in the database.", keys=(0, 0, 0))

@@ -12,6 +12,7 @@ from kvstore.commands.args import SYNTAX, options, parse_int, store
 from kvstore.commands.table import CommandError, all_keys, command, first_key
 from kvstore.engine import now_ms
 from kvstore.protocol import writer
+from kvstore.watch import touched
 
 MAX_EXPIRE_MS = 2**63 // 1000
 _SET_OPTIONS = {b"NX": 0, b"XX": 0, b"GET": 0, b"KEEPTTL": 0, b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1}
@@ -208,8 +209,8 @@ def getex(conn, args):
         engine.delete(args[1])
     elif deadline is not None:
         engine.set_expire(args[1], deadline)
-    elif chosen:
-        engine.persist(args[1])
+    elif chosen and engine.persist(args[1]):
+        touched(engine, args[1])
     return reply
 
 
