@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import Daemon, start_kvstore, start_redis
-from test_redis_compat import (Pipelined, RespConnection, Step, assert_same_replies, normalize,
-                               run_steps)
+from test_redis_compat import RespConnection, Step, assert_same_replies, decode, normalize, run_steps
 
 BIG = b"\x5a" * 5000
 
@@ -162,6 +161,11 @@ SCENARIOS: dict[str, list[Step]] = {
         ("CLIENT", "KILL", "ID", "1", "TYPE"), ("CLIENT", "KILL"), ("CLIENT", "NO-EVICT", "on"),
         ("CLIENT", "NO-EVICT", "OFF"), ("CLIENT", "NO-EVICT", "x"), ("CLIENT", "NO-EVICT"),
     ],
+    "latency-monitor-off": [
+        ("LATENCY", "LATEST"), ("LATENCY", "HISTORY", "command"), ("LATENCY", "RESET"),
+        ("LATENCY", "RESET", "command", "x"), ("LATENCY", "GRAPH", "command"), ("LATENCY", "HISTORY"),
+        ("LATENCY", "LATEST", "x"), ("LATENCY", "FOO"), ("LATENCY",),
+    ],
 }
 
 
@@ -243,3 +247,30 @@ def test_client_tracking_is_refused_as_an_unknown_subcommand(kv):
     """A deliberate departure: no client-side caching invalidations; Redis's error for a subcommand it lacks."""
     with RespConnection(kv) as conn:
         assert conn.call("CLIENT", "TRACKING", "on") == b"-ERR unknown subcommand 'TRACKING'. Try CLIENT HELP.\r\n"
+
+
+NEW_COMMANDS = ["setex", "psetex", "setnx", "getset", "msetnx", "getex", "append", "setrange", "incr", "decr",
+                "incrby", "decrby", "incrbyfloat", "watch", "unwatch", "rename", "renamenx", "copy", "touch",
+                "randomkey", "expireat", "pexpireat", "expiretime", "pexpiretime", "object", "latency"]
+
+
+def test_command_info_of_the_new_commands_matches_redis(redis, kv):
+    """Name, arity and key positions (what cluster clients route by) as Redis reports them;
+    OBJECT names its key (2, 2, 1) where Redis's container says (0, 0, 0), so that
+    cluster routing and ACL key checks see it."""
+    def shape(daemon):
+        with RespConnection(daemon) as conn:
+            return [None if e is None else (e[0], e[1], e[3], e[4], e[5])
+                    for e in decode(conn.call("COMMAND", "INFO", *NEW_COMMANDS)) if e[0] != b"object"]
+    assert shape(kv) == shape(redis)
+
+
+def test_command_docs_describe_the_new_commands(kv):
+    with RespConnection(kv) as conn:
+        flat = decode(conn.call("COMMAND", "DOCS", *NEW_COMMANDS))
+        docs = dict(zip(flat[::2], flat[1::2]))
+        count = decode(conn.call("COMMAND", "COUNT"))
+        listed = decode(conn.call("COMMAND", "LIST"))
+    assert sorted(docs) == sorted(n.encode() for n in NEW_COMMANDS)
+    assert all(dict(zip(d[::2], d[1::2]))[b"summary"] for d in docs.values())
+    assert count == len(listed) and set(docs) <= set(listed)
