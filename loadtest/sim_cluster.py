@@ -1,0 +1,486 @@
+"""The store cluster at 16-256 nodes in one process, on virtual time: the real slot assignment,
+leader election, hot-block replication and slot migration under a trace-shaped load with nodes
+joining, leaving cleanly and crashing.
+
+What is real. Every node is the code a `kvstore serve --cluster` process runs: a `ClusterState`
+with `InMemoryMembership` (the etcd membership logic over `FakeEtcd`, whose `stats` count what a
+real etcd would see), the `ClusterServices` a server starts (`HotCopies`, `Migrator`, their heat
+window), an `Engine` with the store's eviction, and the node-to-node commands' own handlers
+(sim_network.py). A clean leave is the server's SIGTERM path (drain, leave, close); a crash
+stops the node without a word and its values are gone. Clients route each block as a cluster
+client does, through the real `routing.redirect` (MOVED, ASK, CLUSTERDOWN), and read a hot
+block from its owner or one of its copies (READONLY, when the holder's lease serves it).
+
+What is modelled. Time is virtual (`simclock`): leases, elections and move budgets take the
+seconds they take, the code runs as fast as it can. Values are 64 bytes standing for blocks of
+`block_bytes`; node-to-node traffic crosses modelled NICs (sim_network.py), so a move budget
+cuts a slow move short as it would. The load is the conversation preset of the trace generator
+at `rate_per_node` requests per second per node: each request reads its prompt's blocks from
+the first until one is missing (its prefix hit) and writes the rest, each block under its chain
+parent.
+
+`simulate` runs: all nodes start together, a warm-up, then one churn event every `gap_s`
+(join, clean leave, crash of a node, crash of the leader). Per event it reports slots moved
+against the ideal 16384/N, bytes moved, dropped and lost, the simulated seconds until every
+slot had a live owner again (coverage) and until every node held the final map (settled), the
+hit ratio over `window_s` before and after, and what etcd saw meanwhile. Every map any node
+applies is checked: no epoch may mean two maps, and no slot may be served by two nodes at one
+epoch.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import xxhash
+
+from conductor.tracegen import generate, spec_from
+from kvstore.cluster import migration
+from kvstore.cluster.assign import moved_slots
+from kvstore.cluster.fake_etcd import FakeEtcd, FakeEtcdStats
+from kvstore.cluster.membership import InMemoryMembership
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.routing import redirect
+from kvstore.cluster.services import ClusterServices
+from kvstore.cluster.simclock import run_simulated
+from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
+from kvstore.config import Config
+from kvstore.engine import Engine, OutOfMemory
+from loadtest.sim_network import NicModel, SimNetwork
+
+EVENTS = ("join", "leave", "crash", "crash-leader")
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    nodes: int = 16
+    seed: int = 1
+    blocks_per_node: int = 1024         # DRAM per node, in blocks (1024 x 160 MiB = 160 GiB)
+    nic: NicModel = NicModel()
+    rate_per_node: float = 3.4 / 8      # requests/s per node: the conversation trace on 8 nodes
+    node_timeout: float = 5.0
+    move_budget: float = 5.0
+    hot_reads: float = 100.0
+    hot_replicas: int = 2
+    warmup_s: float = 150.0             # long enough to fill the DRAM at the default rate
+    gap_s: float = 60.0
+    window_s: float = 30.0
+    events: tuple[str, ...] = ("join", "leave", "crash", "crash-leader", "join", "leave")
+
+    def __post_init__(self) -> None:
+        unknown = set(self.events) - set(EVENTS)
+        if unknown or self.nodes < 3 or self.window_s > self.gap_s:
+            raise ValueError("events must be among join, leave, crash, crash-leader; at least 3 "
+                             "nodes; window_s at most gap_s")
+
+
+@dataclass
+class EventReport:
+    kind: str
+    at_s: float
+    nodes_before: int
+    nodes_after: int
+    slots_moved: int = 0
+    ideal_slots: float = 0.0
+    moved_bytes: int = 0
+    dropped_bytes: int = 0
+    lost_bytes: int = 0
+    coverage_s: float = 0.0
+    settled_s: float = 0.0
+    hit_before: float = 0.0
+    hit_after: float = 0.0
+    errors_after: int = 0
+    etcd: dict = field(default_factory=dict)
+    map_bytes: int = 0
+
+    @property
+    def move_ratio(self) -> float:
+        return self.slots_moved / self.ideal_slots
+
+
+@dataclass
+class SimReport:
+    settings: SimSettings
+    events: list[EventReport]
+    steady_etcd: dict
+    requests: int
+    blocks: int
+    hits: int
+    errors: int
+    read_gbps_per_node: tuple[float, float]     # mean and busiest node over the run
+    copies_made: int
+    double_owned: int                            # slot claims beyond one per epoch (must be 0)
+    conflicts: int                               # epochs seen with two different maps (must be 0)
+    sim_s: float
+
+
+class SimNode:
+    """One store node: engine, cluster state, services; what `kvstore serve --cluster` holds."""
+
+    def __init__(self, sim: ClusterSim, node_id: str, addr: str):
+        s = sim.settings
+        self.addr = addr
+        self.config = Config(cluster_node_timeout=s.node_timeout, cluster_move_budget=s.move_budget,
+                             hot_reads=s.hot_reads, hot_replicas=s.hot_replicas)
+        self.engine = Engine(s.blocks_per_node * s.nic.value_bytes, prefault=False)
+        membership = InMemoryMembership(sim.etcd, "sim", s.node_timeout, connect_timeout=30)
+        self.cluster = ClusterState(node_id, addr, membership, move_budget=s.move_budget)
+        self.cluster.add_listener(lambda old, new: sim.audit(self, new))
+        self.services: ClusterServices | None = None
+        self.reads = 0
+        sim.network.add(addr, self)
+
+    async def start(self, network: SimNetwork) -> None:
+        await self.cluster.start()
+        self.services = ClusterServices(self, self.cluster, network.peers_of(self.addr))
+
+    async def leave(self) -> None:
+        """The server's SIGTERM path: move the slots away, leave, stop the services."""
+        await self.services.drain()
+        await self.cluster.stop()
+        self.services.close()
+
+    async def crash(self) -> None:
+        await self.cluster.stop(clean=False)
+        self.services.close()
+
+
+class ClusterSim:
+    """The nodes, the fake etcd, the network, the load, and the checks on every applied map."""
+
+    def __init__(self, settings: SimSettings):
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.etcd = FakeEtcd()
+        self.network = SimNetwork(settings.nic)
+        self.live: list[SimNode] = []
+        self.every: list[SimNode] = []
+        self.claims: dict[int, np.ndarray] = {}
+        self.maps: dict[int, SlotMap] = {}
+        self.double_owned = self.conflicts = 0
+        self.client_map = SlotMap.empty()
+        self.log: list[tuple[float, int, int, int]] = []     # (time, blocks, hits, errors) per request
+        self._value = bytes(settings.nic.value_bytes)
+
+    # ------------------------------------------------------------ nodes
+
+    def new_node(self) -> SimNode:
+        i = len(self.every)
+        node_id = "%040x" % self.rng.getrandbits(160)
+        node = SimNode(self, node_id, f"10.{i // 250}.{i % 250}.1:7000")
+        self.every.append(node)
+        return node
+
+    async def add_nodes(self, count: int) -> None:
+        nodes = [self.new_node() for _ in range(count)]
+        await asyncio.gather(*(n.start(self.network) for n in nodes))
+        self.live += nodes
+
+    def audit(self, node: SimNode, new: SlotMap) -> None:
+        """Every map a node applies: one map per epoch, no slot claimed twice at one epoch."""
+        if not self.maps.setdefault(new.epoch, new).same_as(new):
+            self.conflicts += 1
+        claims = self.claims.setdefault(new.epoch, np.zeros(SLOTS, dtype=np.int16))
+        claims += np.frombuffer(node.cluster.mine, dtype=np.uint8)
+        self.double_owned += int(np.count_nonzero(claims > 1))
+
+    def leader(self) -> SimNode:
+        return next(n for n in self.live if n.cluster.is_leader)
+
+    def up(self, addr: str | None) -> SimNode | None:
+        """The node at ``addr`` if it answers."""
+        if addr is None or addr in self.network.down:
+            return None
+        return self.network.nodes.get(addr)
+
+    def covered(self) -> bool:
+        """Every live node's map gives every slot to a node that answers."""
+        for m in {id(n.cluster.map): n.cluster.map for n in self.live}.values():
+            if m.assigned != SLOTS or any(c and self.up(m.nodes[i]) is None for i, c in m.counts.items()):
+                return False
+        return True
+
+    def settled(self) -> bool:
+        """Every live node holds the same final map of exactly the live nodes, under one leader."""
+        maps = {n.cluster.map.epoch for n in self.live}
+        m = self.live[0].cluster.map
+        return (len(maps) == 1 and m.assigned == SLOTS and not m.migrating
+                and set(m.nodes) == {n.cluster.my_id for n in self.live}
+                and sum(n.cluster.is_leader for n in self.live) == 1)
+
+    async def until(self, predicate, limit: float = 120.0) -> float:
+        """Simulated seconds until ``predicate()`` holds (inf past ``limit``)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not predicate():
+            if loop.time() - start > limit:
+                return float("inf")
+            await asyncio.sleep(POLL_S)
+        return loop.time() - start
+
+    # ------------------------------------------------------------ the load
+
+    async def run_load(self, requests) -> None:
+        loop = asyncio.get_running_loop()
+        for req in requests:
+            wait = req.arrival_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self.serve(req.hash_ids)
+
+    def serve(self, hash_ids) -> None:
+        """A prompt: read its blocks from the first until one is missing, write the rest."""
+        keys = [xxhash.xxh3_128_digest(h.to_bytes(8, "little")) for h in hash_ids]
+        hits = errors = 0
+        for key in keys:
+            found = self.read(key)
+            if not found:
+                errors += found is None
+                break
+            hits += 1
+        parent = keys[hits - 1] if hits else None
+        for key in keys[hits:]:
+            errors += not self.write(key, parent)
+            parent = key
+        self.log.append((asyncio.get_running_loop().time(), len(keys), hits, errors))
+
+    def route(self, key: bytes) -> SimNode | None:
+        """The node that serves ``key`` now, found as a cluster client finds it; None when none
+        does (a dead owner, CLUSTERDOWN)."""
+        slot = keyslot(key)
+        for _ in range(3):
+            node = self.up(self.client_map.nodes.get(self.client_map.owner(slot)))
+            if node is None:
+                self.client_map = self.live[0].cluster.map       # ask a node for the topology
+                node = self.up(self.client_map.nodes.get(self.client_map.owner(slot)))
+                if node is None:
+                    return None
+            reply = redirect(node.cluster, [key], False, lambda k, n=node: n.engine.lookup(k) is not None)
+            if reply is None:
+                return node
+            if reply.startswith(b"-MOVED"):
+                self.client_map = node.cluster.map
+            elif reply.startswith(b"-ASK"):
+                target = self.up(reply.split()[2].decode())
+                asked = target and redirect(target.cluster, [key], True, lambda k: True)
+                return target if asked is None else None
+            else:
+                return None
+        return None
+
+    def read(self, key: bytes) -> bool | None:
+        """Whether ``key`` was read (None: no node serves it); a hot block may come from a copy."""
+        node = self.route(key)
+        if node is None:
+            return None
+        holders = node.services.copies.replicated.get(key) if node.services else None
+        if holders:
+            pick = self.rng.randrange(len(holders) + 1)
+            holder = self.up(node.cluster.addr_of(holders[pick - 1])) if pick else None
+            if holder is not None and holder.services and holder.services.copies.held.serves([key]):
+                node = holder
+        hit = node.engine.get_slot(key) is not None
+        node.reads += hit
+        return hit
+
+    def write(self, key: bytes, parent: bytes | None) -> bool:
+        node = self.route(key)
+        if node is None:
+            return False
+        try:
+            node.engine.put(key, self._value, parent)
+        except OutOfMemory:
+            return False
+        return True
+
+    # ------------------------------------------------------------ churn
+
+    def moves(self) -> tuple[int, int]:
+        """Values moved and dropped by every node that ever ran, as blocks."""
+        stats = [n.services.moves.stats for n in self.every if n.services]
+        value = self.settings.nic.value_bytes
+        return (sum(s.moved_bytes for s in stats) // value, sum(s.dropped_bytes for s in stats) // value)
+
+    def hit_ratio(self, start: float, end: float) -> tuple[float, int]:
+        rows = [r for r in self.log if start <= r[0] < end]
+        blocks = sum(r[1] for r in rows)
+        return (sum(r[2] for r in rows) / blocks if blocks else float("nan"), sum(r[3] for r in rows))
+
+    async def churn(self, kind: str) -> EventReport:
+        """One event, measured until its after-window ends."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        before = self.leader().cluster.map
+        report = EventReport(kind, t0, len(self.live), len(self.live) + (1 if kind == "join" else -1))
+        etcd0, (moved0, dropped0) = replace(self.etcd.stats), self.moves()
+        if kind == "join":
+            node = self.new_node()
+            await node.start(self.network)
+            self.live.append(node)
+        else:
+            node = self.leader() if kind == "crash-leader" else self.rng.choice(
+                [n for n in self.live if not n.cluster.is_leader])
+            self.live.remove(node)
+            if kind == "leave":
+                asyncio.get_running_loop().create_task(self._leave(node))
+            else:
+                self.network.kill(node.addr)
+                report.lost_bytes = len(node.engine.index) - len(node.services.copies.held)
+                await node.crash()
+        report.coverage_s = await self.until(self.covered)
+        report.settled_s = max(report.coverage_s, await self.until(self.settled))
+        report.etcd = etcd_rates(etcd0, self.etcd.stats, max(report.settled_s, POLL_S))
+        after = self.leader().cluster.map
+        report.slots_moved = moved_slots(before, after)
+        report.ideal_slots = SLOTS / max(report.nodes_before, report.nodes_after)
+        report.map_bytes = len(after.to_json())
+        await asyncio.sleep(max(0.0, t0 + self.settings.window_s - loop.time()))
+        moved, dropped = self.moves()
+        block = self.settings.nic.block_bytes
+        report.moved_bytes, report.dropped_bytes = (moved - moved0) * block, (dropped - dropped0) * block
+        report.lost_bytes *= block
+        report.hit_before, _ = self.hit_ratio(t0 - self.settings.window_s, t0)
+        report.hit_after, report.errors_after = self.hit_ratio(t0, t0 + self.settings.window_s)
+        return report
+
+    async def _leave(self, node: SimNode) -> None:
+        await node.leave()
+        self.network.kill(node.addr)
+
+    async def stop(self) -> None:
+        for node in self.live:
+            await node.crash()
+        self.etcd.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def etcd_rates(before: FakeEtcdStats, after: FakeEtcdStats, seconds: float) -> dict:
+    """What etcd saw between two snapshots: per-second rates and totals."""
+    return {"keepalives_per_s": (after.keepalives - before.keepalives) / seconds,
+            "watch_events": after.watch_events - before.watch_events,
+            "watch_events_per_s": (after.watch_events - before.watch_events) / seconds,
+            "txns": after.txns - before.txns, "txns_failed": after.txns_failed - before.txns_failed,
+            "bytes_written": after.bytes_written - before.bytes_written}
+
+
+@contextmanager
+def scaled_batches(model: NicModel):
+    """Values are stored ``block_bytes / value_bytes`` times smaller than they stand for: scale
+    the move batch's byte limit alike, so a batch holds as many values as it would."""
+    saved = migration.BATCH_BYTES
+    migration.BATCH_BYTES = max(1, saved * model.value_bytes // model.block_bytes)
+    try:
+        yield
+    finally:
+        migration.BATCH_BYTES = saved
+
+
+async def _simulate(settings: SimSettings) -> SimReport:
+    sim = ClusterSim(settings)
+    loop = asyncio.get_running_loop()
+    await sim.add_nodes(settings.nodes)
+    await sim.until(sim.settled)
+    sim.client_map = sim.live[0].cluster.map
+    total_s = settings.warmup_s + settings.gap_s * len(settings.events)
+    rate = settings.rate_per_node * settings.nodes
+    spec = spec_from("conversation", requests=int(rate * total_s * 1.1) + 100, rate=rate, seed=settings.seed)
+    start = loop.time()
+    requests = (replace(r, arrival_s=start + r.arrival_s) for r in generate(spec))
+    load = loop.create_task(sim.run_load(requests))
+    await asyncio.sleep(settings.warmup_s - settings.window_s)
+    steady0 = replace(sim.etcd.stats)
+    await asyncio.sleep(settings.window_s)
+    steady = etcd_rates(steady0, sim.etcd.stats, settings.window_s)
+    events = []
+    for kind in settings.events:
+        t0 = loop.time()
+        events.append(await sim.churn(kind))
+        await asyncio.sleep(max(0.0, t0 + settings.gap_s - loop.time()))
+    load.cancel()
+    sim_s = loop.time() - start
+    reads = np.array([n.reads for n in sim.every], dtype=float) * settings.nic.block_bytes / sim_s / 1e9
+    report = SimReport(settings, events, steady, len(sim.log), sum(r[1] for r in sim.log),
+                       sum(r[2] for r in sim.log), sum(r[3] for r in sim.log),
+                       (float(reads.sum() / len(sim.live)), float(reads.max())),
+                       sum(n.services.copies.stats.copies_made for n in sim.every if n.services),
+                       sim.double_owned, sim.conflicts, sim_s)
+    await sim.stop()
+    return report
+
+
+def simulate(settings: SimSettings) -> SimReport:
+    """Run the whole simulation on a virtual clock; see the module docstring."""
+    with scaled_batches(settings.nic):
+        return run_simulated(_simulate(settings))
+
+
+def print_report(r: SimReport, wall_s: float) -> None:
+    s = r.settings
+    gib = 2**30
+    print(f"\n{s.nodes} nodes, {s.blocks_per_node} blocks of {s.nic.block_bytes / 2**20:.0f} MiB per node, "
+          f"{s.rate_per_node * s.nodes:.1f} req/s, NIC {s.nic.nic_bytes_per_s * 8 / 1e9:.0f} Gbit/s, "
+          f"move budget {s.move_budget:g} s, node timeout {s.node_timeout:g} s, hot-reads {s.hot_reads:g}")
+    print("| event | nodes | slots moved | ideal | ratio | moved GiB | dropped GiB | lost GiB "
+          "| coverage (s) | settled (s) | hit before | hit after | errors | keepalives/s "
+          "| watch events | txns (failed) | map bytes |")
+    print("|" + "---|" * 17)
+    for e in r.events:
+        t = e.etcd
+        print(f"| {e.kind} | {e.nodes_before}->{e.nodes_after} | {e.slots_moved} | {e.ideal_slots:.0f} "
+              f"| {e.move_ratio:.2f} | {e.moved_bytes / gib:.1f} | {e.dropped_bytes / gib:.1f} "
+              f"| {e.lost_bytes / gib:.1f} | {e.coverage_s:.2f} | {e.settled_s:.2f} | {e.hit_before:.3f} "
+              f"| {e.hit_after:.3f} | {e.errors_after} | {t['keepalives_per_s']:.0f} | {t['watch_events']} "
+              f"| {t['txns']} ({t['txns_failed']}) | {e.map_bytes} |")
+    t = r.steady_etcd
+    print(f"steady state: {t['keepalives_per_s']:.1f} keep-alives/s, {t['watch_events_per_s']:.1f} watch "
+          f"events/s, {t['txns'] / s.window_s:.2f} txns/s; requests {r.requests}, hit ratio "
+          f"{r.hits / max(r.blocks, 1):.3f}, block errors {r.errors}; reads per node "
+          f"{r.read_gbps_per_node[0]:.2f} GB/s mean, {r.read_gbps_per_node[1]:.2f} busiest; "
+          f"hot-block copies made {r.copies_made}")
+    print(f"slots served by two nodes at one epoch: {r.double_owned}; epochs with two maps: {r.conflicts}; "
+          f"{r.sim_s:.0f} simulated s in {wall_s:.0f} s of wall time")
+
+
+async def _grow(nodes: int, seed: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    etcd = FakeEtcd()
+    states: list[ClusterState] = []
+    rows = []
+    for i in range(nodes):
+        state = ClusterState("%040x" % rng.getrandbits(160), f"10.{i // 250}.{i % 250}.1:7000",
+                             InMemoryMembership(etcd, "grow", 5.0))
+        await state.start()
+        states.append(state)
+        ids = {s.my_id for s in states}
+        while not all(set(s.map.nodes) == ids and s.ok for s in states):
+            await asyncio.sleep(POLL_S)
+        m = states[0].map
+        rows.append((i + 1, len(m.ranges), len(m.to_json())))
+    for state in states:
+        await state.stop()
+    etcd.close()
+    return rows
+
+
+def map_growth(nodes: int, seed: int = 1) -> None:
+    """Print the slot map's size as ``nodes`` join one at a time (beside the map of the same nodes
+    started together) and what one write of it costs the watchers."""
+    from kvstore.cluster.assign import rebalance
+
+    rows = run_simulated(_grow(nodes, seed))
+    print(f"\nSlot map as {nodes} nodes join one at a time (the leader's own assignment, clean moves off)")
+    print("| nodes | ranges | map bytes | started together: ranges, bytes | one write to every watcher |")
+    print("|---|---|---|---|---|")
+    for n, ranges, size in rows:
+        if n & (n - 1) == 0 or n == nodes:
+            together = rebalance(SlotMap.empty(), {"%040x" % i: f"10.0.{i // 250}.{i % 250}:1"
+                                                   for i in range(n)})
+            print(f"| {n} | {ranges} | {size:,} | {len(together.ranges)}, {len(together.to_json()):,} "
+                  f"| {n * size / 2**20:.2f} MiB |")

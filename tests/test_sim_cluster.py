@@ -1,0 +1,91 @@
+"""The in-process cluster simulation (loadtest/sim_cluster.py) at a few nodes: it runs the real
+membership, leader, replication and migration code, and its per-event figures hold what the
+design promises (minimal moves, one owner per slot and epoch, coverage back after a crash)."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from kvstore.cluster.migration import KV_IMPORT
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.peer import PeerError, PeerReplyError
+from kvstore.cluster.services import ClusterServices
+from kvstore.cluster.simclock import run_simulated
+from kvstore.cluster.slots import SLOTS, SlotMap
+from kvstore.config import Config
+from kvstore.engine import Engine
+from loadtest.sim_cluster import SimSettings, map_growth, simulate
+from loadtest.sim_network import NicModel, SimNetwork
+
+A, B = "a" * 40, "b" * 40
+ADDRS = {A: "10.0.0.1:7000", B: "10.0.0.2:7000"}
+
+
+def test_churn_on_a_small_cluster_moves_the_minimum_and_never_serves_a_slot_twice():
+    settings = SimSettings(nodes=6, blocks_per_node=64, warmup_s=30, gap_s=25, window_s=10,
+                           events=("join", "leave", "crash", "crash-leader"))
+    report = simulate(settings)
+    by_kind = {e.kind: e for e in report.events}
+    assert report.double_owned == 0 and report.conflicts == 0
+    assert all(e.move_ratio <= 1.2 for e in report.events)
+    assert by_kind["join"].coverage_s == 0 and by_kind["leave"].coverage_s == 0
+    for kind in ("crash", "crash-leader"):
+        crash = by_kind[kind]
+        assert settings.node_timeout - 1 <= crash.coverage_s <= settings.node_timeout + 2
+        assert crash.lost_bytes > 0 and crash.moved_bytes == 0
+    assert by_kind["join"].moved_bytes > 0 and by_kind["leave"].moved_bytes > 0
+    assert by_kind["crash-leader"].etcd["txns"] > by_kind["crash"].etcd["txns"]    # the election
+    assert report.steady_etcd["keepalives_per_s"] == pytest.approx(6 * 3 / 5, rel=0.2)
+    assert 0 < report.hits < report.blocks and report.requests > 100
+
+
+def node(net: SimNetwork, node_id: str, owner: str):
+    """A node holding map epoch 1 with the services a server runs, on ``net``."""
+    cluster = ClusterState(node_id, ADDRS[node_id])
+    cluster.apply(SlotMap.build(1, ADDRS, [owner] * SLOTS))
+    server = SimpleNamespace(cluster=cluster, engine=Engine(1 << 20, prefault=False), config=Config())
+    server.services = ClusterServices(server, cluster, net.peers_of(ADDRS[node_id]))
+    net.add(ADDRS[node_id], server)
+    return server
+
+
+def test_node_commands_run_their_real_handlers_over_a_modelled_nic():
+    async def scenario():
+        net = SimNetwork(NicModel(nic_bytes_per_s=1e9, latency_s=0.0, block_bytes=10**8))
+        nodes = [node(net, A, A), node(net, B, A)]
+        link = net.peers_of(ADDRS[A]).link(ADDRS[B])
+        with pytest.raises(PeerReplyError, match="^TRYAGAIN"):                 # its map is older
+            await link.call(KV_IMPORT, 2, b"k", b"", memoryview(b"v" * 64))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert await link.call(KV_IMPORT, 1, b"k", b"", memoryview(b"v" * 64)) == [0, 0]  # not moving here
+        assert loop.time() - start == pytest.approx(0.1, rel=0.01)            # one 10^8-byte block at 1 GB/s
+        net.kill(ADDRS[B])
+        with pytest.raises(PeerError):
+            await link.call(KV_IMPORT, 1, b"k", b"", memoryview(b"v" * 64))
+        for n in nodes:
+            n.services.close()
+    run_simulated(scenario())
+
+
+def test_transfers_into_one_node_queue_on_its_nic():
+    async def scenario():
+        net = SimNetwork(NicModel(nic_bytes_per_s=100.0, latency_s=0.0))
+        loop = asyncio.get_running_loop()
+        done = []
+
+        async def send(sender: str) -> None:
+            await net.transfer(sender, "dst", 100)
+            done.append(loop.time())
+        await asyncio.gather(send("one"), send("two"))
+        assert done == [1.0, 2.0]
+    run_simulated(scenario())
+
+
+def test_map_growth_reports_fragmentation_of_one_by_one_joins(capsys):
+    map_growth(8)
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 ")]
+    ranges, together = int(rows[0][2]), int(rows[0][4].split(",")[0])
+    assert ranges > together == 8
