@@ -86,7 +86,7 @@ def buckets_for(arena_size: int) -> int:
 class IndexStats:
     index_published: int = 0
     index_retracted: int = 0
-    index_set_full: int = 0            # values not published: their set had no free bucket
+    index_set_full: int = 0            # publishes refused: the key's set had no free bucket
 
 
 class SharedIndex:

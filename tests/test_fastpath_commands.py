@@ -1,5 +1,5 @@
 """kvstore/commands/fastpath.py against a real daemon: lease commands on values
-that are not in the shared arena."""
+that are not in the shared arena; KV.TOUCH and the shared index KV.ARENA hands out."""
 from __future__ import annotations
 
 import os
@@ -48,3 +48,29 @@ def test_lease_of_a_value_staged_on_the_heap_is_refused_and_holds_nothing(tmp_pa
         assert client.get("cold") == big
     finally:
         daemon.stop()
+
+
+def test_touch_counts_reads_served_elsewhere_as_hits_and_arena_passes_the_index(tmp_path):
+    """KV.TOUCH: the hits a local client's reads from the shared index stand for, and how many
+    of the keys exist; KV.ARENA names the shared index (its fd and size), made at the first."""
+    daemon = start_kvstore(tmp_path)
+    try:
+        client = redis.Redis(daemon.host, daemon.port)
+        client.set("a", b"1")
+        client.set("b", b"2")
+        before = _fields(client.execute_command("KV.STATS"))
+        assert client.execute_command("KV.TOUCH", "a", "b", "absent", "a") == 3
+        after = _fields(client.execute_command("KV.STATS"))
+        assert (after[b"hits"], after[b"misses"]) == (before[b"hits"] + 3, before[b"misses"] + 1)
+        reply = client.execute_command("KV.ARENA")
+        assert len(reply) == 10 and reply[9] >= 4096 and reply[9] & (reply[9] - 1) == 0
+        assert _fields(client.execute_command("KV.LEASES"))[b"index_buckets"] == reply[9]
+        client.set("c", b"3")                              # published from the first mapping on
+        assert _fields(client.execute_command("KV.LEASES"))[b"index_entries"] == 1
+    finally:
+        daemon.stop()
+
+
+def _fields(reply) -> dict:
+    """A field-value reply as a dict (redis-py parses some as a flat list)."""
+    return dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else reply
