@@ -70,6 +70,7 @@ EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
     "client|list": _ADMIN, "client|kill": _ADMIN, "client|no-evict": _ADMIN,
     **{f"object|{sub}": ("read",) for sub in ("encoding", "freq", "idletime", "refcount")},
     **{f"latency|{sub}": _ADMIN for sub in ("doctor", "graph", "history", "latest", "reset")},
+    **{f"slowlog|{sub}": _ADMIN for sub in ("get", "len", "reset")},
     **{f"cluster|{sub}": _ADMIN for sub in _CLUSTER_ADMIN},
     **{f"acl|{sub}": _ADMIN for sub in _ACL_ADMIN},
     **{name: _ADMIN for name in _BETWEEN_NODES},

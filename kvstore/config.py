@@ -112,10 +112,12 @@ class Config:
     tls_auth_clients: str = "yes"     # yes: clients need a certificate the CA signed; optional; no
     client_output_buffer_limit: str = DEFAULT_OUTPUT_BUFFER_LIMIT   # class hard soft soft-seconds
     client_query_buffer_limit: int = 1024**3
+    slowlog_log_slower_than: int = 10000   # microseconds; 0 logs every command, -1 none
+    slowlog_max_len: int = 128
 
     SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size", "client_query_buffer_limit")
     INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port",
-                  "tls_port", "hot_replicas")
+                  "tls_port", "hot_replicas", "slowlog_log_slower_than", "slowlog_max_len")
     FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout", "cluster_move_budget", "hot_reads")
     LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel", "protected_mode",
                         "tls_auth_clients")
@@ -135,6 +137,11 @@ class Config:
         _check(1024 * 1024 <= self.proto_max_bulk_len < 4 * 1024**3, "proto-max-bulk-len",
                "proto-max-bulk-len must be at least 1mb and below 4gb")
         _check(self.maxclients >= 1, "maxclients", "maxclients must be at least 1")
+        _check(self.slowlog_log_slower_than >= -1, "slowlog-log-slower-than",
+               "slowlog-log-slower-than must be -1 (log nothing) or more",
+               "argument must be between -1 and 9223372036854775807 inclusive")
+        _check(self.slowlog_max_len >= 0, "slowlog-max-len", "slowlog-max-len must be 0 or more",
+               "argument must be between 0 and 9223372036854775807 inclusive")
         _one_of("loglevel", self.loglevel, tuple(LOG_LEVELS))
         _one_of("ssd-write-policy", self.ssd_write_policy, SSD_WRITE_POLICIES)
         _one_of("ssd-compression", self.ssd_compression, SSD_COMPRESSIONS)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from itertools import islice
+from time import perf_counter_ns
 
 from kvstore import acl
 from kvstore.cluster.routing import redirect
@@ -173,7 +174,12 @@ def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
 
 def _run(conn, cmd: Command, args: list) -> None:
     conn.last_command = cmd.name
+    start = perf_counter_ns()
     reply = cmd.handler(conn, args)
+    elapsed = perf_counter_ns() - start
+    slowlog = conn.server.slowlog
+    if elapsed >= slowlog.threshold_ns and "skip_slowlog" not in cmd.flags:
+        slowlog.record(conn, args, elapsed)      # kvstore/slowlog.py
     if reply is not None:
         conn.write(reply)
     tiers = conn.engine.tiers

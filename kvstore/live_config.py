@@ -103,6 +103,7 @@ def push_to_running(server) -> None:
     cfg, engine = server.config, server.engine
     engine.policy = cfg.maxmemory_policy
     server.output_limit = cfg.output_buffer_limit()
+    server.slowlog.configure(cfg.slowlog_log_slower_than, cfg.slowlog_max_len)
     for conn in server.clients.values():
         conn.reader.max_bulk_len = cfg.proto_max_bulk_len
     tiers = engine.tiers

@@ -28,6 +28,7 @@ from kvstore.layers import BlockTable
 from kvstore.leases import LeaseTable, claim_arena_identity
 from kvstore.metrics import serve_metrics
 from kvstore.shared_index import SharedIndex
+from kvstore.slowlog import SlowLog
 from kvstore.tiering import open_tiers
 from kvstore.tiers import TierError
 
@@ -55,6 +56,7 @@ class Server:
             self.users.load(config.aclfile)
         self.tls_context = tls.server_context(config) if config.tls_port else None
         self.output_limit = config.output_buffer_limit()
+        self.slowlog = SlowLog(config.slowlog_log_slower_than, config.slowlog_max_len)
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
         self.tiers = open_tiers(self.engine, config)
         self.clients: dict[int, Connection] = {}

@@ -140,6 +140,8 @@ BAD_TOML = [
     ('tls-auth-clients = "sometimes"', "tls-auth-clients must be one of yes, no, optional"),
     ('client-output-buffer-limit = "normal 1mb"', "client-output-buffer-limit: expected groups of class"),
     ('client-query-buffer-limit = "1kb"', "client-query-buffer-limit must be at least 1mb"),
+    ("slowlog-log-slower-than = -2", "slowlog-log-slower-than must be -1 (log nothing) or more"),
+    ("slowlog-max-len = -1", "slowlog-max-len must be 0 or more"),
 ]
 
 

@@ -166,6 +166,11 @@ SCENARIOS: dict[str, list[Step]] = {
         ("LATENCY", "RESET", "command", "x"), ("LATENCY", "GRAPH", "command"), ("LATENCY", "HISTORY"),
         ("LATENCY", "LATEST", "x"), ("LATENCY", "FOO"), ("LATENCY",),
     ],
+    "slowlog-errors-and-help": [
+        ("SLOWLOG", "GET", "-2"), ("SLOWLOG", "GET", "x"), ("SLOWLOG", "GET", "1", "2"), ("SLOWLOG", "LEN", "x"),
+        ("SLOWLOG", "RESET", "x"), ("SLOWLOG",), ("SLOWLOG", "FOO"), ("SLOWLOG", "HELP"), ("SLOWLOG", "RESET"),
+        ("SLOWLOG", "GET", "0"),
+    ],
 }
 
 
@@ -251,7 +256,7 @@ def test_client_tracking_is_refused_as_an_unknown_subcommand(kv):
 
 NEW_COMMANDS = ["setex", "psetex", "setnx", "getset", "msetnx", "getex", "append", "setrange", "incr", "decr",
                 "incrby", "decrby", "incrbyfloat", "watch", "unwatch", "rename", "renamenx", "copy", "touch",
-                "randomkey", "expireat", "pexpireat", "expiretime", "pexpiretime", "object", "latency"]
+                "randomkey", "expireat", "pexpireat", "expiretime", "pexpiretime", "object", "latency", "slowlog"]
 
 
 def test_command_info_of_the_new_commands_matches_redis(redis, kv):
@@ -274,3 +279,44 @@ def test_command_docs_describe_the_new_commands(kv):
     assert sorted(docs) == sorted(n.encode() for n in NEW_COMMANDS)
     assert all(dict(zip(d[::2], d[1::2]))[b"summary"] for d in docs.values())
     assert count == len(listed) and set(docs) <= set(listed)
+
+
+def slowlog_entries(conn: RespConnection, *count) -> list:
+    return decode(conn.call("SLOWLOG", "GET", *count))
+
+
+def test_slowlog_records_what_is_slower_than_the_threshold(target):
+    """Threshold 0 logs every command (with Redis's shortening of long arguments), -1 none."""
+    with RespConnection(target) as conn:
+        try:
+            assert conn.call("CONFIG", "SET", "slowlog-log-slower-than", "0") == b"+OK\r\n"
+            conn.call("SLOWLOG", "RESET")
+            conn.call("SET", "k", "v" * 200)
+            conn.call("MSET", *[str(i) for i in range(40)])
+            entries = slowlog_entries(conn, "-1")
+            assert [e[3][0] for e in entries[:3]] == [b"MSET", b"SET", b"SLOWLOG"]
+            mset, set_ = entries[0], entries[1]
+            assert set_[3] == [b"SET", b"k", b"v" * 128 + b"... (72 more bytes)"]
+            assert len(mset[3]) == 32 and mset[3][-1] == b"... (10 more arguments)"
+            assert mset[0] > set_[0] and mset[2] >= 0 and mset[4].startswith(b"127.0.0.1:")
+            assert len(slowlog_entries(conn, "1")) == 1
+            assert conn.call("CONFIG", "SET", "slowlog-log-slower-than", "-1") == b"+OK\r\n"
+            length = decode(conn.call("SLOWLOG", "LEN"))
+            conn.call("GET", "k")
+            assert decode(conn.call("SLOWLOG", "LEN")) == length
+            assert conn.call("CONFIG", "SET", "slowlog-max-len", "1") == b"+OK\r\n"
+            assert decode(conn.call("SLOWLOG", "LEN")) == length       # trimmed at the next entry
+            assert conn.call("CONFIG", "SET", "slowlog-log-slower-than", "0") == b"+OK\r\n"
+            assert decode(conn.call("SLOWLOG", "LEN")) == 1
+        finally:
+            conn.call("CONFIG", "SET", "slowlog-log-slower-than", "10000", "slowlog-max-len", "128")
+
+
+def test_slowlog_settings_are_bounded(target):
+    with RespConnection(target) as conn:
+        assert conn.call("CONFIG", "SET", "slowlog-log-slower-than", "-5").startswith(
+            b"-ERR CONFIG SET failed (possibly related to argument 'slowlog-log-slower-than')")
+        assert conn.call("CONFIG", "SET", "slowlog-max-len", "-1").startswith(
+            b"-ERR CONFIG SET failed (possibly related to argument 'slowlog-max-len')")
+        pairs = decode(conn.call("CONFIG", "GET", "slowlog*"))
+        assert dict(zip(pairs[::2], pairs[1::2])) == {b"slowlog-log-slower-than": b"10000", b"slowlog-max-len": b"128"}

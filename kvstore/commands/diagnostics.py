@@ -1,4 +1,5 @@
-"""LATENCY: answers as Redis does with its latency monitor off.
+"""SLOWLOG (kvstore/slowlog.py keeps it), and LATENCY, which answers as Redis does with
+its latency monitor off.
 
 kvstore samples no latency events (Redis's monitor is off by default too,
 ``latency-monitor-threshold 0``), so there is nothing to report and every
@@ -8,6 +9,7 @@ Prometheus metrics instead.
 """
 from __future__ import annotations
 
+from kvstore.commands.args import parse_int
 from kvstore.commands.table import CommandError, command
 from kvstore.protocol import writer
 
@@ -49,3 +51,43 @@ def latency(conn, args):
     if sub == b"graph":
         raise CommandError(f"No samples available for event '{args[2].decode(errors='replace')}'")
     return conn.enc.verbatim(_DOCTOR)
+
+
+_SLOWLOG_HELP = [
+    "SLOWLOG <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
+    "GET [<count>]",
+    "    Return top <count> entries from the slowlog (default: 10, -1 mean all).",
+    "    Entries are made of:",
+    "    id, timestamp, time in microseconds, arguments array, client IP and port,",
+    "    client name",
+    "LEN",
+    "    Return the length of the slowlog.",
+    "RESET",
+    "    Reset the slowlog.",
+    "HELP",
+    "    Prints this help.",
+]
+BAD_COUNT = "count should be greater than or equal to -1"
+
+
+@command("SLOWLOG", -2, "", "server", "A container for slow log commands.", keys=(0, 0, 0),
+         subcommands={"get": (-2, "Returns the slow log's entries."),
+                      "len": (2, "Returns the number of entries in the slow log."),
+                      "reset": (2, "Clears all entries from the slow log."),
+                      "help": (2, "Show helpful text about the different subcommands")})
+def slowlog(conn, args):
+    sub, log = args[1].lower(), conn.server.slowlog
+    if sub == b"help":
+        return writer.array([writer.simple(line) for line in _SLOWLOG_HELP])
+    if sub == b"len":
+        return writer.integer(len(log.entries))
+    if sub == b"reset":
+        log.entries.clear()
+        return writer.OK
+    if len(args) > 3:
+        raise CommandError(f"unknown subcommand or wrong number of arguments for "
+                           f"'{args[1][:128].decode(errors='replace')}'. Try SLOWLOG HELP.")
+    count = 10 if len(args) == 2 else parse_int(args[2], BAD_COUNT)
+    if count < -1:
+        raise CommandError(BAD_COUNT)
+    return log.reply(count)

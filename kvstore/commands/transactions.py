@@ -25,7 +25,7 @@ def multi(conn, args):
     return writer.OK
 
 
-@command("EXEC", 1, "noscript loading stale skip-slowlog", "transactions", "Executes all commands in a transaction.",
+@command("EXEC", 1, "noscript loading stale skip_slowlog", "transactions", "Executes all commands in a transaction.",
          keys=(0, 0, 0))
 def exec_(conn, args):
     if conn.multi is None:
