@@ -138,13 +138,14 @@ class TierManager:
                 view = memoryview(dest)
             jobs.append((key, slot, dest, view, engine.tier_code(slot) == GPU))
         from_ssd = [job for job in jobs if not job[4]]
+        parts = _split(from_ssd, self.worker.readers) if from_ssd else []
         copies = [self._copy_from_gpu(slot, view) for _, slot, _, view, on_gpu in jobs if on_gpu]
-        if from_ssd:   # one batched multi_get for every SSD value of the fetch
-            copies.append(self.worker.submit(self.ssd.get_many_into, [job[0] for job in from_ssd],
-                                             [job[3] for job in from_ssd]))
+        copies += [self.worker.submit(self.ssd.get_many_into, [job[0] for job in part], [job[3] for job in part])
+                   for part in parts]   # one call per reader thread, its headers in one multi_get
         gathered = await asyncio.gather(*copies, return_exceptions=True)
-        ssd_results = iter(_spread(gathered.pop(), len(from_ssd)) if from_ssd else ())
-        gpu_results = iter(gathered)
+        gpu_results = iter(gathered[:len(copies) - len(parts)])
+        ssd_results = iter([result for part, outcome in zip(parts, gathered[len(copies) - len(parts):])
+                            for result in _spread(outcome, len(part))])
         return [(key, slot, dest, next(gpu_results if on_gpu else ssd_results))
                 for key, slot, dest, _, on_gpu in jobs]
 
@@ -551,6 +552,12 @@ def open_tiers(engine: Engine, config) -> TierManager | None:
     cfg = TieringConfig(config.high_watermark, config.low_watermark, config.promote_hits,
                         config.promote_window_ms / 1000, config.ssd_write_policy == "write-through")
     return TierManager(engine, cfg, worker, gpu)
+
+
+def _split(items: list, ways: int) -> list[list]:
+    """``items`` in at most ``ways`` runs of nearly equal length, in order."""
+    size = -(-len(items) // ways)
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def _spread(result, count: int) -> list:

@@ -32,6 +32,7 @@ class SSDWorker:
 
     def __init__(self, tier: SSDTier, *, readers: int = 2, max_batch_bytes: int = 16 << 20):
         self.tier = tier
+        self.readers = readers
         self.max_batch_bytes = max_batch_bytes
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="ssd-read")
         self._queue: queue.SimpleQueue[_PendingPut | None] = queue.SimpleQueue()
