@@ -86,6 +86,11 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
             return
         if failure is not None:
             raise failure
+        pause = conn.server.pause
+        if pause is not None and pause.holds(cmd):
+            settled = False     # CLIENT PAUSE: run again once it is over (kvstore/client_pause.py)
+            conn.defer(pause.over, lambda _: dispatch(conn, args, None, has_holders))
+            return
         if conn.multi is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
             if "no_multi" in cmd.flags:
                 raise CommandError(NO_MULTI_ERROR)     # and EXEC answers EXECABORT

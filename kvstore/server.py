@@ -57,6 +57,7 @@ class Server:
         self.tls_context = tls.server_context(config) if config.tls_port else None
         self.output_limit = config.output_buffer_limit()
         self.slowlog = SlowLog(config.slowlog_log_slower_than, config.slowlog_max_len)
+        self.pause = None       # CLIENT PAUSE in force (kvstore/client_pause.py)
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
         self.tiers = open_tiers(self.engine, config)
         self.clients: dict[int, Connection] = {}

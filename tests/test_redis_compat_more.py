@@ -161,6 +161,12 @@ SCENARIOS: dict[str, list[Step]] = {
         ("CLIENT", "KILL", "ID", "1", "TYPE"), ("CLIENT", "KILL"), ("CLIENT", "NO-EVICT", "on"),
         ("CLIENT", "NO-EVICT", "OFF"), ("CLIENT", "NO-EVICT", "x"), ("CLIENT", "NO-EVICT"),
     ],
+    "client-pause-arguments": [
+        ("CLIENT", "PAUSE", "x"), ("CLIENT", "PAUSE", "-1"), ("CLIENT", "PAUSE", "10", "foo"),
+        ("CLIENT", "PAUSE", "10", "write", "x"), ("CLIENT", "PAUSE", "99999999999999999999"),
+        ("CLIENT", "PAUSE"), ("CLIENT", "UNPAUSE", "x"), ("CLIENT", "PAUSE", "0", "all"), ("CLIENT", "UNPAUSE"),
+        ("CLIENT", "PAUSE", "10", "WRITE"), ("CLIENT", "UNPAUSE"), ("SET", "k", "v"),
+    ],
     "latency-monitor-off": [
         ("LATENCY", "LATEST"), ("LATENCY", "HISTORY", "command"), ("LATENCY", "RESET"),
         ("LATENCY", "RESET", "command", "x"), ("LATENCY", "GRAPH", "command"), ("LATENCY", "HISTORY"),
@@ -320,3 +326,30 @@ def test_slowlog_settings_are_bounded(target):
             b"-ERR CONFIG SET failed (possibly related to argument 'slowlog-max-len')")
         pairs = decode(conn.call("CONFIG", "GET", "slowlog*"))
         assert dict(zip(pairs[::2], pairs[1::2])) == {b"slowlog-log-slower-than": b"10000", b"slowlog-max-len": b"128"}
+
+
+def nothing_arrives(conn: RespConnection, within: float) -> bool:
+    return conn.read_available(1, within) == b""
+
+
+def test_client_pause_write_holds_writes_until_unpause(target):
+    with RespConnection(target) as admin, RespConnection(target) as writer_, RespConnection(target) as reader:
+        assert admin.call("CLIENT", "PAUSE", "20000", "WRITE") == b"+OK\r\n"
+        try:
+            writer_.send(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n")
+            assert reader.call("GET", "k") == b"$-1\r\n"          # reads go on
+            assert nothing_arrives(writer_, 0.2)
+        finally:
+            assert admin.call("CLIENT", "UNPAUSE") == b"+OK\r\n"
+        writer_.sock.settimeout(10)
+        assert writer_.read_reply() == b"+OK\r\n"
+        assert reader.call("GET", "k") == b"$1\r\nv\r\n"
+
+
+def test_client_pause_all_holds_every_command_until_its_deadline(target):
+    with RespConnection(target) as admin, RespConnection(target) as other:
+        assert admin.call("CLIENT", "PAUSE", "400") == b"+OK\r\n"
+        other.send(b"*1\r\n$4\r\nPING\r\n")
+        assert nothing_arrives(other, 0.1)
+        other.sock.settimeout(10)
+        assert other.read_reply() == b"+PONG\r\n"

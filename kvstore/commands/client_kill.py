@@ -1,4 +1,5 @@
-"""CLIENT KILL and COMMAND GETKEYS: the parts of CLIENT and COMMAND with rules of their own.
+"""CLIENT KILL, CLIENT PAUSE/UNPAUSE and COMMAND GETKEYS: the parts of CLIENT and COMMAND
+with rules of their own.
 
 CLIENT KILL has Redis's two forms: ``CLIENT KILL addr:port`` (OK, or "No such
 client") and filters (``ID``, ``TYPE``, ``ADDR``, ``LADDR``, ``USER``,
@@ -11,7 +12,7 @@ ACLs check.
 """
 from __future__ import annotations
 
-from kvstore import acl
+from kvstore import acl, client_pause as pauses
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError, lookup
 from kvstore.protocol import writer
@@ -73,6 +74,24 @@ def client_kill(conn, args: list) -> bytes:
     victims = [c for c in clients if not (skip_me and c is conn) and all(t(c) for t in tests)]
     _kill(conn, victims)
     return writer.integer(len(victims))
+
+
+def client_pause(conn, args: list) -> bytes:
+    """CLIENT PAUSE timeout [WRITE|ALL] and CLIENT UNPAUSE (kvstore/client_pause.py)."""
+    if args[1].lower() == b"unpause":
+        pauses.unpause(conn.server)
+        return writer.OK
+    ms = parse_int(args[2], "timeout is not an integer or out of range")
+    if ms < 0:
+        raise CommandError("timeout is negative")
+    if len(args) > 4:
+        raise CommandError("unknown subcommand or wrong number of arguments for "
+                           f"'{args[1][:128].decode(errors='replace')}'. Try CLIENT HELP.")
+    mode = args[3].upper() if len(args) == 4 else b"ALL"
+    if mode not in (b"WRITE", b"ALL"):
+        raise CommandError("CLIENT PAUSE mode must be WRITE or ALL")
+    pauses.pause(conn.server, ms, writes_only=mode == b"WRITE")
+    return writer.OK
 
 
 def command_getkeys(args: list) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvstore import acl, info, live_config
 from kvstore.commands.args import SYNTAX, parse_int
-from kvstore.commands.client_kill import client_kill, command_getkeys
+from kvstore.commands.client_kill import client_kill, client_pause, command_getkeys
 from kvstore.commands.table import CommandError, all_commands, command, lookup
 from kvstore.protocol import writer
 
@@ -77,9 +77,13 @@ def hello(conn, args):
                                       "info": (2, "Returns information about the connection."),
                                       "setinfo": (4, "Sets information specific to the client or connection."),
                                       "kill": (-3, "Terminates open connections."),
-                                      "no-evict": (3, "Sets the client eviction mode of the connection.")})
+                                      "no-evict": (3, "Sets the client eviction mode of the connection."),
+                                      "pause": (-3, "Suspends commands processing."),
+                                      "unpause": (2, "Resumes processing commands from paused clients.")})
 def client(conn, args):
     sub = args[1].lower()
+    if sub in (b"pause", b"unpause"):
+        return client_pause(conn, args)
     if sub == b"kill":
         return client_kill(conn, args)
     if sub == b"no-evict":      # kvstore never evicts clients: the mode is accepted, as Redis does
