@@ -353,3 +353,33 @@ def test_client_pause_all_holds_every_command_until_its_deadline(target):
         assert nothing_arrives(other, 0.1)
         other.sock.settimeout(10)
         assert other.read_reply() == b"+PONG\r\n"
+
+
+@pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+def test_redis_py_sends_these_commands_on_its_own(kv):
+    """redis-py's setex/setnx/getex/incrbyfloat and an optimistic transaction (WATCH, MULTI, EXEC)."""
+    import redis as redis_py
+    client = redis_py.Redis(host=kv.host, port=kv.port)
+    try:
+        client.flushall()
+        assert client.setex("k", 100, "v") and 0 < client.ttl("k") <= 100
+        assert client.setnx("n", "1") and not client.setnx("n", "2")
+        assert client.getex("k", persist=True) == b"v" and client.ttl("k") == -1
+        assert client.incrbyfloat("f", 0.5) == 0.5
+
+        def bump(pipe):
+            value = int(pipe.get("n"))
+            pipe.multi()
+            pipe.set("n", value + 1)
+        client.transaction(bump, "n")
+        assert client.get("n") == b"2"
+        with client.pipeline() as pipe:
+            pipe.watch("n")
+            client.set("n", "changed")          # another client's write
+            pipe.multi()
+            pipe.set("n", "mine")
+            with pytest.raises(redis_py.WatchError):
+                pipe.execute()
+        assert client.get("n") == b"changed"
+    finally:
+        client.close()
