@@ -101,7 +101,10 @@ SCENARIOS: dict[str, list[Step]] = {
         ("INCRBYFLOAT", "f", "inf"), ("INCRBYFLOAT", "f", "nan"), ("SET", "s", "x"), ("INCRBYFLOAT", "s", "1"),
         ("SET", "i", "3"), ("INCRBYFLOAT", "i", "1.5"), ("INCRBYFLOAT", "i", "-4.5"), ("GET", "i"),
         ("INCRBYFLOAT", "h", "1e10"), ("INCRBYFLOAT", "h", ".5"), ("INCRBYFLOAT", "h", "-1e10"),
-        ("INCRBYFLOAT", "f"),
+        ("INCRBYFLOAT", "f"), ("SET", "big", BIG), ("INCRBYFLOAT", "big", "1"), ("INCR", "big"),
+        ("INCRBYFLOAT", "f", "1" * 5119), ("INCRBYFLOAT", "f", "1" * 5120), ("SET", "long", "1" * 5119),
+        ("INCRBYFLOAT", "long", "0"), ("INCRBYFLOAT", "f", "1e-5000"), ("INCRBYFLOAT", "f", "0e-5000"),
+        ("INCRBYFLOAT", "f", "-inf"), ("INCRBYFLOAT", "f", "1e5000"),
     ],
     "rename-renamenx": [
         ("RENAME", "missing", "x"), ("RENAMENX", "missing", "x"), ("SET", "a", "1", "EX", "100"),

@@ -11,18 +11,24 @@ import re
 
 import numpy as np
 
-from kvstore.commands.args import parse_int
+from kvstore.commands.args import WRONG_TYPE_INT, parse_int
 from kvstore.commands.table import CommandError, command, first_key
 from kvstore.protocol import writer
 
 NOT_FLOAT = "value is not a valid float"
 _FLOAT = re.compile(rb"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?inf(inity)?", re.IGNORECASE)
-MAX_FLOAT_CHARS = 5 * 1024
+MAX_FLOAT_CHARS = 5 * 1024      # Redis's MAX_LONG_DOUBLE_CHARS: a number is shorter
+MAX_INT_CHARS = 20              # "-9223372036854775808"
 
 
-def _current(conn, key: bytes) -> bytes | None:
+def _current(conn, key: bytes, longest: int, message: str) -> bytes | None:
+    """The value of ``key`` (None when absent); one longer than any number refused before it is copied."""
     slot = conn.engine.lookup(key)
-    return None if slot is None else conn.engine.value(slot)
+    if slot is None:
+        return None
+    if conn.engine.size_of(slot) > longest:
+        raise CommandError(message)
+    return conn.engine.value(slot)
 
 
 def _store(conn, key: bytes, value: bytes) -> None:
@@ -30,7 +36,7 @@ def _store(conn, key: bytes, value: bytes) -> None:
 
 
 def _incr(conn, key: bytes, by: int) -> bytes:
-    old = _current(conn, key)
+    old = _current(conn, key, MAX_INT_CHARS, WRONG_TYPE_INT)
     value = 0 if old is None else parse_int(old)
     total = value + by
     if not -2**63 <= total < 2**63:
@@ -67,10 +73,15 @@ def decrby(conn, args):
 
 
 def _long_double(arg: bytes, message: str) -> np.longdouble:
-    """A number as Redis's string2ld reads it: the whole argument, no spaces, no NaN."""
-    if len(arg) > MAX_FLOAT_CHARS or not _FLOAT.fullmatch(arg):
+    """A number as Redis's string2ld reads it: the whole argument, no spaces, no NaN, in range."""
+    if len(arg) >= MAX_FLOAT_CHARS or not _FLOAT.fullmatch(arg):
         raise CommandError(message)
-    return np.longdouble(arg.decode())
+    value = np.longdouble(arg.decode())
+    out_of_range = (np.isinf(value) and b"inf" not in arg.lower()) or \
+        (value == 0 and re.search(rb"[1-9]", re.split(rb"[eE]", arg)[0]))
+    if out_of_range:            # strtold's ERANGE: Redis refuses the number
+        raise CommandError(message)
+    return value
 
 
 def format_long_double(value: np.longdouble) -> bytes:
@@ -82,7 +93,7 @@ def format_long_double(value: np.longdouble) -> bytes:
 @command("INCRBYFLOAT", 3, "write denyoom fast", "string", "Increment the floating point value of a key by a "
          "number. Uses 0 as initial value if the key doesn't exist.", reads=first_key)
 def incrbyfloat(conn, args):
-    old = _current(conn, args[1])
+    old = _current(conn, args[1], MAX_FLOAT_CHARS - 1, NOT_FLOAT)
     value = np.longdouble(0) if old is None else _long_double(old, NOT_FLOAT)
     by = _long_double(args[2], NOT_FLOAT)
     total = value + by
