@@ -370,3 +370,43 @@ def test_resp_like_tokens_raise_only_protocol_error(tokens, sizes):
         parse_all(b"".join(tokens), sizes, max_bulk_len=1 << 20)
     except ProtocolError:
         pass
+
+
+# ----------------------------------------------------------------- the fast path for small commands
+
+PIPELINE = b"".join(encode_command("SET", "key:%d" % i, "v" * 100) for i in range(16))
+
+
+def test_a_pipelined_batch_of_small_commands_is_cut_in_one_pass(monkeypatch):
+    calls = []
+    real = RequestReader._begin_command
+    monkeypatch.setattr(RequestReader, "_begin_command", lambda self, out: calls.append(1) or real(self, out))
+    assert parse_all(PIPELINE) == [[b"SET", b"key:%d" % i, b"v" * 100] for i in range(16)]
+    assert len(calls) == 1, "the exact parser only sees the end of the buffer"
+
+
+@pytest.mark.parametrize("element", [b"+k", b"=5\r\ntxt:k", b"(5", b",1.5", b":5", b"_", b"#t", b"-ERR x",
+                                     b"~1\r\n$1\r\nk", b"%1\r\n$1\r\nk\r\n$1\r\nv", b">1\r\n$1\r\nk",
+                                     b"*1\r\n$1\r\nk", b"$-1"])
+def test_an_element_that_is_not_a_bulk_string_is_answered_as_the_exact_parser_answers(element, monkeypatch):
+    stream = PIPELINE + b"*2\r\n$3\r\nGET\r\n" + element + b"\r\n" + PIPELINE
+    assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
+
+
+def test_a_huge_array_header_is_left_to_the_exact_parser(monkeypatch):
+    """A reader that made a list on reading the header would make one of that size."""
+    for stream in (PIPELINE + b"*2\r\n$3\r\nGET\r\n*2000000000\r\n", PIPELINE + b"*99999\r\n" + PIPELINE):
+        assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
+
+
+def outcome(stream: bytes, fast: bool = True, monkeypatch=None) -> tuple[list, str | None]:
+    """The commands parsed from ``stream`` in one piece and the protocol error, if any,
+    with or without the fast path."""
+    if not fast:
+        monkeypatch.setattr(RequestReader, "_split_small_commands", lambda self, out: None)
+    reader, parsed = RequestReader(DEFAULT_MAX_BULK, Recorder()), []
+    try:
+        feed(reader, stream, out=parsed)
+        return args_of(parsed), None
+    except ProtocolError as exc:
+        return args_of(parsed + reader.parsed_before_error), str(exc)
