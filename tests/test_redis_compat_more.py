@@ -180,6 +180,17 @@ SCENARIOS: dict[str, list[Step]] = {
         ("SLOWLOG", "RESET", "x"), ("SLOWLOG",), ("SLOWLOG", "FOO"), ("SLOWLOG", "HELP"), ("SLOWLOG", "RESET"),
         ("SLOWLOG", "GET", "0"),
     ],
+    "lcs": [
+        ("LCS", "a", "b"), ("MSET", "a", "ohmytext", "b", "mynewtext"), ("LCS", "a", "b"), ("LCS", "a", "b", "LEN"),
+        ("LCS", "a", "b", "IDX"), ("LCS", "a", "b", "IDX", "MINMATCHLEN", "4"),
+        ("LCS", "a", "b", "IDX", "MINMATCHLEN", "4", "WITHMATCHLEN"), ("LCS", "a", "b", "idx", "withmatchlen"),
+        ("LCS", "a", "b", "LEN", "IDX"), ("LCS", "a", "b", "MINMATCHLEN", "x"), ("LCS", "a", "b", "FOO"),
+        ("LCS", "a", "b", "IDX", "MINMATCHLEN", "-1"), ("LCS", "a", "missing"), ("LCS", "a", "missing", "IDX"),
+        ("LCS", "a"), ("MSET", "x", "abcabcabcxyz", "y", "xaybczabcxxyz"), ("LCS", "x", "y"),
+        ("LCS", "x", "y", "IDX", "WITHMATCHLEN"), ("LCS", "y", "x", "IDX"), ("LCS", "x", "x", "IDX"),
+        ("SET", "big1", BIG[:2000] + b"q" * 100), ("SET", "big2", b"q" * 50 + BIG[:1500]),
+        ("LCS", "big1", "big2", "LEN"), ("LCS", "big1", "big2", "IDX", "MINMATCHLEN", "10"),
+    ],
 }
 
 
@@ -265,7 +276,7 @@ def test_client_tracking_is_refused_as_an_unknown_subcommand(kv):
 
 NEW_COMMANDS = ["setex", "psetex", "setnx", "getset", "msetnx", "getex", "append", "setrange", "incr", "decr",
                 "incrby", "decrby", "incrbyfloat", "watch", "unwatch", "rename", "renamenx", "copy", "touch",
-                "randomkey", "expireat", "pexpireat", "expiretime", "pexpiretime", "object", "latency", "slowlog"]
+                "randomkey", "expireat", "pexpireat", "expiretime", "pexpiretime", "object", "latency", "slowlog", "lcs"]
 
 
 def test_command_info_of_the_new_commands_matches_redis(redis, kv):

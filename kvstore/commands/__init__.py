@@ -1,6 +1,6 @@
 """Command families, grouped as Redis groups them; importing this package
 fills the command table (`table.TABLE`)."""
-from kvstore.commands import counters, keyspace, kvcache, renames, server, strings, transactions  # noqa: F401  (they register themselves)
+from kvstore.commands import counters, keyspace, kvcache, lcs, renames, server, strings, transactions  # noqa: F401  (they register themselves)
 from kvstore.commands import fastpath  # noqa: F401  (local fast path: leases, reservations)
 from kvstore.commands import layers  # noqa: F401  (layer-wise blocks)
 from kvstore.commands import diagnostics  # noqa: F401  (SLOWLOG; LATENCY, as Redis with its monitor off)
