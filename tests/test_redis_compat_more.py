@@ -397,3 +397,12 @@ def test_redis_py_sends_these_commands_on_its_own(kv):
         assert client.get("n") == b"changed"
     finally:
         client.close()
+
+
+def test_lcs_of_long_values_answers_len_but_refuses_the_walk(kv):
+    """A deliberate limit: the string and IDX replies walk back over both values in Python."""
+    with RespConnection(kv) as conn:
+        conn.call("SET", "a", "x")
+        conn.call("SET", "b", b"yx" * 200_000)
+        assert conn.call("LCS", "a", "b", "LEN") == b":1\r\n"
+        assert conn.call("LCS", "a", "b").startswith(b"-ERR LCS walks back over both values")

@@ -4,7 +4,10 @@ The table of prefix lengths is built a row at a time with numpy (a row is
 a running maximum over the previous one), then walked back from the end the
 way Redis walks it, so the string, the length and the IDX ranges (and their
 order) are Redis's. The table is as big as Redis's and refused past the same
-bound (proto-max-bulk-len), so a client cannot make it grow without limit.
+bound (proto-max-bulk-len), so a client cannot make it grow without limit;
+the walk back is a Python loop over both values, so the string and IDX
+replies are refused for values longer than ``MAX_WALK`` together (LEN, which
+needs no walk, is not).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from kvstore.commands.table import CommandError, command
 from kvstore.protocol import writer
 
 _LCS_OPTIONS = {b"IDX", b"LEN", b"WITHMATCHLEN"}
+MAX_WALK = 256 * 1024       # bytes of both values together that the string and IDX replies walk back over
 
 
 def _options(args: list) -> tuple[bool, bool, bool, int]:
@@ -36,7 +40,10 @@ def _options(args: list) -> tuple[bool, bool, bool, int]:
 
 
 def _table(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """table[i, j]: the LCS length of a[:i] and b[:j]."""
+    """table[i, j]: the LCS length of a[:i] and b[:j]; one numpy step per byte of the shorter
+    value (at most the square root of the table's bound), never a Python loop over the longer."""
+    if len(a) > len(b):
+        return _table(b, a).T
     table = np.zeros((len(a) + 1, len(b) + 1), dtype=np.uint32)
     for i in range(1, len(a) + 1):
         above = table[i - 1]
@@ -60,6 +67,9 @@ def lcs(conn, args):
     total = int(table[len(a), len(b)])
     if get_len:
         return writer.integer(total)
+    if len(a) + len(b) > MAX_WALK:
+        raise CommandError(f"LCS walks back over both values one byte at a time: longer than {MAX_WALK} bytes "
+                           "together they would stall the node (LEN still answers)")
     text, ranges = _walk_back(values[0], values[1], table, min_len)
     if not get_idx:
         return writer.bulk(text)
