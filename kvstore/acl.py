@@ -78,11 +78,12 @@ EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
 }
 # Commands that reach every key at once, the whole arena, or keys their table entry does not
 # locate: only for users allowed every key (so is any command that writes without naming its keys).
-WHOLE_KEYSPACE = frozenset({"keys", "scan", "flushdb", "flushall", "kv.arena", "kv.gpuarena", "kv.lease",
+WHOLE_KEYSPACE = frozenset({"keys", "scan", "randomkey", "flushdb", "flushall", "kv.arena", "kv.gpuarena", "kv.lease",
                             "kv.leasegpu", "kv.leaselayers", "kv.layerdone", "kv.release", "kv.reserve",
                             "kv.publish", "kv.unreserve", "kv.hotkeys", *_BETWEEN_NODES})
-# Commands that write a key and return its old value: they need read and write permission.
-READS_AND_WRITES = frozenset({"getdel"})
+# Commands that write a key and return its old value, or move a value from one key to another:
+# they need read and write permission on every key they name.
+READS_AND_WRITES = frozenset({"getdel", "copy", "rename", "renamenx"})
 # Keys the command table cannot locate: in options, or after a subcommand.
 OPTION_KEYS = {"kv.put": 3, "kv.block": 3, "kv.publish": 3}        # PARENT <key> from this index on
 OPTION_VALUES = {b"PARENT": 1, b"TIMEOUT": 1, b"TOKEN": 1}

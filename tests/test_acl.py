@@ -186,7 +186,9 @@ def test_no_auth_commands_are_never_denied():
     (("KV.RESERVE", "t", "100", "10"), False), (("KV.PUBLISH", "1", "tenantA:1"), False),
     (("KV.RELEASE", "1"), False), (("KV.UNRESERVE", "1"), False), (("KV.STATS",), True), (("DBSIZE",), True),
     (("KV.HOTKEYS",), False), (("KV.IMPORT", "1", "tenantA:1", "", "v"), False), (("KV.UNCOPY", "tenantA:1"), False),
-    (("KV.TOUCH", "tenantA:1"), True), (("KV.TOUCH", "tenantB:1"), False),
+    (("KV.TOUCH", "tenantA:1"), True), (("KV.TOUCH", "tenantB:1"), False), (("RANDOMKEY",), False),
+    (("OBJECT", "ENCODING", "tenantB:1"), False), (("OBJECT", "ENCODING", "tenantA:1"), True),
+    (("COPY", "tenantB:1", "tenantA:1"), False), (("RENAME", "tenantA:1", "tenantB:1"), False),
 ])
 def test_tenant_keys(request_, allowed):
     assert (denial(user(*TENANT), *request_) is None) == allowed
@@ -206,6 +208,8 @@ def test_read_and_write_patterns():
     assert denial(u, "SET", "wo:1", "v") is None and denial(u, "GET", "wo:1") is not None
     assert denial(u, "GETDEL", "wo:1") is not None and denial(u, "GETDEL", "rw:1") is None
     assert denial(u, "SET", "wo:1", "v", "GET") is not None and denial(u, "SET", "rw:1", "v", "GET") is None
+    assert denial(u, "COPY", "wo:1", "rw:2") is not None      # a write-only key is not read by copying it
+    assert denial(u, "COPY", "rw:1", "rw:2") is None
 
 
 def test_patterns_match_as_redis_globs():
