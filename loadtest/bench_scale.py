@@ -6,6 +6,7 @@ nodes (`sim_cluster`). docs/scale.md is written from what this prints.
     python -m loadtest.bench_scale replay --full kvcache-centric:none --others 100000
     python -m loadtest.bench_scale growth                   # wall time vs requests, vs instances
     python -m loadtest.bench_scale cluster --nodes 16 64 256
+    python -m loadtest.bench_scale hits --nodes 16          # hit ratio vs DRAM per node
     python -m loadtest.bench_scale map --nodes 256          # map size as nodes join one by one
 
 Replays run one at a time, each in a fresh process that generates its trace itself (the
@@ -152,19 +153,37 @@ def cmd_growth(args) -> None:
 
 
 def cmd_cluster(args) -> None:
-    from loadtest.sim_cluster import SimSettings, print_report, simulate
+    from loadtest.sim_cluster import SimSettings, simulate
+    from loadtest.sim_report import print_report
 
     print(load_line("before"))
     for nodes in args.nodes:
         settings = SimSettings(nodes=nodes, seed=args.seed, blocks_per_node=args.blocks_per_node)
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         report = simulate(settings)
-        print_report(report, time.perf_counter() - started)
+        print_report(report, time.perf_counter() - wall, time.process_time() - cpu)
     print(load_line("after"))
 
 
+def cmd_hits(args) -> None:
+    """Hit ratio against DRAM per node, no churn: each size warmed well past filling its DRAM (a
+    node fills in about blocks / 8 s at the default rate)."""
+    from loadtest.sim_cluster import SimSettings, simulate
+
+    print(f"\nHit ratio vs DRAM per node ({args.nodes} nodes, conversation load, no churn)")
+    print("| blocks per node | DRAM per node (GiB) | holds (s of writes) | hit ratio | reads GB/s per node "
+          "(mean / busiest) |\n|---|---|---|---|---|", flush=True)
+    for blocks in args.blocks:
+        settings = SimSettings(nodes=args.nodes, blocks_per_node=blocks, seed=args.seed, events=(),
+                               warmup_s=300 + 0.4 * blocks, window_s=60, gap_s=60)
+        r = simulate(settings)
+        print(f"| {blocks} | {blocks * settings.nic.block_bytes / 2**30:,.0f} | {r.retention_s:.0f} "
+              f"| {r.steady_hit:.3f} | {r.read_gbps_per_node[0]:.2f} / {r.read_gbps_per_node[1]:.2f} |",
+              flush=True)
+
+
 def cmd_map(args) -> None:
-    from loadtest.sim_cluster import map_growth
+    from loadtest.sim_slotmap import map_growth
 
     for nodes in args.nodes:
         map_growth(nodes, args.seed)
@@ -190,11 +209,17 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     cp.add_argument("--blocks-per-node", type=int, default=1024)
     cp.add_argument("--seed", type=int, default=1)
+    hp = sub.add_parser("hits", help="hit ratio vs DRAM per node (sim_cluster, no churn)")
+    hp.add_argument("--nodes", type=int, default=16)
+    hp.add_argument("--blocks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    hp.add_argument("--seed", type=int, default=1)
     mp = sub.add_parser("map", help="slot map size as nodes join one by one")
     mp.add_argument("--nodes", type=int, nargs="+", default=[256])
     mp.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
-    {"replay": cmd_replay, "growth": cmd_growth, "cluster": cmd_cluster, "map": cmd_map}[args.command](args)
+    commands = {"replay": cmd_replay, "growth": cmd_growth, "cluster": cmd_cluster, "hits": cmd_hits,
+                "map": cmd_map}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -15,24 +15,24 @@ What is modelled. Time is virtual (`simclock`): leases, elections and move budge
 seconds they take, the code runs as fast as it can. Values are 64 bytes standing for blocks of
 `block_bytes`; node-to-node traffic crosses modelled NICs (sim_network.py), so a move budget
 cuts a slow move short as it would. The load is the conversation preset of the trace generator
-at `rate_per_node` requests per second per node: each request reads its prompt's blocks from
+at `rate_per_node` requests per second per node, with exact request times (the preset rounds
+them to 3 s ticks as the public trace was logged; served at once, a tick's requests would read a
+hot block before any copy of it could exist): each request reads its prompt's blocks from
 the first until one is missing (its prefix hit) and writes the rest, each block under its chain
 parent.
 
 `simulate` runs: all nodes start together, a warm-up, then one churn event every `gap_s`
-(join, clean leave, crash of a node, crash of the leader). Per event it reports slots moved
-against the ideal 16384/N, bytes moved, dropped and lost, the simulated seconds until every
-slot had a live owner again (coverage) and until every node held the final map (settled), the
-hit ratio over `window_s` before and after, and what etcd saw meanwhile. Every map any node
-applies is checked: no epoch may mean two maps, and no slot may be served by two nodes at one
-epoch.
+(join, clean leave, crash of a node, crash of the leader), and returns a `SimReport`
+(sim_report.py: per event, slots and bytes moved, coverage, hit ratio before and after, etcd
+load). Every map any node applies is checked: no epoch may mean two maps, and no slot may be
+served by two nodes at one epoch.
 """
 from __future__ import annotations
 
 import asyncio
 import random
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
@@ -40,7 +40,7 @@ import xxhash
 from conductor.tracegen import generate, spec_from
 from kvstore.cluster import migration
 from kvstore.cluster.assign import moved_slots
-from kvstore.cluster.fake_etcd import FakeEtcd, FakeEtcdStats
+from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.membership import InMemoryMembership
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.routing import redirect
@@ -50,6 +50,7 @@ from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.config import Config
 from kvstore.engine import Engine, OutOfMemory
 from loadtest.sim_network import NicModel, SimNetwork
+from loadtest.sim_report import EventReport, SimReport, etcd_rates
 
 EVENTS = ("join", "leave", "crash", "crash-leader")
 POLL_S = 0.05
@@ -76,46 +77,6 @@ class SimSettings:
         if unknown or self.nodes < 3 or self.window_s > self.gap_s:
             raise ValueError("events must be among join, leave, crash, crash-leader; at least 3 "
                              "nodes; window_s at most gap_s")
-
-
-@dataclass
-class EventReport:
-    kind: str
-    at_s: float
-    nodes_before: int
-    nodes_after: int
-    slots_moved: int = 0
-    ideal_slots: float = 0.0
-    moved_bytes: int = 0
-    dropped_bytes: int = 0
-    lost_bytes: int = 0
-    coverage_s: float = 0.0
-    settled_s: float = 0.0
-    hit_before: float = 0.0
-    hit_after: float = 0.0
-    errors_after: int = 0
-    etcd: dict = field(default_factory=dict)
-    map_bytes: int = 0
-
-    @property
-    def move_ratio(self) -> float:
-        return self.slots_moved / self.ideal_slots
-
-
-@dataclass
-class SimReport:
-    settings: SimSettings
-    events: list[EventReport]
-    steady_etcd: dict
-    requests: int
-    blocks: int
-    hits: int
-    errors: int
-    read_gbps_per_node: tuple[float, float]     # mean and busiest node over the run
-    copies_made: int
-    double_owned: int                            # slot claims beyond one per epoch (must be 0)
-    conflicts: int                               # epochs seen with two different maps (must be 0)
-    sim_s: float
 
 
 class SimNode:
@@ -266,8 +227,9 @@ class ClusterSim:
                 self.client_map = node.cluster.map
             elif reply.startswith(b"-ASK"):
                 target = self.up(reply.split()[2].decode())
-                asked = target and redirect(target.cluster, [key], True, lambda k: True)
-                return target if asked is None else None
+                if target is None or redirect(target.cluster, [key], True, lambda k: True) is not None:
+                    return None
+                return target
             else:
                 return None
         return None
@@ -361,15 +323,6 @@ class ClusterSim:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def etcd_rates(before: FakeEtcdStats, after: FakeEtcdStats, seconds: float) -> dict:
-    """What etcd saw between two snapshots: per-second rates and totals."""
-    return {"keepalives_per_s": (after.keepalives - before.keepalives) / seconds,
-            "watch_events": after.watch_events - before.watch_events,
-            "watch_events_per_s": (after.watch_events - before.watch_events) / seconds,
-            "txns": after.txns - before.txns, "txns_failed": after.txns_failed - before.txns_failed,
-            "bytes_written": after.bytes_written - before.bytes_written}
-
-
 @contextmanager
 def scaled_batches(model: NicModel):
     """Values are stored ``block_bytes / value_bytes`` times smaller than they stand for: scale
@@ -390,7 +343,8 @@ async def _simulate(settings: SimSettings) -> SimReport:
     sim.client_map = sim.live[0].cluster.map
     total_s = settings.warmup_s + settings.gap_s * len(settings.events)
     rate = settings.rate_per_node * settings.nodes
-    spec = spec_from("conversation", requests=int(rate * total_s * 1.1) + 100, rate=rate, seed=settings.seed)
+    spec = spec_from("conversation", requests=int(rate * total_s * 1.1) + 100, rate=rate, seed=settings.seed,
+                     tick_s=0.0)         # exact times: a logged trace's 3 s ticks would come as one burst
     start = loop.time()
     requests = (replace(r, arrival_s=start + r.arrival_s) for r in generate(spec))
     load = loop.create_task(sim.run_load(requests))
@@ -398,6 +352,9 @@ async def _simulate(settings: SimSettings) -> SimReport:
     steady0 = replace(sim.etcd.stats)
     await asyncio.sleep(settings.window_s)
     steady = etcd_rates(steady0, sim.etcd.stats, settings.window_s)
+    steady_hit, _ = sim.hit_ratio(loop.time() - settings.window_s, loop.time())
+    written = sum(r[1] - r[2] for r in sim.log if r[0] >= loop.time() - settings.window_s)
+    retention_s = settings.nodes * settings.blocks_per_node * settings.window_s / max(written, 1)
     events = []
     for kind in settings.events:
         t0 = loop.time()
@@ -407,7 +364,7 @@ async def _simulate(settings: SimSettings) -> SimReport:
     sim_s = loop.time() - start
     reads = np.array([n.reads for n in sim.every], dtype=float) * settings.nic.block_bytes / sim_s / 1e9
     report = SimReport(settings, events, steady, len(sim.log), sum(r[1] for r in sim.log),
-                       sum(r[2] for r in sim.log), sum(r[3] for r in sim.log),
+                       sum(r[2] for r in sim.log), sum(r[3] for r in sim.log), steady_hit, retention_s,
                        (float(reads.sum() / len(sim.live)), float(reads.max())),
                        sum(n.services.copies.stats.copies_made for n in sim.every if n.services),
                        sim.double_owned, sim.conflicts, sim_s)
@@ -419,68 +376,3 @@ def simulate(settings: SimSettings) -> SimReport:
     """Run the whole simulation on a virtual clock; see the module docstring."""
     with scaled_batches(settings.nic):
         return run_simulated(_simulate(settings))
-
-
-def print_report(r: SimReport, wall_s: float) -> None:
-    s = r.settings
-    gib = 2**30
-    print(f"\n{s.nodes} nodes, {s.blocks_per_node} blocks of {s.nic.block_bytes / 2**20:.0f} MiB per node, "
-          f"{s.rate_per_node * s.nodes:.1f} req/s, NIC {s.nic.nic_bytes_per_s * 8 / 1e9:.0f} Gbit/s, "
-          f"move budget {s.move_budget:g} s, node timeout {s.node_timeout:g} s, hot-reads {s.hot_reads:g}")
-    print("| event | nodes | slots moved | ideal | ratio | moved GiB | dropped GiB | lost GiB "
-          "| coverage (s) | settled (s) | hit before | hit after | errors | keepalives/s "
-          "| watch events | txns (failed) | map bytes |")
-    print("|" + "---|" * 17)
-    for e in r.events:
-        t = e.etcd
-        print(f"| {e.kind} | {e.nodes_before}->{e.nodes_after} | {e.slots_moved} | {e.ideal_slots:.0f} "
-              f"| {e.move_ratio:.2f} | {e.moved_bytes / gib:.1f} | {e.dropped_bytes / gib:.1f} "
-              f"| {e.lost_bytes / gib:.1f} | {e.coverage_s:.2f} | {e.settled_s:.2f} | {e.hit_before:.3f} "
-              f"| {e.hit_after:.3f} | {e.errors_after} | {t['keepalives_per_s']:.0f} | {t['watch_events']} "
-              f"| {t['txns']} ({t['txns_failed']}) | {e.map_bytes} |")
-    t = r.steady_etcd
-    print(f"steady state: {t['keepalives_per_s']:.1f} keep-alives/s, {t['watch_events_per_s']:.1f} watch "
-          f"events/s, {t['txns'] / s.window_s:.2f} txns/s; requests {r.requests}, hit ratio "
-          f"{r.hits / max(r.blocks, 1):.3f}, block errors {r.errors}; reads per node "
-          f"{r.read_gbps_per_node[0]:.2f} GB/s mean, {r.read_gbps_per_node[1]:.2f} busiest; "
-          f"hot-block copies made {r.copies_made}")
-    print(f"slots served by two nodes at one epoch: {r.double_owned}; epochs with two maps: {r.conflicts}; "
-          f"{r.sim_s:.0f} simulated s in {wall_s:.0f} s of wall time")
-
-
-async def _grow(nodes: int, seed: int) -> list[tuple[int, int, int]]:
-    rng = random.Random(seed)
-    etcd = FakeEtcd()
-    states: list[ClusterState] = []
-    rows = []
-    for i in range(nodes):
-        state = ClusterState("%040x" % rng.getrandbits(160), f"10.{i // 250}.{i % 250}.1:7000",
-                             InMemoryMembership(etcd, "grow", 5.0))
-        await state.start()
-        states.append(state)
-        ids = {s.my_id for s in states}
-        while not all(set(s.map.nodes) == ids and s.ok for s in states):
-            await asyncio.sleep(POLL_S)
-        m = states[0].map
-        rows.append((i + 1, len(m.ranges), len(m.to_json())))
-    for state in states:
-        await state.stop()
-    etcd.close()
-    return rows
-
-
-def map_growth(nodes: int, seed: int = 1) -> None:
-    """Print the slot map's size as ``nodes`` join one at a time (beside the map of the same nodes
-    started together) and what one write of it costs the watchers."""
-    from kvstore.cluster.assign import rebalance
-
-    rows = run_simulated(_grow(nodes, seed))
-    print(f"\nSlot map as {nodes} nodes join one at a time (the leader's own assignment, clean moves off)")
-    print("| nodes | ranges | map bytes | started together: ranges, bytes | one write to every watcher |")
-    print("|---|---|---|---|---|")
-    for n, ranges, size in rows:
-        if n & (n - 1) == 0 or n == nodes:
-            together = rebalance(SlotMap.empty(), {"%040x" % i: f"10.0.{i // 250}.{i % 250}:1"
-                                                   for i in range(n)})
-            print(f"| {n} | {ranges} | {size:,} | {len(together.ranges)}, {len(together.to_json()):,} "
-                  f"| {n * size / 2**20:.2f} MiB |")

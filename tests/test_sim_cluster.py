@@ -16,7 +16,8 @@ from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap
 from kvstore.config import Config
 from kvstore.engine import Engine
-from loadtest.sim_cluster import SimSettings, map_growth, simulate
+from loadtest.sim_cluster import SimSettings, simulate
+from loadtest.sim_slotmap import map_growth
 from loadtest.sim_network import NicModel, SimNetwork
 
 A, B = "a" * 40, "b" * 40

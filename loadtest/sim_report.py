@@ -1,0 +1,94 @@
+"""What a cluster simulation reports (sim_cluster.py), and the table it prints.
+
+Per churn event: slots moved against the ideal 16384/N, bytes moved, dropped and lost (values
+stand for whole blocks), the simulated seconds until every slot had a live owner again
+(coverage) and until every node held the final map (settled), the hit ratio over a window
+before and after, block requests that found no node to serve them, and what etcd saw until the
+cluster settled. Over the run: the etcd load at rest, the hit ratio, the read bandwidth of the
+average and the busiest node, and the two safety counts, which must be 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.cluster.fake_etcd import FakeEtcdStats
+
+
+@dataclass
+class EventReport:
+    kind: str
+    at_s: float
+    nodes_before: int
+    nodes_after: int
+    slots_moved: int = 0
+    ideal_slots: float = 0.0
+    moved_bytes: int = 0
+    dropped_bytes: int = 0
+    lost_bytes: int = 0
+    coverage_s: float = 0.0
+    settled_s: float = 0.0
+    hit_before: float = 0.0
+    hit_after: float = 0.0
+    errors_after: int = 0
+    etcd: dict = field(default_factory=dict)
+    map_bytes: int = 0
+
+    @property
+    def move_ratio(self) -> float:
+        return self.slots_moved / self.ideal_slots
+
+
+@dataclass
+class SimReport:
+    settings: SimSettings
+    events: list[EventReport]
+    steady_etcd: dict
+    requests: int
+    blocks: int
+    hits: int
+    errors: int
+    steady_hit: float                            # hit ratio over the last window of the warm-up
+    retention_s: float                           # DRAM of all nodes / blocks written per second then
+    read_gbps_per_node: tuple[float, float]     # mean and busiest node over the run
+    copies_made: int
+    double_owned: int                            # slot claims beyond one per epoch (must be 0)
+    conflicts: int                               # epochs seen with two different maps (must be 0)
+    sim_s: float
+
+
+def etcd_rates(before: FakeEtcdStats, after: FakeEtcdStats, seconds: float) -> dict:
+    """What etcd saw between two snapshots: per-second rates and totals."""
+    return {"keepalives_per_s": (after.keepalives - before.keepalives) / seconds,
+            "watch_events": after.watch_events - before.watch_events,
+            "watch_events_per_s": (after.watch_events - before.watch_events) / seconds,
+            "txns": after.txns - before.txns, "txns_failed": after.txns_failed - before.txns_failed,
+            "bytes_written": after.bytes_written - before.bytes_written}
+
+
+def print_report(r: SimReport, wall_s: float, cpu_s: float) -> None:
+    """The events as a markdown table, then the run's totals."""
+    s = r.settings
+    gib = 2**30
+    print(f"\n{s.nodes} nodes, {s.blocks_per_node} blocks of {s.nic.block_bytes / 2**20:.0f} MiB per node, "
+          f"{s.rate_per_node * s.nodes:.1f} req/s, NIC {s.nic.nic_bytes_per_s * 8 / 1e9:.0f} Gbit/s, "
+          f"move budget {s.move_budget:g} s, node timeout {s.node_timeout:g} s, hot-reads {s.hot_reads:g}")
+    print("| event | nodes | slots moved | ideal | ratio | moved GiB | dropped GiB | lost GiB "
+          "| coverage (s) | settled (s) | hit before | hit after | errors | keepalives/s "
+          "| watch events | txns (failed) | map bytes |")
+    print("|" + "---|" * 17)
+    for e in r.events:
+        t = e.etcd
+        print(f"| {e.kind} | {e.nodes_before}->{e.nodes_after} | {e.slots_moved} | {e.ideal_slots:.0f} "
+              f"| {e.move_ratio:.2f} | {e.moved_bytes / gib:.1f} | {e.dropped_bytes / gib:.1f} "
+              f"| {e.lost_bytes / gib:.1f} | {e.coverage_s:.2f} | {e.settled_s:.2f} | {e.hit_before:.3f} "
+              f"| {e.hit_after:.3f} | {e.errors_after} | {t['keepalives_per_s']:.0f} | {t['watch_events']} "
+              f"| {t['txns']} ({t['txns_failed']}) | {e.map_bytes} |")
+    t = r.steady_etcd
+    print(f"steady state: hit ratio {r.steady_hit:.3f}, DRAM holds {r.retention_s:.0f} s of writes, "
+          f"{t['keepalives_per_s']:.1f} keep-alives/s, {t['watch_events_per_s']:.1f} watch "
+          f"events/s, {t['txns'] / s.window_s:.2f} txns/s; requests {r.requests}, overall hit ratio "
+          f"{r.hits / max(r.blocks, 1):.3f}, block errors {r.errors}; reads per node "
+          f"{r.read_gbps_per_node[0]:.2f} GB/s mean, {r.read_gbps_per_node[1]:.2f} busiest; "
+          f"hot-block copies made {r.copies_made}")
+    print(f"slots served by two nodes at one epoch: {r.double_owned}; epochs with two maps: {r.conflicts}; "
+          f"{r.sim_s:.0f} simulated s in {wall_s:.0f} s of wall time ({cpu_s:.0f} s of CPU)")

@@ -1,0 +1,57 @@
+"""The slot map's size as nodes join one at a time: the real leader over the in-process etcd.
+
+The leader moves as few slots as it can: a joining node takes the highest slots of every node
+over its share, so each join adds about one range per node, and a map built join by join holds
+far more ranges than the map of the same nodes started together. Every node watches the map, so
+each write of it costs etcd its size once per node.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+from kvstore.cluster.assign import rebalance
+from kvstore.cluster.fake_etcd import FakeEtcd
+from kvstore.cluster.membership import InMemoryMembership
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.simclock import run_simulated
+from kvstore.cluster.slots import SlotMap
+
+POLL_S = 0.05
+
+
+async def _grow(nodes: int, seed: int) -> list[tuple[int, int, int]]:
+    """(nodes, ranges, map bytes) after each join, every node waited for before the next joins."""
+    rng = random.Random(seed)
+    etcd = FakeEtcd()
+    states: list[ClusterState] = []
+    rows = []
+    for i in range(nodes):
+        state = ClusterState("%040x" % rng.getrandbits(160), f"10.{i // 250}.{i % 250}.1:7000",
+                             InMemoryMembership(etcd, "grow", 5.0))
+        await state.start()
+        states.append(state)
+        ids = {s.my_id for s in states}
+        while not all(set(s.map.nodes) == ids and s.ok for s in states):
+            await asyncio.sleep(POLL_S)
+        m = states[0].map
+        rows.append((i + 1, len(m.ranges), len(m.to_json())))
+    for state in states:
+        await state.stop()
+    etcd.close()
+    return rows
+
+
+def map_growth(nodes: int, seed: int = 1) -> None:
+    """Print the slot map's size as ``nodes`` join one at a time (beside the map of the same nodes
+    started together) and what one write of it costs the watchers."""
+    rows = run_simulated(_grow(nodes, seed))
+    print(f"\nSlot map as {nodes} nodes join one at a time (the leader's own assignment, clean moves off)")
+    print("| nodes | ranges | map bytes | started together: ranges, bytes | one write to every watcher |")
+    print("|---|---|---|---|---|")
+    for n, ranges, size in rows:
+        if n & (n - 1) == 0 or n == nodes:
+            together = rebalance(SlotMap.empty(), {"%040x" % i: f"10.0.{i // 250}.{i % 250}:1"
+                                                   for i in range(n)})
+            print(f"| {n} | {ranges} | {size:,} | {len(together.ranges)}, {len(together.to_json()):,} "
+                  f"| {n * size / 2**20:.2f} MiB |")
