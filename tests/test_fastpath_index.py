@@ -3,8 +3,8 @@
 A reader that holds no lease finds a DRAM value in the index and copies it with no round
 trip. Each test here changes the value *during* that copy (the change is made, and
 acknowledged by the node, inside the reader's copy, before the check that follows it):
-overwritten in place and elsewhere, deleted, flushed, expired, evicted, demoted to SSD,
-and the node restarted (stopped, or killed with SIGKILL). The get must give the node's
+overwritten in place and elsewhere, rewritten by SETRANGE, renamed, deleted, flushed,
+expired, evicted, demoted to SSD, and the node restarted (stopped, or killed with SIGKILL). The get must give the node's
 answer after the change, never the copied bytes. Then: many copies racing a writer never
 return a torn or stale value; reads from the index count as hits on the node; the async
 client and a TCP client use the index too; a client killed while reading from it leaves
@@ -91,6 +91,8 @@ SMALL = 16 * 1024                # under the node's big-bulk size: received on t
 CHANGES = {
     "overwritten in place": (SMALL, lambda w: w.put("k", version(2, SMALL), overwrite=True), 2),
     "overwritten elsewhere": (MIB, lambda w: w.put("k", version(3, 2 * MIB), overwrite=True), 3),
+    "rewritten by SETRANGE": (SMALL, lambda w: w.execute("SETRANGE", "k", 0, version(4, SMALL).tobytes()), 4),
+    "renamed": (MIB, lambda w: w.execute("RENAME", "k", "k2"), None),
     "deleted": (MIB, lambda w: w.delete("k"), None),
     "flushed": (MIB, lambda w: w.execute("FLUSHALL"), None),
     "expired": (MIB, lambda w: (w.execute("PEXPIRE", "k", 1), eventually(lambda: w.exists("k") == 0)), None),
