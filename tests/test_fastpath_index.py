@@ -4,11 +4,11 @@ A reader that holds no lease finds a DRAM value in the index and copies it with 
 trip. Each test here changes the value *during* that copy (the change is made, and
 acknowledged by the node, inside the reader's copy, before the check that follows it):
 overwritten in place and elsewhere, rewritten by SETRANGE, renamed, deleted, flushed,
-expired, evicted, demoted to SSD, and the node restarted (stopped, or killed with SIGKILL). The get must give the node's
-answer after the change, never the copied bytes. Then: many copies racing a writer never
-return a torn or stale value; reads from the index count as hits on the node; the async
-client and a TCP client use the index too; a client killed while reading from it leaves
-the node nothing to reclaim.
+expired, evicted, demoted to SSD, and the node restarted (stopped, or killed with
+SIGKILL). The get must give the node's answer after the change, never the copied bytes.
+Then: many copies racing a writer never return a torn or stale value; reads from the
+index count as hits on the node; the async client and a TCP client use the index too; a
+client killed while reading from it leaves the node nothing to reclaim.
 """
 from __future__ import annotations
 
