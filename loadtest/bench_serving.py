@@ -206,7 +206,7 @@ def main() -> None:
                    "shared host, OpenMP threads spinning at barriers make multi-thread timings erratic)")
     p.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block of the timed figures")
     p.add_argument("--requests", type=int, default=200, help="trace requests replayed live")
-    p.add_argument("--rate", type=float, default=1.0, help="requests per second of the live replay (default 1)")
+    p.add_argument("--rate", type=float, default=0.6, help="requests per second of the live replay (default 0.6)")
     args = p.parse_args()
     sections = set(args.only.split(","))
     torch.set_num_threads(args.threads)
