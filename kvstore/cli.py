@@ -90,6 +90,9 @@ def serve_parser(sub) -> argparse.ArgumentParser:
     security.add_argument("--tls-auth-clients", choices=("yes", "no", "optional"),
                           help="require a client certificate, verify one if offered, or ask for none "
                           "(default yes)")
+    security.add_argument("--tls-cluster", choices=("yes", "no"),
+                          help="announce the TLS port to the cluster; nodes talk to each other over TLS "
+                          "with this node's certificate (default no)")
     security.add_argument("--client-output-buffer-limit", metavar="LIMITS", help="'normal HARD SOFT SECONDS': "
                           "close a client whose unread replies pass HARD, or SOFT for SECONDS (default "
                           "'normal 0 0 0': no limit)")

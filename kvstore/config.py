@@ -110,6 +110,7 @@ class Config:
     tls_key_file: str | None = None
     tls_ca_cert_file: str | None = None
     tls_auth_clients: str = "yes"     # yes: clients need a certificate the CA signed; optional; no
+    tls_cluster: str = "no"           # yes: announce the TLS port; nodes talk to each other over TLS
     client_output_buffer_limit: str = DEFAULT_OUTPUT_BUFFER_LIMIT   # class hard soft soft-seconds
     client_query_buffer_limit: int = 1024**3
     slowlog_log_slower_than: int = 10000   # microseconds; 0 logs every command, -1 none
@@ -120,7 +121,7 @@ class Config:
                   "tls_port", "hot_replicas", "slowlog_log_slower_than", "slowlog_max_len")
     FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout", "cluster_move_budget", "hot_reads")
     LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel", "protected_mode",
-                        "tls_auth_clients")
+                        "tls_auth_clients", "tls_cluster")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,6 +171,8 @@ class Config:
     def _validate_tls(self) -> None:
         _check(0 <= self.tls_port < 65536, "tls-port", f"tls-port {self.tls_port} out of range")
         _one_of("tls-auth-clients", self.tls_auth_clients, TLS_AUTH_CLIENTS)
+        _one_of("tls-cluster", self.tls_cluster, YES_NO)
+        _check(self.tls_cluster == "no" or bool(self.tls_port), "tls-cluster", "tls-cluster yes needs tls-port")
         if not self.tls_port:
             return
         _check(bool(self.tls_cert_file and self.tls_key_file), "tls-port",

@@ -23,7 +23,7 @@ from kvstore.config import LOG_LEVELS, Config, ConfigError, parse_size
 FIXED_AT_START = frozenset({"bind", "port", "unixsocket", "dram-size", "ssd-dir", "ssd-size", "ssd-compression",
                             "gpu-size", "gpu-device", "metrics-port", "save", "appendonly",
                             "cluster", "announce", "cluster-node-timeout", "aclfile", "tls-port", "tls-cert-file",
-                            "tls-key-file", "tls-ca-cert-file", "tls-auth-clients"})
+                            "tls-key-file", "tls-ca-cert-file", "tls-auth-clients", "tls-cluster"})
 # Redis settings clients ask about; the node persists nothing but its SSD tier (as Redis with save "").
 REDIS_ONLY = {"save": "", "appendonly": "no"}
 

@@ -115,10 +115,14 @@ class Server:
             self.cluster_services.close()
         self._close()
 
+    def cluster_tls_context(self):
+        """The context this node reaches other nodes with, when the cluster speaks TLS."""
+        return tls.client_context(self.config) if self.config.tls_cluster == "yes" else None
+
     async def _join_cluster(self) -> None:
         """Register in etcd and take this node's share of the slots (kvstore/cluster/)."""
         from kvstore.cluster.runner import announce_address, start_cluster
-        port = self.listeners[0].getsockname()[1]
+        port = self.tls_port_bound if self.config.tls_cluster == "yes" else self.listeners[0].getsockname()[1]
         announce = announce_address(self.config.bind, port, self.config.announce)
         self.cluster = await start_cluster(self.config.cluster, announce, self.config.cluster_node_timeout)
         from kvstore.cluster.services import ClusterServices
@@ -144,6 +148,8 @@ class Server:
             lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             lsock.bind((addr, port))
             self._add_listener(lsock, tcp=True, tls=tls)
+            if tls:
+                self.tls_port_bound = lsock.getsockname()[1]
             log.info("Listening on %s:%d%s", addr, lsock.getsockname()[1], " (TLS)" if tls else "")
 
     def _add_listener(self, lsock: socket.socket, tcp: bool, tls: bool) -> None:

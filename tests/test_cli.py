@@ -138,6 +138,7 @@ BAD_TOML = [
     ("tls-key-file = 1", "tls-key-file must be a string"),
     ("tls-ca-cert-file = 1", "tls-ca-cert-file must be a string"),
     ('tls-auth-clients = "sometimes"', "tls-auth-clients must be one of yes, no, optional"),
+    ('tls-cluster = "always"', "tls-cluster must be one of yes, no"),
     ('client-output-buffer-limit = "normal 1mb"', "client-output-buffer-limit: expected groups of class"),
     ('client-query-buffer-limit = "1kb"', "client-query-buffer-limit must be at least 1mb"),
     ("slowlog-log-slower-than = -2", "slowlog-log-slower-than must be -1 (log nothing) or more"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 
 log = logging.getLogger("kvstore.cluster")
@@ -88,10 +89,12 @@ async def read_reply(reader: asyncio.StreamReader):
 class PeerLink:
     """One pipelined connection to the node at ``addr`` (``host:port``)."""
 
-    def __init__(self, addr: str, password: str | None = None, timeout: float = CALL_TIMEOUT):
+    def __init__(self, addr: str, password: str | None = None, timeout: float = CALL_TIMEOUT,
+                 tls_context: ssl.SSLContext | None = None):
         self.addr = addr
         self.password = password
         self.timeout = timeout
+        self.tls_context = tls_context      # the cluster speaks TLS (tls-cluster yes)
         host, _, port = addr.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._writer: asyncio.StreamWriter | None = None
@@ -139,7 +142,7 @@ class PeerLink:
                 raise PeerError(f"node {self.addr} is unreachable")
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT):
-                    reader, writer = await asyncio.open_connection(self._host, self._port)
+                    reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self.tls_context)
                     if self.password:
                         writer.writelines(encode((b"AUTH", self.password)))
                         reply = await read_reply(reader)
@@ -186,15 +189,17 @@ class PeerLink:
 class Peers:
     """The links of one node to the others, made on first use and kept per address."""
 
-    def __init__(self, password: str | None = None, timeout: float = CALL_TIMEOUT):
+    def __init__(self, password: str | None = None, timeout: float = CALL_TIMEOUT,
+                 tls_context: ssl.SSLContext | None = None):
         self.password = password
         self.timeout = timeout
+        self.tls_context = tls_context
         self._links: dict[str, PeerLink] = {}
 
     def link(self, addr: str) -> PeerLink:
         link = self._links.get(addr)
         if link is None:
-            link = self._links[addr] = PeerLink(addr, self.password, self.timeout)
+            link = self._links[addr] = PeerLink(addr, self.password, self.timeout, self.tls_context)
         return link
 
     def keep_only(self, addrs) -> None:

@@ -31,7 +31,8 @@ class ClusterServices:
 
         self.server = server
         self.cluster = cluster
-        self.peers = peers or Peers(server.config.requirepass)     # a simulation passes in-process links
+        # A simulation passes in-process links; with tls-cluster, nodes reach each other over TLS.
+        self.peers = peers or Peers(server.config.requirepass, tls_context=server.cluster_tls_context())
         self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads)
         self.copies = HotCopies(server.engine, cluster, self.peers, config, self.moves.rescue)
         self.copies.attach()
