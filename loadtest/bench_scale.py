@@ -158,7 +158,8 @@ def cmd_cluster(args) -> None:
 
     print(load_line("before"))
     for nodes in args.nodes:
-        settings = SimSettings(nodes=nodes, seed=args.seed, blocks_per_node=args.blocks_per_node)
+        settings = SimSettings(nodes=nodes, seed=args.seed, blocks_per_node=args.blocks_per_node,
+                               shed_copies=not args.keep_copies)
         wall, cpu = time.perf_counter(), time.process_time()
         report = simulate(settings)
         print_report(report, time.perf_counter() - wall, time.process_time() - cpu)
@@ -175,7 +176,8 @@ def cmd_hits(args) -> None:
           "(mean / busiest) |\n|---|---|---|---|---|", flush=True)
     for blocks in args.blocks:
         settings = SimSettings(nodes=args.nodes, blocks_per_node=blocks, seed=args.seed, events=(),
-                               warmup_s=300 + 0.4 * blocks, window_s=60, gap_s=60)
+                               warmup_s=0.4 * blocks + 60 + args.window, window_s=args.window,
+                               gap_s=args.window)
         r = simulate(settings)
         print(f"| {blocks} | {blocks * settings.nic.block_bytes / 2**30:,.0f} | {r.retention_s:.0f} "
               f"| {r.steady_hit:.3f} | {r.read_gbps_per_node[0]:.2f} / {r.read_gbps_per_node[1]:.2f} |",
@@ -209,10 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     cp.add_argument("--blocks-per-node", type=int, default=1024)
     cp.add_argument("--seed", type=int, default=1)
+    cp.add_argument("--keep-copies", action="store_true",
+                    help="what-if: holders keep hot copies under memory pressure (the store sheds them first)")
     hp = sub.add_parser("hits", help="hit ratio vs DRAM per node (sim_cluster, no churn)")
     hp.add_argument("--nodes", type=int, default=16)
     hp.add_argument("--blocks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     hp.add_argument("--seed", type=int, default=1)
+    hp.add_argument("--window", type=float, default=300.0, help="seconds the hit ratio is measured over")
     mp = sub.add_parser("map", help="slot map size as nodes join one by one")
     mp.add_argument("--nodes", type=int, nargs="+", default=[256])
     mp.add_argument("--seed", type=int, default=1)

@@ -71,6 +71,7 @@ class SimSettings:
     gap_s: float = 60.0
     window_s: float = 30.0
     events: tuple[str, ...] = ("join", "leave", "crash", "crash-leader", "join", "leave")
+    shed_copies: bool = True            # False, a what-if: holders keep hot copies under memory pressure
 
     def __post_init__(self) -> None:
         unknown = set(self.events) - set(EVENTS)
@@ -92,12 +93,15 @@ class SimNode:
         self.cluster = ClusterState(node_id, addr, membership, move_budget=s.move_budget)
         self.cluster.add_listener(lambda old, new: sim.audit(self, new))
         self.services: ClusterServices | None = None
+        self.shed_copies = s.shed_copies
         self.reads = 0
         sim.network.add(addr, self)
 
     async def start(self, network: SimNetwork) -> None:
         await self.cluster.start()
         self.services = ClusterServices(self, self.cluster, network.peers_of(self.addr))
+        if not self.shed_copies:
+            self.engine.shed_first = None       # the what-if: copies compete in the LRU like any value
 
     async def leave(self) -> None:
         """The server's SIGTERM path: move the slots away, leave, stop the services."""
@@ -367,6 +371,7 @@ async def _simulate(settings: SimSettings) -> SimReport:
                        sum(r[2] for r in sim.log), sum(r[3] for r in sim.log), steady_hit, retention_s,
                        (float(reads.sum() / len(sim.live)), float(reads.max())),
                        sum(n.services.copies.stats.copies_made for n in sim.every if n.services),
+                       sum(n.services.copies.held.shed for n in sim.every if n.services),
                        sim.double_owned, sim.conflicts, sim_s)
     await sim.stop()
     return report

@@ -51,6 +51,7 @@ class SimReport:
     retention_s: float                           # DRAM of all nodes / blocks written per second then
     read_gbps_per_node: tuple[float, float]     # mean and busiest node over the run
     copies_made: int
+    copies_shed: int                             # copies a holder dropped to make room
     double_owned: int                            # slot claims beyond one per epoch (must be 0)
     conflicts: int                               # epochs seen with two different maps (must be 0)
     sim_s: float
@@ -89,6 +90,6 @@ def print_report(r: SimReport, wall_s: float, cpu_s: float) -> None:
           f"events/s, {t['txns'] / s.window_s:.2f} txns/s; requests {r.requests}, overall hit ratio "
           f"{r.hits / max(r.blocks, 1):.3f}, block errors {r.errors}; reads per node "
           f"{r.read_gbps_per_node[0]:.2f} GB/s mean, {r.read_gbps_per_node[1]:.2f} busiest; "
-          f"hot-block copies made {r.copies_made}")
+          f"hot-block copies made {r.copies_made}, shed for room {r.copies_shed}")
     print(f"slots served by two nodes at one epoch: {r.double_owned}; epochs with two maps: {r.conflicts}; "
           f"{r.sim_s:.0f} simulated s in {wall_s:.0f} s of wall time ({cpu_s:.0f} s of CPU)")
