@@ -77,6 +77,7 @@ class PrefillEngine:
 
     def _prefill(self, request: EngineRequest, reuse_limit: int | None, store_kv: bool) -> PrefillResult:
         connector, rid = self.connector, request.request_id
+        connector.get_finished()             # drain the finished-saving record, as vLLM does every step
         started = time.perf_counter()
         hit, _ = connector.get_num_new_matched_tokens(request, 0)
         if reuse_limit is not None:
