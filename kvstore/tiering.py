@@ -90,6 +90,7 @@ class TierManager:
         self._moving: dict[int, int] = {}                 # slot -> token of its copy to another tier
         self._tokens = itertools.count(1)
         self._inflight = 0
+        self._newest = -1                   # the entry committed last (maybe a chain head whose tail is coming)
         self._ssd_trouble_until = 0.0
         self._stalled = False              # demotion found nothing to move: writes may evict
         self._unacked: list[asyncio.Future] = []
@@ -287,6 +288,7 @@ class TierManager:
     def on_commit(self, key: bytes, slot: int) -> None:
         """Engine commit listener: write-through, and demotion when writes come fast."""
         self._heat.pop(slot, None)
+        self._newest = slot
         if self.cfg.write_through and self._ssd_usable():
             self._write_to_ssd(key, slot, demote=False)
         if self.engine.allocator.used > self.cfg.high_watermark * self.engine.limit:
@@ -404,6 +406,11 @@ class TierManager:
         while started < nbytes and self._ssd_usable() and self._inflight < MAX_INFLIGHT_BYTES:
             slot = engine.coldest(DRAM)
             if slot is None:
+                break
+            if slot == self._newest and self._inflight:
+                # The value committed last is a leaf only until the rest of its chain
+                # arrives (a pipelined chain is committed block by block): a move under
+                # way will make room, so it waits rather than send a chain's head down.
                 break
             started += engine.size_of(slot)
             if engine.flags_of(slot) & ON_SSD:
