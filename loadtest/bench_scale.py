@@ -119,7 +119,7 @@ def cmd_replay(args) -> None:
     full = set(args.full or [f"{p}:{m}" for p in POLICIES for m in MODES])
     jobs = [ReplayJob(p, m, args.requests if f"{p}:{m}" in full else args.others,
                       args.instances, args.instances, args.seed)
-            for p in POLICIES for m in MODES]
+            for p in POLICIES for m in MODES if f"{p}:{m}" in full or args.others]
     print(f"{args.instances}P+{args.instances}D, conversation preset at "
           f"{RATE_PER_PREFILL * args.instances:.1f} req/s, seed {args.seed}")
     print(load_line("before"))
@@ -147,8 +147,10 @@ def cmd_growth(args) -> None:
     print(load_line("before"))
     growth_table(f"Wall time vs requests ({policy}, {mode}, 256P+256D)",
                  [ReplayJob(policy, mode, n, 256, 256) for n in args.requests])
-    growth_table(f"Wall time vs instances ({policy}, {mode}, rate scaled with the instances)",
-                 [ReplayJob(policy, mode, args.fixed, n, n) for n in args.instances])
+    growth_table(f"Wall time vs instances ({policy}, {mode}, {args.seconds:g} s of traffic, its rate "
+                 f"scaled with the instances)",
+                 [ReplayJob(policy, mode, round(RATE_PER_PREFILL * n * args.seconds), n, n)
+                  for n in args.instances])
     print(load_line("after"))
 
 
@@ -200,13 +202,16 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--instances", type=int, default=256, help="prefill and decode instances each")
     rp.add_argument("--full", nargs="*", metavar="POLICY:MODE",
                     help="only these run at --requests (default: all)")
-    rp.add_argument("--others", type=int, default=100_000, help="requests for the rest")
+    rp.add_argument("--others", type=int, default=100_000, help="requests for the rest (0: skip them)")
     rp.add_argument("--seed", type=int, default=0)
     gp = sub.add_parser("growth", help="wall time vs requests and vs instances")
     gp.add_argument("--policy", default="kvcache-centric:none", metavar="POLICY:MODE")
-    gp.add_argument("--requests", type=int, nargs=3, default=[10_000, 100_000, 1_000_000])
+    gp.add_argument("--requests", type=int, nargs=3, default=[100_000, 300_000, 1_000_000],
+                    help="sizes of the requests table (the caches fill in the first ~100,000)")
     gp.add_argument("--instances", type=int, nargs=3, default=[64, 256, 1024])
-    gp.add_argument("--fixed", type=int, default=100_000, help="requests for the instance table")
+    gp.add_argument("--seconds", type=float, default=920.0,
+                    help="simulated seconds each row of the instance table replays (the same "
+                    "stretch of traffic at every size; 920 s is 100,000 requests on 256P)")
     cp = sub.add_parser("cluster", help="the store cluster under churn (sim_cluster)")
     cp.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     cp.add_argument("--blocks-per-node", type=int, default=1024)
