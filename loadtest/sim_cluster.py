@@ -149,9 +149,10 @@ class ClusterSim:
         """Every map a node applies: one map per epoch, no slot claimed twice at one epoch."""
         if not self.maps.setdefault(new.epoch, new).same_as(new):
             self.conflicts += 1
-        claims = self.claims.setdefault(new.epoch, np.zeros(SLOTS, dtype=np.int16))
-        claims += np.frombuffer(node.cluster.mine, dtype=np.uint8)
-        self.double_owned += int(np.count_nonzero(claims > 1))
+        claimed = self.claims.setdefault(new.epoch, np.zeros(SLOTS, dtype=bool))
+        mine = np.frombuffer(node.cluster.mine, dtype=np.uint8).astype(bool)
+        self.double_owned += int(np.count_nonzero(claimed & mine))     # another node serves it at this epoch
+        claimed |= mine
 
     def leader(self) -> SimNode:
         return next(n for n in self.live if n.cluster.is_leader)

@@ -16,7 +16,7 @@ from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap
 from kvstore.config import Config
 from kvstore.engine import Engine
-from loadtest.sim_cluster import SimSettings, simulate
+from loadtest.sim_cluster import ClusterSim, SimSettings, simulate
 from loadtest.sim_slotmap import map_growth
 from loadtest.sim_network import NicModel, SimNetwork
 
@@ -90,3 +90,12 @@ def test_map_growth_reports_fragmentation_of_one_by_one_joins(capsys):
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 ")]
     ranges, together = int(rows[0][2]), int(rows[0][4].split(",")[0])
     assert ranges > together == 8
+
+
+def test_the_audit_counts_slots_two_nodes_serve_at_one_epoch_and_two_maps_at_one_epoch():
+    sim = ClusterSim(SimSettings(nodes=3))
+    first = SlotMap.build(1, ADDRS, [A] * SLOTS)
+    sim.audit(SimpleNamespace(cluster=SimpleNamespace(mine=bytes([1]) * SLOTS)), first)
+    sim.audit(SimpleNamespace(cluster=SimpleNamespace(mine=bytes([1]) * 10 + bytes(SLOTS - 10))),
+              SlotMap.build(1, ADDRS, [B] * SLOTS))
+    assert (sim.double_owned, sim.conflicts) == (10, 1)
