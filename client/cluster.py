@@ -73,8 +73,9 @@ class KVClusterClient:
         self._client_args = client_args
         self._clients: dict[str, KVClient] = {}
         self._seeds = list(nodes)
-        self._addrs: list[str] = []
-        self._owner = np.full(SLOTS, -1, dtype=np.int32)
+        # (node addresses, owner index per slot), replaced whole by `refresh`: an operation reads
+        # it once, so a refresh in another thread never mixes two maps.
+        self._map: tuple[list[str], np.ndarray] = ([], np.full(SLOTS, -1, dtype=np.int32))
         self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="kvcluster")
         self._ask_clients: dict[str, KVClient] = {}
         self._ask_lock = threading.Lock()
@@ -89,7 +90,7 @@ class KVClusterClient:
     def refresh(self) -> None:
         """Read the slot map again (CLUSTER SLOTS) from the first node that answers."""
         errors = []
-        for addr in [*self._addrs, *self._seeds]:
+        for addr in [*self._map[0], *self._seeds]:
             try:
                 ranges = self._client(addr).execute("CLUSTER", "SLOTS")
             except KVError as exc:
@@ -108,19 +109,20 @@ class KVClusterClient:
             if addr not in addrs:
                 addrs.append(addr)
             owner[start:end + 1] = addrs.index(addr)
-        self._addrs, self._owner = addrs, owner
+        self._map = (addrs, owner)
 
     @property
     def nodes(self) -> list[str]:
         """The nodes that own slots, as the map last read says."""
-        return list(self._addrs)
+        return list(self._map[0])
 
     def node_of(self, key: Key) -> str:
         """The "host:port" that owns ``key``'s slot."""
-        index = self._owner[keyslot(_key_bytes(key))]
+        addrs, owner = self._map
+        index = owner[keyslot(_key_bytes(key))]
         if index < 0:
             raise ClusterDown(f"slot {keyslot(_key_bytes(key))} has no owner")
-        return self._addrs[index]
+        return addrs[index]
 
     def _client(self, addr: str) -> KVClient:
         client = self._clients.get(addr)
@@ -171,12 +173,13 @@ class KVClusterClient:
 
     def _by_node(self, keys: Sequence[Key]) -> dict[str, list[int]]:
         """Indices of ``keys`` grouped by owner, in the caller's order within each node."""
-        owners = np.fromiter((self._owner[keyslot(_key_bytes(k))] for k in keys), dtype=np.int32, count=len(keys))
+        addrs, owner_of = self._map
+        owners = np.fromiter((owner_of[keyslot(_key_bytes(k))] for k in keys), dtype=np.int32, count=len(keys))
         if (owners < 0).any():
             raise ClusterDown("a key's slot has no owner")
         groups: dict[str, list[int]] = {}
         for index, owner in enumerate(owners.tolist()):
-            groups.setdefault(self._addrs[owner], []).append(index)
+            groups.setdefault(addrs[owner], []).append(index)
         return groups
 
     def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]],
@@ -228,9 +231,10 @@ class KVClusterClient:
         if now - self._hot_polled < HOT_REFRESH_S:
             return
         self._hot_polled = now
-        replies = self._pool.map(self._hot_keys_of, list(self._addrs))
+        nodes = list(self._map[0])
+        replies = self._pool.map(self._hot_keys_of, nodes)
         hot: dict[bytes, list[str]] = {}
-        for addr, entries in zip(list(self._addrs), replies):
+        for addr, entries in zip(nodes, replies):
             for key, holders in entries:
                 hot[bytes(key)] = [addr, *(bytes(h).decode() for h in holders)]
         self._hot = hot
@@ -370,20 +374,20 @@ class KVClusterClient:
     def stats(self) -> dict[str, int]:
         """Every node's KV.STATS counters, added up."""
         totals: dict[str, int] = {}
-        for counters in self._pool.map(lambda addr: self._client(addr).stats(), self._addrs):
+        for counters in self._pool.map(lambda addr: self._client(addr).stats(), self.nodes):
             for name, value in counters.items():
                 totals[name] = totals.get(name, 0) + value
         return totals
 
     def ping(self) -> bool:
-        return all(self._pool.map(lambda addr: self._client(addr).ping(), self._addrs))
+        return all(self._pool.map(lambda addr: self._client(addr).ping(), self.nodes))
 
     def execute(self, *args: Any) -> Any:
         """Any command: sent to the owner of its first argument after the name (a key for most
         commands), or to any node when it has none."""
         if len(args) > 1:
             return self._on_key(args[1], lambda c: c.execute(*args))
-        return self._client(self._addrs[0]).execute(*args)
+        return self._client(self.nodes[0]).execute(*args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -86,10 +86,10 @@ def test_moved_refreshes_a_stale_map(client, cluster):
     right = client.node_of(key)
     wrong = next(f"{h}:{p}" for h, p in cluster.addrs if f"{h}:{p}" != right)
     index = client.nodes.index(wrong)
-    client._owner[:] = index                      # a map gone stale: every slot on one node
+    client._map[1][:] = index                     # a map gone stale: every slot on one node
     assert client.put(key, b"v", overwrite=True) and client.get(key) == b"v"
     assert client.node_of(key) == right
-    client._owner[:] = index
+    client._map[1][:] = index
     assert client.batch_get([key, "absent"]) == [b"v", None]
 
 
