@@ -78,12 +78,20 @@ def _client(up: ClusterUp, **options) -> KVClusterClient:
 # ---------------------------------------------------------------------- striped
 
 
-def striped(table: Table, s: Settings) -> None:
-    row = table.row(f"striped fetch {s.chain_blocks} x 1 MiB, 1gbit NICs: 3 nodes / 1 node", "GB/s",
-                    Target(2.4))
+def capped_row(table: Table, name: str):
+    """A GB/s row of a figure that needs hosts with capped NICs; None (and the reason in the
+    row) where network namespaces cannot be made."""
+    row = table.row(name, "GB/s", Target(2.4))
     ok, why = netns_available()
     if not ok:
         row.fail(SUBJECT, why)
+        return None
+    return row
+
+
+def striped(table: Table, s: Settings) -> None:
+    row = capped_row(table, f"striped fetch {s.chain_blocks} x 1 MiB, 1gbit NICs: 3 nodes / 1 node")
+    if row is None:
         return
     for column, nodes in ((SUBJECT, 3), (REFERENCE, 1)):
         with ClusterUp(nodes=nodes, dram_size="256mb", extra=("--netns", "--nic-rate", "1gbit")) as up, \
@@ -236,11 +244,8 @@ def _write_through_kill(kv: KVClusterClient, tag: bytes, pid: int) -> tuple[floa
 
 
 def hot_block(table: Table, s: Settings) -> None:
-    row = table.row(f"{s.readers} readers of one hot 1 MiB block, 1gbit NICs: copies / none", "GB/s",
-                    Target(2.4))
-    ok, why = netns_available()
-    if not ok:
-        row.fail(SUBJECT, why)
+    row = capped_row(table, f"{s.readers} readers of one hot 1 MiB block, 1gbit NICs: copies / none")
+    if row is None:
         return
     for column, flags in ((SUBJECT, ("--", "--hot-reads", "20")), (REFERENCE, ("--", "--hot-reads", "0"))):
         with ClusterUp(nodes=3, dram_size="256mb", extra=("--netns", "--nic-rate", "1gbit", *flags)) as up:

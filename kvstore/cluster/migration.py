@@ -37,6 +37,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvstore.cluster.tasks import BackgroundTasks
 from kvstore.cluster.node import MOVE_GRACE, ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
 from kvstore.cluster.simclock import loop_time
@@ -145,7 +146,7 @@ class Migrator:
         self.guard = ImportGuard()
         self.stats = MoveStats()
         self._moving_epoch = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks()
         self._sweeping = False
 
     @property
@@ -168,9 +169,9 @@ class Migrator:
         moving = {slot: target for slot, (source, target) in new.migrating.items() if source == me}
         if moving and new.epoch != self._moving_epoch:
             self._moving_epoch = new.epoch
-            self._spawn(self._move(new.epoch, moving))
+            self._tasks.spawn(self._move(new.epoch, moving))
         if (old.slots_of(me) & ~new.slots_of(me)).any() and not self._sweeping:
-            self._spawn(self._sweep())
+            self._tasks.spawn(self._sweep())
 
     # ------------------------------------------------------------ source
 
@@ -296,7 +297,7 @@ class Migrator:
             item = self._take(key, True)
             if item is not None:
                 batch.append(item)
-        self._spawn(self._send(owner, batch))
+        self._tasks.spawn(self._send(owner, batch))
 
     # ------------------------------------------------------------ target
 
@@ -388,12 +389,5 @@ class Migrator:
                 "cluster_imported_keys": s.imported_keys, "cluster_imported_bytes": s.imported_bytes,
                 "cluster_last_move_seconds": f"{s.last_move_seconds:.3f}"}
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel_all()

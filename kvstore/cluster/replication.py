@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvstore.cluster.tasks import BackgroundTasks
 from kvstore.cluster.held_copies import HeldCopies
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
@@ -105,7 +106,7 @@ class HotCopies:
         self.stats = CopyStats()
         self._trigger = 0
         self._replicas = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks()
         self.refresh_settings()
 
     @property
@@ -163,7 +164,7 @@ class HotCopies:
         self.version += 1
         self.stats.copies_made += len(holders)
         token = engine.hold(slot)                   # the value stays in place while it is sent
-        self._spawn(self._push(key, engine.view(slot), token, holders))
+        self._tasks.spawn(self._push(key, engine.view(slot), token, holders))
 
     async def _push(self, key: bytes, value: memoryview, token, holders: tuple[str, ...]) -> None:
         lease_ms = int(self.lease * 1000)
@@ -202,7 +203,7 @@ class HotCopies:
         holders = self.replicated.pop(key)
         self.version += 1
         self.stats.copies_removed += 1
-        removal = self._spawn(self._uncopy(key, holders))
+        removal = self._tasks.spawn(self._uncopy(key, holders))
         self.inflight[key] = removal
         self.unacked.append(removal)
         removal.add_done_callback(lambda task: self.inflight.pop(key) if self.inflight.get(key) is task else None)
@@ -342,12 +343,5 @@ class HotCopies:
     def _addr(self, node_id: str) -> str | None:
         return self.cluster.map.nodes.get(node_id) or self.cluster.nodes.get(node_id)
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel_all()
