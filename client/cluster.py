@@ -48,6 +48,7 @@ from client.sync_client import KVClient
 from proto.slots import SLOTS, keyslot
 
 REDIRECTS = 5                # MOVED/ASK hops followed for one request before giving up
+ANCESTOR_HOPS = 64           # how far up a batch's links a block looks for an ancestor on its node
 HOT_REFRESH_S = 1.0          # how often the hot-key maps are polled (only when reading)
 
 
@@ -335,13 +336,15 @@ class KVClusterClient:
         lives elsewhere and its node could link nothing; linked to the nearest
         ancestor it holds, each node keeps a chain of its own blocks and evicts
         them leaf first (tail first). Written in chain order (not tail first),
-        so the ancestor is there when its descendant is linked to it.
+        so the ancestor is there when its descendant is linked to it. The walk up
+        stops after ANCESTOR_HOPS links (an ancestor on the same node is about N
+        hops up among N nodes), so a batch costs O(keys) however long its chain.
         """
         owner = {key: self.node_of(key) for key in keys}
         up = dict(zip(keys, links))
         local = []
         for key, parent in zip(keys, links):
-            for _ in range(len(keys)):              # bounded: links from callers may loop
+            for _ in range(ANCESTOR_HOPS):          # bounded: links may loop, chains may be long
                 if parent is None or owner.get(parent) == owner[key] \
                         or (parent not in owner and self.node_of(parent) == owner[key]):
                     break

@@ -421,6 +421,9 @@ class Connection:
         loop = self.server.loop
         loop.remove_reader(self.fd)
         loop.remove_writer(self.fd)
+        # The fd number may go to the next client at once: a wait that ends after this
+        # must not touch the loop's registration for it.
+        self.reading = self.writing = False
         for holder in self.reader.pending_holders():
             if isinstance(holder, Extent):
                 self.engine.release(holder)
