@@ -23,11 +23,11 @@ the one question it asks a lower tier, whether waiting for demotions will
 free DRAM, goes through the ``can_demote`` hook the tier manager sets.
 
 Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
-lazily on access and actively by a periodic sampling cycle.
+lazily on access and actively by a periodic sampling cycle whose cost does
+not grow with the number of keys (kvstore/deadlines.py).
 """
 from __future__ import annotations
 
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from kvstore.allocator import BuddyAllocator
 from kvstore.arena import Arena
+from kvstore.deadlines import Deadlines
 from kvstore.eviction import NO_PARENT, SampledLRU
 from kvstore.holds import ExtentHolds
 from kvstore.slots import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, SlotTable
@@ -101,7 +102,7 @@ class Engine:
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
-        self.expires: dict[bytes, int] = {}
+        self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/deadlines.py)
         self.stats = EngineStats()
         self.tiers = None               # the TierManager, for commands that reach it through the engine
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
@@ -392,7 +393,7 @@ class Engine:
         if not self.expires:
             return 0
         now = now_ms()
-        keys = random.sample(list(self.expires), min(samples, len(self.expires)))
+        keys = self.expires.sample(samples)
         dropped = 0
         for key in keys:
             if self.expires[key] <= now:
