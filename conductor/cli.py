@@ -130,8 +130,14 @@ def conductor_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     p.add_argument("--port", type=int, default=DEFAULT_CONDUCTOR_PORT,
                    help=f"gRPC port (default {DEFAULT_CONDUCTOR_PORT}; 0 picks a free one)")
-    p.add_argument("--store", default=f"{DEFAULT_HOST}:{DEFAULT_PORT}", metavar="HOST:PORT",
-                   help="the store node answering KV.MATCH and KV.LOCATE")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", default=f"{DEFAULT_HOST}:{DEFAULT_PORT}", metavar="HOST:PORT",
+                       help="the store node answering KV.MATCH and KV.LOCATE")
+    where.add_argument("--cluster", metavar="etcd://HOST:PORT/NAME",
+                       help="a store cluster instead: its nodes are read from this etcd")
+    p.add_argument("--report-timeout", type=_positive(float, "--report-timeout"), default=2.0,
+                   help="seconds without a load report after which an instance gets no requests until it "
+                   "reports again (default 2; workers report every 0.2)")
     p.add_argument("--password", help="the store's password (AUTH)")
     p.add_argument("--model", default="default",
                    help="namespace that token ids are hashed under (must match the workers')")
@@ -148,27 +154,27 @@ def _store_address(text: str) -> tuple[str, int]:
 
 
 def _run_conductor(args: argparse.Namespace) -> int:
-    from client import BlockHasher, KVClient, KVError
+    from client import BlockHasher
     from conductor.live import LiveConductor
     from conductor.policy import make_policy
     from conductor.service import serve
+    from conductor.stores import StoreError, open_store
 
-    host, port = _store_address(args.store)
-    store = KVClient(host, port, password=args.password)
     try:
-        store.ping()
-    except (KVError, OSError) as exc:
-        raise UsageError(f"cannot reach the store at {args.store}: {exc}") from None
+        store = open_store(None if args.cluster else _store_address(args.store), args.cluster,
+                           password=args.password)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
     cost = _cost_model(args.calibrate)
     live = LiveConductor(make_policy(args.policy, cost, 0, args.balancing_threshold),
                          Admission(args.rejection, Slo(args.ttft_slo, args.tbt_slo)), cost,
                          store, BlockHasher(args.model, args.block_tokens),
-                         args.cache_tokens_per_node)
+                         args.cache_tokens_per_node, args.report_timeout)
     try:
         server, bound = serve(live, args.host, args.port)
     except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
-    print(f"conductor listening on {args.host}:{bound} (store {args.store}, "
+    print(f"conductor listening on {args.host}:{bound} (store {args.cluster or args.store}, "
           f"policy {args.policy}, admission {args.rejection})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,22 +7,39 @@ conductor adds the work it has just placed, so a burst of requests does not
 all land on the instance that reported last. Which prefix blocks each prefill
 node holds is the conductor's record of what it sent there (kept with the
 same `NodeCache` as the simulator); the longest prefix held by the shared
-store comes from `KV.MATCH`, and where those blocks sit from `KV.LOCATE`.
+store comes from `KV.MATCH`, and where those blocks sit from `KV.LOCATE`
+(the store is one node or a cluster: `conductor.stores`).
+
+Liveness is the same reports' absence: an instance that has not reported for
+`report_timeout_s` (registration counts as a report) is dead. The policy
+then sees only the live instances, so no policy (not even `random`, which
+ignores load) sends it work, and `status` names it; its next report makes it
+live again. A front end that fails to reach an instance says so
+(`mark_unreachable`), which makes it dead at once rather than a timeout later.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from client import BlockHasher, KVClient
+from client import BlockHasher
 from conductor.admission import REJECT_TTFT, Admission
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeView
 from conductor.outputs import OUTPUT_PRIOR_TOKENS
 from conductor.policy import FROM_POOL, Candidates, DecodeLoad, Placement, Policy
+from conductor.stores import Store
 
 PREFILL, DECODE = "prefill", "decode"
+LIVE, DEAD = "live", "dead"
+DEFAULT_REPORT_TIMEOUT_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class Rejected(Exception):
@@ -83,10 +100,12 @@ class LiveConductor:
     policy: Policy
     admission: Admission
     cost: CostModel
-    store: KVClient
+    store: Store
     hasher: BlockHasher
     cache_tokens_per_node: int = 3_000_000
+    report_timeout_s: float = DEFAULT_REPORT_TIMEOUT_S
     counters: Counters = field(default_factory=Counters)
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         self.prefill_ids: list[str] = []
@@ -96,41 +115,78 @@ class LiveConductor:
         self.directory = BlockDirectory()
         self.caches: list[NodeCache] = []
         self.addresses: dict[str, str] = {}
+        self.last_report: dict[str, float] = {}     # instance -> clock() of its last report
+        self.dead: set[str] = set()                 # as last logged, so each change is logged once
         self.lock = threading.Lock()
 
     def register(self, instance_id: str, role: str, address: str) -> None:
+        """Add an instance (or take back one that registers again, e.g. after a restart)."""
         with self.lock:
+            if instance_id not in self.prefill_ids and instance_id not in self.decode_ids:
+                self._add(instance_id, role)
             self.addresses[instance_id] = address
-            if instance_id in self.prefill_ids or instance_id in self.decode_ids:
-                return
-            if role == PREFILL:
-                if len(self.prefill_ids) >= 60:
-                    raise ValueError("at most 60 prefill instances can be registered")
-                self.prefill_ids.append(instance_id)
-                self.queued_s.append(0.0)
-                blocks = max(1, self.cache_tokens_per_node // self.hasher.block_tokens)
-                self.caches.append(NodeCache(len(self.caches), blocks, self.directory))
-            else:
-                self.decode_ids.append(instance_id)
-                self.decodes.append(ReportedDecode(self.cost))
+            self._heard_from(instance_id)
+
+    def _add(self, instance_id: str, role: str) -> None:
+        if role == PREFILL:
+            if len(self.prefill_ids) >= 60:
+                raise ValueError("at most 60 prefill instances can be registered")
+            self.prefill_ids.append(instance_id)
+            self.queued_s.append(0.0)
+            blocks = max(1, self.cache_tokens_per_node // self.hasher.block_tokens)
+            self.caches.append(NodeCache(len(self.caches), blocks, self.directory))
+        else:
+            self.decode_ids.append(instance_id)
+            self.decodes.append(ReportedDecode(self.cost))
 
     def report(self, instance_id: str, queued_s: float, batch: int, kv_tokens: int) -> None:
         with self.lock:
+            if instance_id not in self.last_report:
+                raise KeyError(instance_id)
+            self._heard_from(instance_id)
             if instance_id in self.prefill_ids:
                 self.queued_s[self.prefill_ids.index(instance_id)] = queued_s
             elif instance_id in self.decode_ids:
                 d = self.decodes[self.decode_ids.index(instance_id)]
                 d.reported = DecodeLoad(batch, float(kv_tokens))
                 d.pending = d.pending_tokens = 0
-            else:
+
+    def mark_unreachable(self, instance_id: str) -> None:
+        """A front end could not reach this instance: no more requests until it reports again."""
+        with self.lock:
+            if instance_id not in self.last_report:
                 raise KeyError(instance_id)
+            self.last_report[instance_id] = float("-inf")
+            self._alive(instance_id)
+
+    def status(self) -> dict[str, str]:
+        """LIVE or DEAD for every registered instance."""
+        with self.lock:
+            return {i: LIVE if self._alive(i) else DEAD for i in self.last_report}
+
+    def _heard_from(self, instance_id: str) -> None:
+        self.last_report[instance_id] = self.clock()
+        self._alive(instance_id)
+
+    def _alive(self, instance_id: str) -> bool:
+        """Whether the instance reported within report_timeout_s; logs when that changes."""
+        silent_s = self.clock() - self.last_report[instance_id]
+        alive = silent_s <= self.report_timeout_s
+        if alive and instance_id in self.dead:
+            self.dead.discard(instance_id)
+            log.warning("instance %s reports again: scheduling onto it", instance_id)
+        elif not alive and instance_id not in self.dead:
+            self.dead.add(instance_id)
+            log.warning("instance %s is dead (unreachable, or no load report within %g s): no more requests "
+                        "to it", instance_id, self.report_timeout_s)
+        return alive
 
     def block_keys(self, token_ids: list[int]) -> list[str]:
         return self.hasher.keys(token_ids)
 
     def schedule(self, request_id: str, keys: list[str], input_length: int,
                  output_length: int) -> Decision:
-        """Place one request, or raise Rejected; raises LookupError with no instances."""
+        """Place one request, or raise Rejected; raises LookupError with no live instance of a role."""
         if not self.prefill_ids or not self.decode_ids:
             raise LookupError("no prefill or no decode instance is registered")
         store_blocks = self.store.match_prefix(keys) if keys else 0
@@ -139,11 +195,16 @@ class LiveConductor:
 
     def _place(self, request_id: str, keys: list[str], input_length: int,
                output_length: int, store_blocks: int) -> Decision:
+        live_p = [i for i, name in enumerate(self.prefill_ids) if self._alive(name)]
+        live_d = [j for j, name in enumerate(self.decode_ids) if self._alive(name)]
+        if not live_p or not live_d:
+            role = PREFILL if not live_p else DECODE
+            raise LookupError(f"no {role} instance has reported its load within {self.report_timeout_s:g} s")
         matches = self.directory.prefix_matches(keys, len(self.prefill_ids))
-        cand = Candidates(input_length, list(self.queued_s), matches,
+        cand = Candidates(input_length, [self.queued_s[i] for i in live_p], [matches[i] for i in live_p],
                           self.hasher.block_tokens, store_blocks)
-        p = self.policy.choose_prefill(cand)
-        j = self.policy.choose_decode([d.committed_load() for d in self.decodes], input_length)
+        p = _renumbered(self.policy.choose_prefill(cand), live_p)
+        j = live_d[self.policy.choose_decode([self.decodes[j].committed_load() for j in live_d], input_length)]
         estimate = output_length or OUTPUT_PRIOR_TOKENS
         reason = self.admission.at_arrival(0.0, p, self.decodes[j], input_length, estimate)
         if reason is not None:
@@ -183,3 +244,9 @@ class LiveConductor:
             return (f"predicted TTFT {p.ttft_s:.2f}s exceeds the SLO of "
                     f"{self.admission.slo.ttft_s:g}s")
         return f"no decode instance can meet the TBT SLO of {self.admission.slo.tbt_s:g}s"
+
+
+def _renumbered(p: Placement, instances: list[int]) -> Placement:
+    """A placement chosen among ``instances`` (the live ones), in the numbering of all instances."""
+    source = p.source if p.source is None or p.source == FROM_POOL else instances[p.source]
+    return dataclasses.replace(p, prefill=instances[p.prefill], source=source)

@@ -5,7 +5,9 @@ outcome into a reply or a status: a rejection is RESOURCE_EXHAUSTED (the
 overload signal an HTTP gateway maps to 429), a malformed request
 INVALID_ARGUMENT, scheduling before any instance registered
 FAILED_PRECONDITION, a load report from an unknown instance NOT_FOUND, and
-a store that cannot be reached UNAVAILABLE.
+a store that cannot be reached UNAVAILABLE. A load report marked
+`unreachable` comes from a front end that failed to reach the instance, not
+from the instance: it takes the instance out of scheduling at once.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from concurrent import futures
 import grpc
 
 from client import KVError
-from conductor.live import DECODE, PREFILL, LiveConductor, Rejected
+from conductor.live import DEAD, DECODE, PREFILL, LiveConductor, Rejected
 from proto import grpc_codegen
 
 pb, pb_grpc = grpc_codegen.load("conductor")
@@ -71,8 +73,11 @@ class ConductorService(pb_grpc.ConductorServicer):
         if request.queued_prefill_s < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "queued_prefill_s must be >= 0")
         try:
-            self.conductor.report(request.instance_id, request.queued_prefill_s,
-                                  request.batch, request.kv_tokens)
+            if request.unreachable:
+                self.conductor.mark_unreachable(request.instance_id)
+            else:
+                self.conductor.report(request.instance_id, request.queued_prefill_s,
+                                      request.batch, request.kv_tokens)
         except KeyError:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"instance '{request.instance_id}' is not registered")
@@ -85,7 +90,8 @@ class ConductorService(pb_grpc.ConductorServicer):
             rejected_decode=c.rejected_decode, reused_tokens=c.reused_tokens,
             input_tokens=c.input_tokens, prefill_instances=len(live.prefill_ids),
             decode_instances=len(live.decode_ids), policy=live.policy.name,
-            admission=live.admission.mode)
+            admission=live.admission.mode,
+            dead_instances=sorted(i for i, state in live.status().items() if state == DEAD))
 
 
 def serve(conductor: LiveConductor, host: str, port: int,

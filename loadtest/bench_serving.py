@@ -39,9 +39,10 @@ import torch
 from client import KVClient
 from loadtest.procs import ProcessGroup, start_kvstore
 from loadtest.report import log
+from workers.catalog import SMOLLM2, TINY
 from workers.decode import DecodeEngine
 from workers.kvio import make_connector
-from workers.model import SMOLLM2, TINY, LoadedModel, load_model, reference_generate
+from workers.model import LoadedModel, load_model, reference_generate
 from workers.prefill import PrefillEngine
 
 EXACT_BLOCK_TOKENS = 32      # small enough that every prompt (32 tokens and up) has a cached prefix when warm

@@ -250,7 +250,7 @@ def measured_run(model: str, policy: str, rejection: str, slo: Slo, calibrate: s
 
 def live_figures(args: argparse.Namespace, sections: set[str]) -> list:
     from loadtest.bench_serving import Figure
-    from workers.model import load_tokenizer
+    from workers.catalog import load_tokenizer
 
     tokenizer, _ = load_tokenizer(args.model)
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size

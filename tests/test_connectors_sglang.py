@@ -9,7 +9,8 @@ from transformers import DynamicCache
 from client import BlockHasher, KVClient
 from client.connectors.sglang_hicache import HiCacheStore
 from conftest import start_kvstore
-from workers.model import TINY, load_model, reference_generate
+from workers.catalog import TINY
+from workers.model import load_model, reference_generate
 
 PAGE = 16
 

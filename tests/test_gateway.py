@@ -16,9 +16,10 @@ import pytest
 
 from conftest import free_port, start_kvstore
 from proto import grpc_codegen
+from workers.catalog import TINY, TINY_CONTEXT, ByteTokenizer
 from workers.gateway import Router, make_server
 from workers.metrics import GatewayMetrics
-from workers.model import TINY, ByteTokenizer, TINY_CONTEXT, load_model, reference_generate
+from workers.model import load_model, reference_generate
 
 cpb, cpb_grpc = grpc_codegen.load("conductor")
 

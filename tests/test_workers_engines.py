@@ -9,9 +9,10 @@ import torch
 
 from client import KVClient
 from conftest import start_kvstore
+from workers.catalog import SMOLLM2, TINY
 from workers.decode import DecodeEngine
 from workers.kvio import make_connector
-from workers.model import SMOLLM2, TINY, load_model, reference_generate
+from workers.model import load_model, reference_generate
 from workers.prefill import PrefillEngine
 
 BLOCK_TOKENS = 16

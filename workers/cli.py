@@ -14,9 +14,10 @@ import signal
 import sys
 import threading
 
-from workers.model import MODELS, SMOLLM2, ModelError
+from workers.catalog import MODELS, SMOLLM2, ModelError
 
 DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_STORE = "127.0.0.1:6380"
 DEFAULT_GATEWAY_PORT = 8000
 
 
@@ -52,7 +53,10 @@ def _wait_for_signal() -> None:
 def worker_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvstore worker", description="Run a prefill or decode worker of a LLaMA model.")
     p.add_argument("role", choices=("prefill", "decode"))
-    p.add_argument("--store", default="127.0.0.1:6380", metavar="HOST:PORT", help="the store node")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="HOST:PORT", help=f"the store node (default {DEFAULT_STORE})")
+    where.add_argument("--cluster", metavar="etcd://HOST:PORT/NAME",
+                       help="a store cluster: its nodes are read from this etcd, blocks spread over them")
     p.add_argument("--store-socket", metavar="PATH", help="the store's Unix socket (same host: faster)")
     p.add_argument("--password", help="the store's password")
     p.add_argument("--conductor", required=True, metavar="HOST:PORT", help="the conductor to register with")
@@ -67,10 +71,25 @@ def worker_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _open_store(args: argparse.Namespace):
+    """The store named by --store or --cluster, connected; UsageError when it cannot be reached."""
+    from conductor.stores import StoreError, open_store
+
+    if args.cluster and args.store_socket:
+        raise UsageError("--store-socket is one node's socket: give it with --store, not --cluster")
+    node = None if args.cluster else address(args.store or DEFAULT_STORE, "--store")
+    try:
+        return open_store(node, args.cluster, unix_socket=args.store_socket, password=args.password)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _run_worker(args: argparse.Namespace) -> int:
+    address(args.conductor, "--conductor")
+    store = _open_store(args)            # flags and the store are checked before torch is imported
+
     import torch
 
-    from client import KVClient, KVError
     from workers.decode import DecodeEngine
     from workers.kvio import make_connector
     from workers.model import load_model
@@ -78,15 +97,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     from workers.service import ConductorLink, WorkerService, serve
     from workers.timings import Timings
 
-    host, port = address(args.store, "--store")
-    address(args.conductor, "--conductor")
     if args.threads:
         torch.set_num_threads(args.threads)
-    store = KVClient(host, port, unix_socket=args.store_socket, password=args.password)
-    try:
-        store.ping()
-    except (KVError, OSError) as exc:
-        raise UsageError(f"cannot reach the store at {args.store}: {exc}") from None
     loaded = load_model(args.model)
     timings = Timings()
     connector = make_connector(store, loaded, args.block_tokens)
@@ -110,7 +122,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     except Exception as exc:
         server.stop(0)
         raise UsageError(f"cannot register with the conductor at {args.conductor}: {exc}") from None
-    print(json.dumps({"id": instance_id, "role": args.role, "address": f"{args.host}:{bound}"}), flush=True)
+    print(json.dumps({"id": instance_id, "role": args.role, "address": f"{args.host}:{bound}", "pid": os.getpid()}),
+          flush=True)
     _wait_for_signal()
     link.stop()
     server.stop(grace=1).wait()
@@ -131,7 +144,7 @@ def gateway_parser() -> argparse.ArgumentParser:
 def _run_gateway(args: argparse.Namespace) -> int:
     from workers.gateway import Router, make_server
     from workers.metrics import GatewayMetrics
-    from workers.model import load_tokenizer
+    from workers.catalog import load_tokenizer
 
     address(args.conductor, "--conductor")
     tokenizer, context = load_tokenizer(args.model)

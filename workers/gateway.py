@@ -7,9 +7,10 @@ first token at once (that is the TTFT), then relays the decode worker's stream.
 A conductor rejection is HTTP 429 with its reason; no instance, or a worker
 that cannot be reached before the first token, is 503 after one more
 `Schedule` (a prefill instance that cannot be reached is reported to the
-conductor as saturated first, so the retry goes elsewhere until that instance
-reports its own load again); a worker lost mid-stream ends the
-stream with an error event. Every call carries a deadline, so nothing waits
+conductor as unreachable first, so the retry and later requests go elsewhere
+until that instance reports its own load again); a decode worker lost is
+reported the same way, and its request ends with 503 or, streaming, an error
+event. Every call carries a deadline, so nothing waits
 forever on a dead process.
 
 `GET /v1/models`, `/health` and Prometheus `/metrics` (TTFT and TBT histograms,
@@ -32,7 +33,7 @@ import grpc
 from proto import grpc_codegen
 from workers import openai_api as api
 from workers.metrics import GatewayMetrics
-from workers.model import ByteTokenizer, encode
+from workers.catalog import ByteTokenizer, encode
 
 pb, pb_grpc = grpc_codegen.load("worker")
 cpb, cpb_grpc = grpc_codegen.load("conductor")
@@ -44,7 +45,6 @@ SCHEDULE_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 300.0
 DECODE_TIMEOUT_S = 900.0
 SCHEDULE_TRIES = 2
-UNREACHABLE_QUEUE_S = 1e6       # the queue reported for a prefill instance that cannot be reached
 
 
 class StreamBroken(Exception):
@@ -102,6 +102,8 @@ class Router:
                 served.recomputed = served.recomputed or token.recomputed
                 yield token.token, token.finish_reason or None
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._report_unreachable(decision.decode_instance)
             raise StreamBroken(f"decode worker {decision.decode_instance}: {exc.details()}") from None
         finally:
             decode.cancel()
@@ -126,10 +128,10 @@ class Router:
         raise api.ApiError(503, error, kind="service_unavailable")
 
     def _report_unreachable(self, instance_id: str) -> None:
-        """Tell the conductor this prefill instance is saturated, so the next Schedule looks elsewhere;
-        the instance's own next load report (if it comes back) sets it right."""
+        """Tell the conductor this instance is unreachable, so the next Schedule looks elsewhere;
+        the instance's own next load report (if it comes back) takes it back."""
         try:
-            self.conductor.ReportLoad(cpb.LoadReport(instance_id=instance_id, queued_prefill_s=UNREACHABLE_QUEUE_S),
+            self.conductor.ReportLoad(cpb.LoadReport(instance_id=instance_id, unreachable=True),
                                       timeout=SCHEDULE_TIMEOUT_S)
         except grpc.RpcError as exc:
             log.debug("could not report %s as unreachable: %s", instance_id, exc)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from transformers import DynamicCache
 
-from client import BlockHasher, KVClient
+from client import BlockHasher
 from client.connectors.vllm_v1 import KVLayout, StoreKVConnector
+from conductor.stores import Store
 from workers.model import LoadedModel
 
 
@@ -30,7 +31,7 @@ def layer_names(loaded: LoadedModel) -> list[str]:
     return [f"model.layers.{i}.self_attn" for i in range(loaded.n_layers)]
 
 
-def make_connector(store: KVClient, loaded: LoadedModel, block_tokens: int) -> StoreKVConnector:
+def make_connector(store: Store, loaded: LoadedModel, block_tokens: int) -> StoreKVConnector:
     """A connector whose block keys and layer slots fit this model (fp32, its KV heads and head dim)."""
     layout = KVLayout(loaded.n_layers, loaded.kv_heads, loaded.head_dim, block_tokens)
     connector = StoreKVConnector(store, BlockHasher(loaded.namespace, block_tokens), layout)

@@ -1,8 +1,9 @@
 """`kvstore llm up`: a store, the conductor, N prefill and M decode workers and the gateway, as one command.
 
 Each part is its own `python -m kvstore ...` process (the same commands a
-deployment would run by hand), started in dependency order: the store (unless
-`--store` names one), the conductor (hashing prompts under the workers' model
+deployment would run by hand), started in dependency order: the store (one
+node; or `kvstore cluster up` with `--cluster-nodes N`; none when `--store`
+or `--cluster` names one), the conductor (hashing prompts under the workers' model
 namespace and block size, so its `KV.MATCH` sees their blocks), the workers,
 the gateway. Each is ready when it prints its first line; the launcher then
 prints one JSON object (gateway URL, store, conductor, workers) and waits. On
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.cli import DEFAULT_BLOCK_TOKENS, DEFAULT_GATEWAY_PORT, UsageError, address
-from workers.model import MODELS, SMOLLM2, converted_dir, namespace_of
+from workers.catalog import MODELS, SMOLLM2, converted_dir, namespace_of
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
@@ -46,8 +47,12 @@ def llm_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argument
     p.add_argument("--tbt-slo", type=float, default=1.0, help="TBT SLO in seconds (default 1)")
     p.add_argument("--calibrate", metavar="TIMINGS", help="the conductor's cost model fitted to these timings")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway HTTP port (0: any free one)")
-    p.add_argument("--store", metavar="HOST:PORT", help="use this store instead of starting one")
-    p.add_argument("--dram-size", default="1gb", help="the started store's DRAM arena (default 1gb)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", metavar="HOST:PORT", help="use this store instead of starting one")
+    where.add_argument("--cluster", metavar="etcd://HOST:PORT/NAME", help="use this store cluster")
+    where.add_argument("--cluster-nodes", type=int, metavar="N",
+                       help="start a store cluster of N nodes (`kvstore cluster up`) instead of one node")
+    p.add_argument("--dram-size", default="1gb", help="the started store's DRAM arena, per node (default 1gb)")
     p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     p.add_argument("--threads", type=int, help="torch threads per worker (default: cores / workers)")
     return p
@@ -117,18 +122,36 @@ def _wait_for_store(port: int, proc: subprocess.Popen) -> None:
     raise UsageError("the store did not start")
 
 
-def _start_store(d: Deployment, args: argparse.Namespace, folder: Path) -> tuple[str, str | None]:
+@dataclass
+class StoreFlags:
+    """How the conductor and the workers reach the store: its printed name and their flags."""
+
+    name: str
+    flags: list[str]
+    worker_flags: list[str] = field(default_factory=list)     # same host only: the node's Unix socket
+
+
+def _start_store(d: Deployment, args: argparse.Namespace, folder: Path) -> StoreFlags:
     if args.store:
         address(args.store, "--store")
-        return args.store, None
+        return StoreFlags(args.store, ["--store", args.store])
+    if args.cluster:
+        return StoreFlags(args.cluster, ["--cluster", args.cluster])
+    if args.cluster_nodes is not None:
+        if args.cluster_nodes < 1:
+            raise UsageError("--cluster-nodes must be at least 1")
+        up = json.loads(d.start(["cluster", "up", "--nodes", str(args.cluster_nodes), "--dram-size",
+                                 args.dram_size]))
+        url = f"etcd://{up['etcd'].removeprefix('http://')}/{up['name']}"
+        return StoreFlags(url, ["--cluster", url])
     port, sock = _free_port(), str(folder / "kvstore.sock")
     d.start(["serve", "--port", str(port), "--unixsocket", sock, "--dram-size", args.dram_size], ready_line=False)
     _wait_for_store(port, d.procs[-1])
-    return f"127.0.0.1:{port}", sock
+    return StoreFlags(f"127.0.0.1:{port}", ["--store", f"127.0.0.1:{port}"], ["--store-socket", sock])
 
 
-def _start_conductor(d: Deployment, args: argparse.Namespace, store: str) -> str:
-    flags = ["conductor", "--port", "0", "--store", store, "--model", namespace_of(args.model),
+def _start_conductor(d: Deployment, args: argparse.Namespace, store: StoreFlags) -> str:
+    flags = ["conductor", "--port", "0", *store.flags, "--model", namespace_of(args.model),
              "--block-tokens", str(args.block_tokens), "--policy", args.policy, "--rejection", args.rejection,
              "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
     if args.calibrate:
@@ -138,12 +161,10 @@ def _start_conductor(d: Deployment, args: argparse.Namespace, store: str) -> str
     return line.split(" on ", 1)[1].split()[0]
 
 
-def _start_workers(d: Deployment, args: argparse.Namespace, store: str, sock: str | None, conductor: str) -> None:
+def _start_workers(d: Deployment, args: argparse.Namespace, store: StoreFlags, conductor: str) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
-    common = ["--store", store, "--conductor", conductor, "--model", args.model,
+    common = [*store.flags, *store.worker_flags, "--conductor", conductor, "--model", args.model,
               "--block-tokens", str(args.block_tokens), "--threads", str(threads)]
-    if sock:
-        common += ["--store-socket", sock]
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             d.workers.append(json.loads(d.start(["worker", role, "--id", f"{role}-{i}", *common])))
@@ -160,14 +181,14 @@ def launch(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with tempfile.TemporaryDirectory(prefix="kvstore-llm-") as folder:
         try:
-            store, sock = _start_store(d, args, Path(folder))
+            store = _start_store(d, args, Path(folder))
             conductor = _start_conductor(d, args, store)
-            _start_workers(d, args, store, sock, conductor)
+            _start_workers(d, args, store, conductor)
             gateway = json.loads(d.start(["gateway", "--conductor", conductor, "--model", args.model,
                                           "--port", str(args.port)]))["gateway"]
-            print(json.dumps({"gateway": gateway, "store": store, "conductor": conductor,
+            print(json.dumps({"gateway": gateway, "store": store.name, "conductor": conductor,
                               "workers": d.workers}), flush=True)
-            essential = [p for p in d.procs if p.args[3] in ("serve", "conductor", "gateway")]
+            essential = [p for p in d.procs if p.args[3] in ("serve", "cluster", "conductor", "gateway")]
             while not stop.wait(0.5):
                 if any(p.poll() is not None for p in essential):
                     print("error: a core process exited; stopping", file=sys.stderr)

@@ -1,0 +1,96 @@
+"""The live conductor stops scheduling onto an instance whose load reports stop, and takes it back when
+they resume. A hand-driven clock stands in for time; the store is a real `kvstore serve` (the `server`
+fixture), and the gRPC half runs the conductor's real server with a real gRPC client as the front end."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from client import BlockHasher, KVClient
+from conductor.admission import Admission, Slo
+from conductor.costmodel import CostModel
+from conductor.live import DEAD, LIVE, LiveConductor
+from conductor.policy import make_policy
+from conductor.service import pb, pb_grpc, serve
+
+TIMEOUT_S = 3.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def conductor(server, clock):
+    store = KVClient(server.host, server.port, unix_socket=None)
+    cost = CostModel.from_testbed()
+    live = LiveConductor(make_policy("random", cost), Admission("none", Slo(30.0, 0.1)), cost, store,
+                         BlockHasher("liveness", 16), report_timeout_s=TIMEOUT_S, clock=clock)
+    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        live.register(name, role, f"{name}:1")
+    yield live
+    store.close()
+
+
+def placements(live: LiveConductor, n: int = 40) -> set[tuple[str, str]]:
+    return {(d.prefill, d.decode) for d in (live.schedule(f"r{i}", [], 100, 8) for i in range(n))}
+
+
+def test_a_silent_instance_gets_nothing_even_from_random_and_comes_back_when_it_reports(conductor, clock):
+    assert {p for p, _ in placements(conductor)} == {"p0", "p1"}
+    clock.now += TIMEOUT_S - 0.5
+    conductor.report("p1", 0.0, 0, 0)
+    conductor.report("d1", 0.0, 0, 0)
+    clock.now += 1.0                        # p0 and d0 silent for longer than the timeout
+    assert conductor.status() == {"p0": DEAD, "p1": LIVE, "d0": DEAD, "d1": LIVE}
+    assert placements(conductor) == {("p1", "d1")}
+    conductor.report("p0", 0.0, 0, 0)
+    conductor.report("d0", 0.0, 0, 0)
+    assert set(conductor.status().values()) == {LIVE}
+    chosen = placements(conductor)
+    assert {p for p, _ in chosen} == {"p0", "p1"} and {d for _, d in chosen} == {"d0", "d1"}
+
+
+def test_no_live_instance_of_a_role_is_a_clear_error_not_a_dead_address(conductor, clock):
+    clock.now += TIMEOUT_S + 1
+    conductor.report("d0", 0.0, 0, 0)
+    with pytest.raises(LookupError, match="no prefill instance has reported"):
+        conductor.schedule("r", [], 100, 8)
+
+
+def test_an_unreachable_instance_is_dead_at_once_until_its_own_report(conductor):
+    conductor.mark_unreachable("p0")
+    assert conductor.status()["p0"] == DEAD
+    assert {p for p, _ in placements(conductor)} == {"p1"}
+    conductor.report("p0", 0.0, 0, 0)
+    assert conductor.status()["p0"] == LIVE
+    with pytest.raises(KeyError):
+        conductor.mark_unreachable("nobody")
+
+
+def test_an_unreachable_report_over_grpc_shows_in_stats(conductor):
+    grpc_server, port = serve(conductor, "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.ConductorStub(channel)
+    try:
+        stub.ReportLoad(pb.LoadReport(instance_id="d1", unreachable=True))
+        assert list(stub.Stats(pb.StatsRequest()).dead_instances) == ["d1"]
+        reply = stub.Schedule(pb.ScheduleRequest(request_id="x", token_ids=list(range(40))))
+        assert reply.decode_instance == "d0"
+        stub.ReportLoad(pb.LoadReport(instance_id="d1"))
+        assert list(stub.Stats(pb.StatsRequest()).dead_instances) == []
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ReportLoad(pb.LoadReport(instance_id="nobody", unreachable=True))
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        channel.close()
+        grpc_server.stop(None).wait()
