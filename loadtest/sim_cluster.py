@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from conductor.tracegen import generate, spec_from
-from kvstore.cluster import migration
+from kvstore.cluster import outgoing
 from kvstore.cluster.assign import moved_slots
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.membership import InMemoryMembership
@@ -332,12 +332,12 @@ class ClusterSim:
 def scaled_batches(model: NicModel):
     """Values are stored ``block_bytes / value_bytes`` times smaller than they stand for: scale
     the move batch's byte limit alike, so a batch holds as many values as it would."""
-    saved = migration.BATCH_BYTES
-    migration.BATCH_BYTES = max(1, saved * model.value_bytes // model.block_bytes)
+    saved = outgoing.BATCH_BYTES
+    outgoing.BATCH_BYTES = max(1, saved * model.value_bytes // model.block_bytes)
     try:
         yield
     finally:
-        migration.BATCH_BYTES = saved
+        outgoing.BATCH_BYTES = saved
 
 
 async def _simulate(settings: SimSettings) -> SimReport:

@@ -4,10 +4,11 @@ The leader first writes a step map (node.py) in which the slots that change
 hands still belong to their owners but are marked as moving. The source of a
 moving slot then pushes the slot's values to the target, hottest first (the
 keys read in the last heat windows, by reads, then the others newest first),
-for at most the move budget; whatever is left when the budget is spent, or
-lives only on SSD or GPU, is dropped: it is a cache, and a cold value costs
-more to move than to miss. Bytes moved and dropped are counted (INFO's
-cluster section) and logged. The source reports to the leader, which writes
+for at most the move budget, whatever tier they live in (values on SSD or
+GPU are read off the loop first, outgoing.py); whatever is left when the
+budget is spent is dropped: it is a cache, and a cold value costs more to
+move than to miss. Bytes moved and dropped are counted (INFO's cluster
+section) and logged. The source reports to the leader, which writes
 the final map; without a report it does so after the budget and a grace.
 
 While a slot moves, Redis's ASK protocol keeps every read and write correct
@@ -39,16 +40,13 @@ from dataclasses import dataclass
 
 from kvstore.cluster.tasks import BackgroundTasks
 from kvstore.cluster.node import MOVE_GRACE, ClusterState
+from kvstore.cluster.outgoing import Gathered, Outbox, Taken, in_host_memory, take
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
 from kvstore.cluster.simclock import loop_time
 from kvstore.cluster.slots import SlotMap, keyslot
-from kvstore.eviction import NO_PARENT
-from kvstore.slots import DRAM, STAGED
 
 log = logging.getLogger("kvstore.cluster")
 
-BATCH_BYTES = 8 * 1024 * 1024       # one KV.IMPORT carries about this much
-BATCH_KEYS = 512
 SCAN_CHUNK = 2048                   # keys looked at between two turns of the event loop
 ACCEPT_SECONDS = 10.0               # a slot gained from a dead node takes pushed copies this long
 MAX_TOUCHED = 1_000_000             # keys remembered as written while slots come in
@@ -184,64 +182,54 @@ class Migrator:
     async def _move(self, epoch: int, moving: dict[int, str]) -> None:
         started = loop_time()
         deadline = started + self.budget
-        batches: dict[str, list] = {}
-        weights: dict[str, int] = {}
+        engine, outbox, group = self.engine, Outbox(self._push), Gathered(self.engine)
         moved0, dropped0 = self.stats.moved_bytes, self.stats.dropped_bytes
         for i, key in enumerate(self._ordered_keys(moving)):
             if i % SCAN_CHUNK == SCAN_CHUNK - 1:
                 await asyncio.sleep(0)
-            slot = keyslot(key)
-            target = moving.get(slot)
-            if target is None or self.cluster.migrating_to(slot) != target:
+            slot = engine.lookup(key)
+            if slot is None or not self._still_moving(key, moving):
                 continue
-            item = self._take(key, loop_time() < deadline)
-            if item is None:
-                continue
-            batches.setdefault(target, []).append(item)
-            weights[target] = weights.get(target, 0) + item[-1]
-            if len(batches[target]) >= BATCH_KEYS or weights[target] >= BATCH_BYTES:
-                weights[target] = 0
-                await self._push(target, batches.pop(target))
-        await asyncio.gather(*(self._push(target, batch) for target, batch in batches.items()))
+            if loop_time() >= deadline:
+                self._dropped(1, engine.size_of(slot))
+                engine.delete(key)
+            elif group.add(key, engine.size_of(slot)):
+                await self._send_group(group, moving, outbox)
+        await self._send_group(group, moving, outbox)
+        await outbox.flush()
         self._finish_move(epoch, moving, started, moved0, dropped0)
         await self._report(epoch)
 
-    def _take(self, key: bytes, in_time: bool):
-        """Take ``key`` out of the index for sending: (key, parent, view, hold token, size).
+    def _still_moving(self, key: bytes, moving: dict[int, str]) -> bool:
+        """Whether ``key``'s slot is one this move sends, to the target the map still names."""
+        slot = keyslot(key)
+        target = moving.get(slot)
+        return target is not None and self.cluster.migrating_to(slot) == target
 
-        None when it is dropped instead (over budget, or its value is not in DRAM).
-        """
-        engine = self.engine
-        slot = engine.lookup(key)
-        if slot is None:
-            return None
-        size = engine.size_of(slot)
-        if not in_time or (engine.tier_code(slot) != DRAM and not engine.flags_of(slot) & STAGED):
-            engine.delete(key)
-            self._dropped(1, size)
-            return None
-        parent_slot = engine.eviction.parent_of(slot)
-        parent = engine.key_of(parent_slot) if parent_slot != NO_PARENT else b""
-        token = engine.hold(slot)
-        view = engine.view(slot)
-        engine.delete(key)              # from now on the key is asked for at the target
-        return key, parent, view, token, size
+    async def _send_group(self, group: Gathered, moving: dict[int, str], outbox: Outbox) -> None:
+        """Take the gathered values (those on SSD or GPU read first, off the loop) into the outbox."""
+        if not group.keys:
+            return
+        taken, lost_keys, lost_bytes = await group.take(lambda key: self._still_moving(key, moving))
+        self._dropped(lost_keys, lost_bytes)
+        for item in taken:
+            await outbox.add(moving[keyslot(item.key)], item)
 
-    async def _push(self, target: str, batch: list) -> None:
+    async def _push(self, target: str, batch: list[Taken]) -> None:
         """Move one batch of taken values to ``target``; what it did not store counts as dropped."""
         keys, stored = await self._send(target, batch)
         self.stats.moved_keys += keys
         self.stats.moved_bytes += stored
-        self._dropped(len(batch) - keys, sum(item[-1] for item in batch) - stored)
+        self._dropped(len(batch) - keys, sum(item.size for item in batch) - stored)
 
-    async def _send(self, target: str, batch: list) -> tuple[int, int]:
+    async def _send(self, target: str, batch: list[Taken]) -> tuple[int, int]:
         """KV.IMPORT of taken values at ``target``, holds released after: (keys, bytes) it stored.
 
         A target that has not applied our map yet answers TRYAGAIN: we try
         again for a while (the watch brings it the map within milliseconds).
         """
         addr = self.cluster.addr_of(target) or self.cluster.nodes.get(target)
-        args = [part for key, parent, view, _, _ in batch for part in (key, parent, view)]
+        args = [part for item in batch for part in (item.key, item.parent, item.view)]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + MAP_WAIT
         try:
@@ -256,8 +244,8 @@ class Migrator:
         except (PeerError, PeerReplyError) as e:
             log.warning("Pushing %d values to %s failed: %s", len(batch), addr, e)
         finally:
-            for _, _, _, token, _ in batch:
-                self.engine.release_hold(token)
+            for item in batch:
+                self.engine.release_hold(item.hold)
         return 0, 0
 
     def _dropped(self, keys: int, size: int) -> None:
@@ -292,11 +280,9 @@ class Migrator:
 
     def rescue(self, owner: str, keys: list[bytes]) -> None:
         """Push the copies ``keys`` (this node held for a node that died) to the slot's new ``owner``."""
-        batch = []
-        for key in keys:
-            item = self._take(key, True)
-            if item is not None:
-                batch.append(item)
+        engine = self.engine
+        batch = [take(engine, key, slot) for key in keys
+                 if (slot := engine.lookup(key)) is not None and in_host_memory(engine, slot)]
         self._tasks.spawn(self._send(owner, batch))
 
     # ------------------------------------------------------------ target

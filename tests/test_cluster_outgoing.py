@@ -1,0 +1,189 @@
+"""What a slot move sends when values live on SSD or GPU (kvstore/cluster/outgoing.py, migration.py).
+
+A source `Migrator` in this process, whose engine has a real RocksDB SSD tier
+in tmp_path (values put there as a restart finds them) and, for the GPU, the
+host-memory stand-in of tests/test_tier_moves.py (a real device where cupy
+finds one); its pushes are recorded instead of sent. What is checked:
+- values on SSD or GPU move with the others, in the move's order, byte for
+  byte, and leave the source; nothing is counted as dropped;
+- the SSD reads run on the tier's reader threads (batched), not on the loop;
+- a value whose SSD copy fails verification is dropped and counted as such;
+- a value read for a move whose slot stopped moving stays where it was.
+The same with real node processes, etcd and a SIGTERM drain is in
+tests/test_cluster_migration.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvstore.cluster.migration import Migrator
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.slots import SLOTS, SlotMap
+from kvstore.engine import Engine
+from kvstore.slots import GPU, SSD
+from kvstore.tiering import TieringConfig, TierManager
+from kvstore.tiers.gpu import gpu_available
+from kvstore.tiers.ssd import SSDTier
+from kvstore.tiers.ssd_worker import SSDWorker
+from tests.test_cluster_migration import ADDRS, A, B, ImportLinks, step_to
+from tests.test_tier_moves import FakeGPU, until
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+SIZE = 64 * KIB
+
+
+def value_of(key: bytes) -> bytes:
+    return np.random.default_rng(sum(key)).bytes(SIZE)
+
+
+def migrator(engine: Engine, heat=None) -> tuple[ClusterState, Migrator, ImportLinks]:
+    cluster = ClusterState(A, ADDRS[A])
+    cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
+    links = ImportLinks()
+    moves = Migrator(engine, cluster, links, lambda: SimpleNamespace(cluster_move_budget=5.0), lambda: heat or {})
+    moves.attach()
+    return cluster, moves, links
+
+
+@pytest.fixture
+def ssd_node(tmp_path):
+    """An engine with a real SSD tier (promotion off, so a read never rehomes a value)."""
+    tier = SSDTier.open(str(tmp_path / "ssd"), GIB)
+    worker = SSDWorker(tier, readers=2)
+    engine = Engine(4 * MIB, prefault=False)
+    tiers = TierManager(engine, TieringConfig(promote_hits=1_000_000), ssd_worker=worker)
+    yield engine, tiers, tier
+    tiers.close()
+    engine.close()
+
+
+def store_on_ssd(engine: Engine, tier: SSDTier, keys: list[bytes]) -> None:
+    tier.put_batch([(key, value_of(key), None) for key in keys])
+    for key in keys:
+        engine.add_from_ssd(key, SIZE, None)
+
+
+def sent_values(links: ImportLinks) -> dict[bytes, bytes]:
+    return {batch[i]: batch[i + 2] for batch in links.batches for i in range(0, len(batch), 3)}
+
+
+def test_values_on_ssd_move_with_the_others_read_on_the_tiers_threads(ssd_node):
+    engine, tiers, tier = ssd_node
+    on_ssd = [b"ssd-%02d" % i for i in range(12)]
+    in_dram = [b"dram-%02d" % i for i in range(4)]
+    store_on_ssd(engine, tier, on_ssd)
+    for key in in_dram:
+        engine.put(key, value_of(key))
+    reads_on = []
+    read_many = tier.get_many_into
+    tier.get_many_into = lambda *args: reads_on.append(threading.current_thread().name) or read_many(*args)
+
+    async def scenario():
+        cluster, moves, links = migrator(engine, heat={on_ssd[3]: 5, in_dram[1]: 2})
+        step_to(cluster, B)
+        await until(lambda: moves.stats.moves == 1)
+        return moves, links
+
+    moves, links = asyncio.run(scenario())
+    sent = sent_values(links)
+    assert sent == {key: value_of(key) for key in on_ssd + in_dram}          # every value, byte for byte
+    order = [key for batch in links.batches for key in batch[0::3]]
+    assert order[:2] == [on_ssd[3], in_dram[1]]                             # hottest first, whatever the tier
+    assert reads_on and threading.main_thread().name not in reads_on        # never on the loop's thread
+    assert engine.index == {}
+    assert (moves.stats.moved_keys, moves.stats.moved_bytes) == (16, 16 * SIZE)
+    assert (moves.stats.dropped_keys, moves.stats.dropped_bytes) == (0, 0)
+    assert engine.allocator.used == 0                                       # staged copies let go
+
+
+def test_a_value_that_fails_verification_is_dropped_and_counted(ssd_node):
+    engine, tiers, tier = ssd_node
+    keys = [b"a", b"b", b"c"]
+    store_on_ssd(engine, tier, keys)
+    tier._values[b"b"] = bytes(SIZE)                # a payload its header's checksum does not match
+
+    async def scenario():
+        cluster, moves, links = migrator(engine)
+        step_to(cluster, B)
+        await until(lambda: moves.stats.moves == 1)
+        return moves, links
+
+    moves, links = asyncio.run(scenario())
+    assert sent_values(links) == {b"a": value_of(b"a"), b"c": value_of(b"c")}
+    assert (moves.stats.moved_keys, moves.stats.dropped_keys, moves.stats.dropped_bytes) == (2, 1, SIZE)
+
+
+def test_a_value_read_for_a_move_that_stopped_stays(ssd_node):
+    engine, tiers, tier = ssd_node
+    store_on_ssd(engine, tier, [b"k"])
+
+    async def scenario():
+        cluster, moves, links = migrator(engine)
+        started = asyncio.Event()
+        fetch = tiers.fetch
+
+        async def slow_fetch(items):
+            started.set()
+            await asyncio.sleep(0.05)
+            return await fetch(items)
+        tiers.fetch = slow_fetch
+        step_to(cluster, B)
+        await asyncio.wait_for(started.wait(), 10)
+        cluster.apply(SlotMap.build(3, ADDRS, [A] * SLOTS))                 # the move is called off
+        await until(lambda: moves.stats.moves == 1)
+        return links
+
+    links = asyncio.run(scenario())
+    slot = engine.lookup(b"k")
+    assert links.batches == [] and slot is not None and engine.tier_code(slot) == SSD
+    assert engine.allocator.used == 0
+
+
+def gpu_node(gpu) -> tuple[Engine, TierManager]:
+    engine = Engine(4 * MIB, prefault=False)
+    return engine, TierManager(engine, TieringConfig(promote_hits=1), gpu=gpu)
+
+
+def move_values_on_gpu(engine: Engine, keys: list[bytes]) -> tuple[Migrator, ImportLinks]:
+    async def scenario():
+        for key in keys:
+            engine.put(key, value_of(key))
+            engine.get_slot(key)                                            # promote-hits 1: up it goes
+            await until(lambda: engine.tier_code(engine.lookup(key)) == GPU)
+        engine.put(b"in-dram", value_of(b"in-dram"))
+        cluster, moves, links = migrator(engine)
+        step_to(cluster, B)
+        await until(lambda: moves.stats.moves == 1)
+        return moves, links
+    return asyncio.run(scenario())
+
+
+def test_values_on_the_gpu_are_copied_to_host_and_move():
+    gpu = FakeGPU(1 * MIB)
+    engine, tiers = gpu_node(gpu)
+    keys = [b"gpu-%d" % i for i in range(3)]
+    moves, links = move_values_on_gpu(engine, keys)
+    assert sent_values(links) == {key: value_of(key) for key in keys + [b"in-dram"]}
+    assert engine.index == {} and gpu.used_bytes == 0 and moves.stats.dropped_keys == 0
+    tiers.close()
+
+
+GPU_USABLE, GPU_REASON = gpu_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU: {GPU_REASON}")
+def test_values_on_a_real_gpu_are_copied_to_host_and_move():
+    from kvstore.tiers.gpu import GPUTier
+    gpu = GPUTier.open(8 * MIB)
+    engine, tiers = gpu_node(gpu)
+    keys = [b"gpu-%d" % i for i in range(3)]
+    moves, links = move_values_on_gpu(engine, keys)
+    assert sent_values(links) == {key: value_of(key) for key in keys + [b"in-dram"]}
+    assert engine.index == {} and gpu.used_bytes == 0 and moves.stats.dropped_keys == 0
+    tiers.close()
