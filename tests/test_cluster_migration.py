@@ -385,3 +385,29 @@ def test_readers_during_a_join_and_a_drain_see_right_values_or_misses_never_erro
         assert "Left cluster" in log
         rc = cluster_client(up)
         assert all(rc.get(k) == value_of(k) for k in keys)          # all back on the three, intact
+
+
+def test_a_drained_node_moves_the_values_it_had_demoted_to_ssd(tmp_path):
+    """A node with 2 MB of DRAM and an SSD tier holds values that went down to SSD; drained with
+    SIGTERM, it sends them too: each is read back from its new owner, byte for byte."""
+    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
+        write_keys(cluster_client(up), 100)
+        joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2", "--hot-reads", "0",
+                               "--dram-size", "2mb", "--ssd-dir", str(tmp_path / "ssd"))
+        addr = f"127.0.0.1:{joiner.port}"
+        try:
+            wait_until(lambda: joined(addr, 4), 20, "the join")
+            node = connect(addr)
+            mine = [k for k in (b"ssd:%05d" % i for i in range(400)) if owner_of(node, k) == addr][:60]
+            for key in mine:
+                node.set(key, value_of(key))
+            wait_until(lambda: node.info("ssd")["ssd_values"] >= len(mine) // 2, 10, "demotion to SSD")
+        except BaseException:
+            joiner.stop()
+            raise
+        assert joiner.stop(signal.SIGTERM, 20) == 0
+        log = joiner.log()
+        moved = re.search(r"Drained in [\d.]+ s: (\d+) bytes moved, (\d+) bytes dropped", log)
+        assert moved and int(moved[1]) >= len(mine) * 64 * 1024 and int(moved[2]) == 0, log[-2000:]
+        rc = cluster_client(up)
+        assert [k for k in mine if rc.get(k) != value_of(k)] == []
