@@ -3,6 +3,8 @@
 The workers' tests drive the same class with a real LLaMA end to end."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -118,3 +120,12 @@ def test_bad_calls_raise_clear_errors(connector):
 def test_the_layout_names_the_slot_shape():
     assert LAYOUT.slot_shape == (2, 2, 8, 4)
     assert LAYOUT.numpy_dtype() == np.float32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_without_vllm_the_module_offers_the_plain_connector_only():
+    import client.connectors.vllm_v1 as module
+
+    assert module._vllm_base() is None
+    assert not hasattr(module, "VllmStoreConnector")
+    assert StoreKVConnector.__bases__ == (object,)

@@ -3,18 +3,17 @@ gateway; tiny model) for the end-to-end tests, and a bare `kvstore conductor` wi
 registered by hand for rejections (429) and unreachable workers (503)."""
 from __future__ import annotations
 
-import http.client
 import json
 import signal
 import subprocess
 import sys
 import threading
-from urllib.parse import urlparse
 
 import grpc
 import pytest
 
 from conftest import free_port, start_kvstore
+from llm_procs import LlmUp, get, post
 from proto import grpc_codegen
 from workers.catalog import TINY, TINY_CONTEXT, ByteTokenizer
 from workers.gateway import Router, make_server
@@ -26,32 +25,9 @@ cpb, cpb_grpc = grpc_codegen.load("conductor")
 
 @pytest.fixture(scope="module")
 def deployment():
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "llm", "up", "--prefill", "1", "--decode", "1",
-                             "--model", TINY, "--port", "0", "--block-tokens", "16", "--dram-size", "64mb"],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line, f"llm up exited with {proc.poll()}"
-    info = json.loads(line)
-    yield info
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
-
-
-def post(url: str, body, path: str = "/v1/completions") -> tuple[int, bytes]:
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json"})
-    reply = conn.getresponse()
-    return reply.status, reply.read()
-
-
-def get(url: str, path: str) -> tuple[int, bytes]:
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("GET", path)
-    reply = conn.getresponse()
-    return reply.status, reply.read()
+    with LlmUp("--prefill", "1", "--decode", "1", "--model", TINY, "--port", "0", "--block-tokens", "16",
+               "--dram-size", "64mb") as info:
+        yield info
 
 
 def test_llm_up_prints_every_part(deployment):
