@@ -120,5 +120,5 @@ def _copy_and_publish(fast: FastPath, arena: Arena, local: LocalWrite, spares: l
                for spare, key, parent in zip(spares, local.keys, local.parents)]
     with fast.lock:
         ahead = fast.spares.wanted([view.nbytes for view in local.views], owner)
-    requests = [*before, *publish, *([_reserve_request(fast, arena, ahead)] if ahead else [])]
+    requests = [*before, *publish, *local.trailing, *([_reserve_request(fast, arena, ahead)] if ahead else [])]
     return PublishRound(requests, len(before), len(publish), ahead, time.monotonic())

@@ -48,8 +48,8 @@ class AsyncKVClient(BaseClient):
         return await self._transport.execute(ops.delete(keys))
 
     async def batch_put(self, items: Items, *, parents: Sequence[Key | None] | None = None,
-                        overwrite: bool = False) -> list[bool]:
-        return await self._transport.execute(ops.batch_put(items, parents, overwrite))
+                        overwrite: bool = False, chain_links: Sequence[tuple[Key, Key]] = ()) -> list[bool]:
+        return await self._transport.execute(ops.batch_put(items, parents, overwrite, chain_links))
 
     async def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
         return await self._transport.execute(ops.batch_get(keys))

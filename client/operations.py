@@ -20,7 +20,7 @@ would report "existed" or "0 deleted" for work that the first attempt did.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from client import resp
@@ -54,12 +54,14 @@ class LocalRead:
 
 @dataclass
 class LocalWrite:
-    """Values to store, as byte views, with their parent links and the put-once choice."""
+    """Values to store, as byte views, with their parent links and the put-once choice; ``trailing``
+    requests ride after the publish in the same round trip (their replies are not the put's)."""
 
     keys: list[Key]
     views: list[memoryview]
     parents: list[Key | None]
     overwrite: bool
+    trailing: list[tuple] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -91,12 +93,17 @@ def put(key: Key, value: Value, parent: Key | None, overwrite: bool) -> Call:
                 idempotent=overwrite, local=LocalWrite([key], [readable_view(value)], [parent], overwrite))
 
 
-def batch_put(items: Items, parents: Sequence[Key | None] | None, overwrite: bool) -> Call:
+def batch_put(items: Items, parents: Sequence[Key | None] | None, overwrite: bool,
+              chain_links: Sequence[tuple[Key, Key]] = ()) -> Call:
+    """Puts in one round trip; ``chain_links`` (parent, child) pairs ride after them as KV.LINK, their
+    replies ignored (a cluster node's hint for its eviction cascade, never worth failing a put)."""
     pairs, links = with_parents(items, parents)
-    requests = [_put_args(k, v, p, overwrite) for (k, v), p in zip(pairs, links)]
-    local = LocalWrite([k for k, _ in pairs], [readable_view(v) for _, v in pairs], links, overwrite)
-    return Call(requests, lambda replies: [bool(r) for r in _checked(replies)], idempotent=overwrite,
-                local=local)
+    puts = [_put_args(k, v, p, overwrite) for (k, v), p in zip(pairs, links)]
+    trailing = [(wire.KV_LINK, *(key for link in chain_links[i:i + wire.KV_LINK_MAX] for key in link))
+                for i in range(0, len(chain_links), wire.KV_LINK_MAX)]
+    local = LocalWrite([k for k, _ in pairs], [readable_view(v) for _, v in pairs], links, overwrite, trailing)
+    return Call([*puts, *trailing], lambda replies: [bool(r) for r in _checked(replies[:len(puts)])],
+                idempotent=overwrite, local=local)
 
 
 def get(key: Key) -> Call:

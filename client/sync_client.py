@@ -59,12 +59,13 @@ class KVClient(BaseClient):
         return self._transport.execute(ops.delete(keys))
 
     def batch_put(self, items: Items, *, parents: Sequence[Key | None] | None = None,
-                  overwrite: bool = False) -> list[bool]:
+                  overwrite: bool = False, chain_links: Sequence[tuple[Key, Key]] = ()) -> list[bool]:
         """put() for many (key, value) pairs (a mapping or pairs) in one round trip.
 
-        parents, when given, holds one parent key (or None) per item.
+        parents, when given, holds one parent key (or None) per item. chain_links: (parent, child)
+        pairs a cluster node records (KV.LINK) in the same round trip, as `KVClusterClient` sends them.
         """
-        return self._transport.execute(ops.batch_put(items, parents, overwrite))
+        return self._transport.execute(ops.batch_put(items, parents, overwrite, chain_links))
 
     def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """get() for many keys in one round trip."""

@@ -18,7 +18,10 @@ released.
 Lower tiers (kvstore/tiering.py) are told what happens through listeners:
 ``commit_listeners`` (a value was published), ``drop_listeners`` (a value is
 leaving the index), ``hit_listeners`` (a read hit) and ``evict_listeners``
-(DRAM let a value go to make room). The engine never calls the tier manager;
+(DRAM let a value go to make room). ``final_drop_listeners`` hear of a value
+that goes for good (evicted from its last tier, expired, deleted), not of one
+replaced by a newer value of its key: a cluster node drops the blocks that
+follow it in its chains (kvstore/cluster/cascade.py). The engine never calls the tier manager;
 the one question it asks a lower tier, whether waiting for demotions will
 free DRAM, goes through the ``can_demote`` hook the tier manager sets.
 
@@ -108,6 +111,7 @@ class Engine:
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
         self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, slot) after a commit
         self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(slot, key) before a drop
+        self.final_drop_listeners: list[Callable[[int, bytes], None]] = []  # ... when no new value replaces it
         self.hit_listeners: list[Callable[[int], None]] = []                # fn(slot) on a read hit
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
         # Cluster copies of hot blocks (kvstore/cluster/replication.py): told of in-place rewrites, shed first.
@@ -171,7 +175,7 @@ class Engine:
         if old is not None:
             # Links are by key: the new value keeps the old one's cached children.
             self.eviction.adopt_children(old, slot)
-            self._drop(old, keep_ttl=keep_ttl)
+            self._drop(old, keep_ttl=keep_ttl, replaced=True)
         self.index[key] = slot
         for listener in self.commit_listeners:
             listener(key, slot)
@@ -185,18 +189,17 @@ class Engine:
 
     def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
         """Copy ``data`` (any buffer) into the arena under ``key``."""
-        src = memoryview(data).cast("B")
-        size = src.nbytes
+        src = data if type(data) is bytes else memoryview(data).cast("B")
         slot = self.index.get(key)
-        if slot is not None and self._same_parent(slot, key, parent) \
-                and self._rewrite_in_place(slot, 0, src, size, keep_ttl):
+        if slot is not None and (parent is None or self._same_parent(slot, key, parent)) \
+                and self._rewrite_in_place(slot, 0, src, len(src), keep_ttl):
             return
-        extent = self.reserve(size)
+        extent = self.reserve(len(src))
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
 
-    def _same_parent(self, slot: int, key: bytes, parent: bytes | None) -> bool:
-        return self.eviction.parent_of(slot) == self._parent_slot(key, parent) or parent is None
+    def _same_parent(self, slot: int, key: bytes, parent: bytes) -> bool:
+        return self.eviction.parent_of(slot) == self._parent_slot(key, parent)
 
     def splice(self, key: bytes, at: int, data) -> int:
         """Write ``data`` at byte ``at`` of the live value of ``key`` (APPEND, SETRANGE),
@@ -224,27 +227,33 @@ class Engine:
         self.commit(key, extent, None if parent == NO_PARENT else self.slots.keys[parent], keep_ttl=True)
         return size
 
-    def _rewrite_in_place(self, slot: int, at: int, src: memoryview, size: int, keep_ttl: bool) -> bool:
-        """Write ``src`` at byte ``at`` of the old extent, the value becoming ``size`` bytes,
-        when that size needs a chunk of the same order.
+    def _rewrite_in_place(self, slot: int, at: int, src, size: int, keep_ttl: bool) -> bool:
+        """Write ``src`` (bytes or a byte memoryview) at byte ``at`` of the old extent, the
+        value becoming ``size`` bytes, when that size needs a chunk of the same order.
 
         The copy happens in one step on the loop thread, so no reader sees a
-        mix; a held extent (being sent) is never rewritten.
+        mix; a held extent (being sent) is never rewritten. A value of the same
+        size as the old one (a SET of a busy key) skips the size bookkeeping.
         """
-        slots, alloc = self.slots, self.allocator
-        offset = slots.dram_offset(slot)
+        slots = self.slots
         old = slots.size[slot]
-        if self.holds.is_held(offset) or alloc.order_for(size) != alloc.order_for(old) \
-                or slots.tier[slot] != DRAM or slots.flags[slot]:
+        if slots.tier[slot] != DRAM or slots.flags[slot]:
+            return False
+        alloc = self.allocator
+        if size != old and alloc.order_for(size) != alloc.order_for(old):
+            return False
+        offset = slots.dram_offset(slot)
+        if self.holds.is_held(offset):
             return False
         for listener in self.overwrite_listeners:
             listener(slots.keys[slot])
         view = self.arena.view
         if at > old:
             view[offset + old:offset + at] = bytes(at - old)
-        view[offset + at:offset + at + src.nbytes] = src
-        slots.resize(slot, size)
-        alloc.requested += size - old
+        view[offset + at:offset + at + len(src)] = src
+        if size != old:
+            slots.resize(slot, size)
+            alloc.requested += size - old
         if not keep_ttl and self.expires:
             self.expires.pop(slots.keys[slot], None)
         self.eviction.touch(slot)
@@ -462,11 +471,14 @@ class Engine:
 
     # ----------------------------------------------------------- internals
 
-    def _drop(self, slot: int, keep_ttl: bool = False) -> None:
+    def _drop(self, slot: int, keep_ttl: bool = False, replaced: bool = False) -> None:
         slots = self.slots
         key = slots.keys[slot]
         for listener in self.drop_listeners:
             listener(slot, key)
+        if not replaced:
+            for listener in self.final_drop_listeners:
+                listener(slot, key)
         del self.index[key]
         if not keep_ttl:
             self.expires.pop(key, None)

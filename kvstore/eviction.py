@@ -240,6 +240,14 @@ class SampledLRU:
     def parent_of(self, slot: int) -> int:
         return self._parent[slot]
 
+    def children_of(self, slot: int) -> list[int]:
+        """The entries linked to ``slot`` as their parent, in any place (O(children))."""
+        children, child = [], self._first_child[slot]
+        while child != NO_PARENT:
+            children.append(child)
+            child = self._next_sibling[child]
+        return children
+
     def is_leaf(self, slot: int) -> bool:
         """Whether no child of the entry is cached, in any place."""
         return self._first_child[slot] == NO_PARENT

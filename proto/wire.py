@@ -15,6 +15,8 @@ KV_STATS = "KV.STATS"
 KV_PIN = "KV.PIN"
 KV_UNPIN = "KV.UNPIN"
 KV_HOTKEYS = "KV.HOTKEYS"      # cluster: the hot blocks a node owns and where their copies are
+KV_LINK = "KV.LINK"            # cluster: record that a block's chain continues on another node
+KV_LINK_MAX = 1024             # (parent, child) pairs one KV.LINK may carry
 
 # Tier names as they appear in KV.LOCATE, KV.STATS and INFO.
 TIER_GPU = "gpu"

@@ -73,6 +73,7 @@ class ClusterState:
         self._step_expired = 0                  # epoch of the last step whose time ran out
         self.copies = None                      # replication.HotCopies, when the node runs it
         self.moves = None                       # migration.Migrator, when the node runs it
+        self.cascade = None                     # cascade.Cascade, when the node runs it
 
     # ---------------------------------------------------------------- queries (hot path)
 

@@ -3,7 +3,8 @@ and slot moves, started and stopped together by the server.
 
 Membership (node.py) decides who owns what; these act on it: `HotCopies`
 (replication.py) copies hot blocks and keeps the copies right, `Migrator`
-(migration.py) moves values with their slots, and both speak to other nodes
+(migration.py) moves values with their slots, `Cascade` (cascade.py) drops
+the blocks a final drop leaves unreachable, and all speak to other nodes
 through one `Peers` pool (peer.py). The server makes one `ClusterServices`
 after joining, calls ``drain`` before it leaves (a clean leave moves its
 values) and ``close`` after.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from kvstore.cluster.cascade import Cascade
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
@@ -35,8 +37,10 @@ class ClusterServices:
         self.peers = peers or Peers(server.config.requirepass, tls_context=server.cluster_tls_context())
         self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads)
         self.copies = HotCopies(server.engine, cluster, self.peers, config, self.moves.rescue)
+        self.cascade = Cascade(server.engine, cluster, self.peers)
         self.copies.attach()
         self.moves.attach()
+        self.cascade.attach()
         cluster.move_budget = server.config.cluster_move_budget
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
@@ -62,7 +66,8 @@ class ClusterServices:
         self._ticker.cancel()
         self.copies.close()
         self.moves.close()
+        self.cascade.close()
         self.peers.close()
 
     def info(self) -> dict:
-        return {**self.copies.info(), **self.moves.info()}
+        return {**self.copies.info(), **self.moves.info(), **self.cascade.info()}

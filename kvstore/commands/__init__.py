@@ -6,6 +6,7 @@ from kvstore.commands import layers  # noqa: F401  (layer-wise blocks)
 from kvstore.commands import diagnostics  # noqa: F401  (SLOWLOG; LATENCY, as Redis with its monitor off)
 from kvstore.commands import cluster  # noqa: F401  (CLUSTER, READONLY, READWRITE, ASKING)
 from kvstore.commands import cluster_data  # noqa: F401  (node-to-node copies and moves, KV.HOTKEYS)
+from kvstore.commands import cascade  # noqa: F401  (cluster: KV.LINK, KV.CASCADE)
 from kvstore.commands import acl  # noqa: F401  (AUTH and the ACL container)
 from kvstore.commands.table import TABLE, Command, CommandError, lookup
 

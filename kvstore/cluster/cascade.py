@@ -1,0 +1,282 @@
+"""The eviction cascade across nodes: when a block goes for good, the blocks after it in its chains go too.
+
+Why. A prefix match stops at the first missing block, so a block whose
+predecessor is gone is never read again: it only takes room, and the chain's
+cached blocks stop being a prefix of it. One node keeps chains prefix-closed
+with leaf-first eviction over parent links (kvstore/eviction.py), but in a
+cluster a chain's blocks live on different nodes, each evicting its own oldest
+at its own pressure, so a chain loses block i on one node while block j > i
+stays on another. No amount of touching in order closes that gap; dropping
+what can no longer be reached does.
+
+What goes. A final drop (the engine's ``final_drop_listeners``: evicted from
+its last tier, expired, deleted, dropped by a cascade; not a demotion, not a
+value replaced by a new one of its key) of a key this node owns is followed by
+the drop of
+
+- its local descendants: its children through the engine's parent links (a
+  cluster batch put links each block to its nearest ancestor on its node),
+  each of which cascades in turn;
+- its remote children: the blocks that follow it on other nodes. A cluster
+  batch put knows which blocks' chain predecessors live on another node and
+  records each such link there with ``KV.LINK parent child ...``, pipelined
+  in the batch that node receives anyway. On the parent's final drop they are
+  sent, batched per owner, as ``KV.CASCADE drop-us key ...`` over the peer
+  links; the owner drops them and cascades on.
+
+Bounded work. Local drops wait in one queue, at most ``DROPS_PER_TICK`` taken
+per loop tick (clients are served in between), so a long chain or a FLUSHALL
+never stalls the loop. Sends are background tasks, one at a time per peer; a
+batch a peer does not take is lost (it is a cache: the blocks stay until
+evicted by themselves). The queue and the outgoing batches are capped; a
+cascade past a cap is cut short and counted.
+
+Bounded memory. A key keeps at most ``LINKS_PER_KEY`` remote children (a new
+link takes the oldest one's place), the node at most ``max_links`` links in
+all (more are refused and counted). A key's links go with its final drop and
+stay through a re-put of the key (the same content-addressed block has the
+same children). Keys received are never forwarded (only a node's own links
+are sent), so two nodes that disagree on the map cannot bounce a cascade.
+
+Ordering. A cascade may reach a node after the client found the hole and
+wrote the chain again. It carries the time of the drop that started it, and a
+node never drops a value committed after that time: commit times of the last
+``FRESH_SECONDS`` (at most ``FRESH_KEYS`` keys) answer that question. Clocks
+of different hosts differ by milliseconds; a cascade that loses that race
+drops a fresh block and the rest of its chain after it, which costs misses,
+never a wrong value, and leaves the chain a prefix.
+
+Not covered: links do not travel with a slot move, and what a dead node held
+cannot cascade (its links died with it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
+from kvstore.cluster.slots import keyslot
+from kvstore.cluster.tasks import BackgroundTasks
+
+log = logging.getLogger("kvstore.cluster")
+
+KV_CASCADE = "KV.CASCADE"
+CASCADE_MAX = 1024          # keys one KV.CASCADE may carry
+LINK_KEY_MAX = 1024         # bytes of a child key a link may name
+LINKS_PER_KEY = 16          # remote children kept per key
+LINK_BUDGET_SHARE = 32768   # DRAM bytes per link allowed (about 1/256 of DRAM at ~128 bytes a link) ...
+MIN_LINKS = 4096            # ... but never fewer than this
+DROPS_PER_TICK = 256        # local drops per loop tick
+QUEUE_MAX = 100_000         # local drops waiting
+OUTGOING_MAX = 65_536       # keys waiting to be sent to other nodes
+FRESH_SECONDS = 5.0         # how long a commit time is kept for the ordering question
+FRESH_KEYS = 65_536
+
+
+def now_us() -> int:
+    """Wall-clock microseconds: comparable between nodes (monotonic clocks are not)."""
+    return time.time_ns() // 1000
+
+
+@dataclass
+class Outgoing:
+    """Keys waiting for one peer, and the time of the earliest drop among them."""
+
+    since_us: int
+    keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class CascadeStats:
+    links_displaced: int = 0    # links that made room for a newer one of the same key
+    links_refused: int = 0      # links over the node's budget
+    dropped: int = 0            # values this node dropped because of a cascade
+    sent: int = 0               # keys sent to the other nodes
+    send_failures: int = 0      # keys lost with a batch a peer did not take
+    kept_fresh: int = 0         # values a cascade found written after its drop
+    cut_short: int = 0          # drops and sends over a cap
+
+
+class Cascade:
+    """One node's side of the cascade: its remote links, its drop queue and its outgoing batches."""
+
+    def __init__(self, engine, cluster: ClusterState, peers: Peers):
+        self.engine = engine
+        self.cluster = cluster
+        self.peers = peers
+        self.max_links = max(MIN_LINKS, engine.limit // LINK_BUDGET_SHARE)
+        self.children: dict[bytes, list[bytes]] = {}        # own key -> children on other nodes
+        self.link_count = 0
+        self.queue: deque[tuple[bytes, int]] = deque()     # (own key, drop time) to drop here
+        self.outgoing: dict[str, Outgoing] = {}            # peer address -> keys to send
+        self.outgoing_count = 0
+        self.sending: set[str] = set()
+        self.commits: OrderedDict[bytes, int] = OrderedDict()   # key -> commit time, recent ones
+        self.stats = CascadeStats()
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
+        self._tasks = BackgroundTasks()
+
+    def attach(self) -> None:
+        """Listen to the engine; commands reach this object as ``cluster.cascade``."""
+        self.engine.final_drop_listeners.append(self._on_final_drop)
+        self.engine.commit_listeners.append(self._on_commit)
+        self.cluster.cascade = self
+
+    # ------------------------------------------------------------ links (KV.LINK)
+
+    def link(self, parent: bytes, child: bytes) -> bool:
+        """Record that ``child`` (on another node) follows ``parent`` (here); False when ``parent``
+        is not cached, the link is there already, or the node's budget is spent."""
+        slot = self.engine.lookup(parent)
+        if slot is None or child == parent:
+            return False
+        key = self.engine.key_of(slot)          # the index's own key object: no second copy
+        children = self.children.get(key)
+        if children is None:
+            children = self.children[key] = []
+        elif child in children:
+            return False
+        if len(children) >= LINKS_PER_KEY:
+            children.pop(0)
+            self.stats.links_displaced += 1
+        elif self.link_count >= self.max_links:
+            self.stats.links_refused += 1
+            return False
+        else:
+            self.link_count += 1
+        children.append(bytes(child))
+        return True
+
+    # ------------------------------------------------------------ what the engine tells
+
+    def _on_commit(self, key: bytes, slot: int) -> None:
+        commits, now = self.commits, now_us()
+        commits[key] = now
+        commits.move_to_end(key)
+        oldest = now - int(FRESH_SECONDS * 1e6)
+        while len(commits) > FRESH_KEYS or next(iter(commits.values())) < oldest:
+            commits.popitem(last=False)
+
+    def _on_final_drop(self, slot: int, key: bytes) -> None:
+        remote = self.children.pop(key, ())
+        self.link_count -= len(remote)
+        if not self._serves(key):
+            return              # a copy of another node's block, or a value leaving with its slot
+        at = now_us()
+        engine = self.engine
+        for child in engine.eviction.children_of(slot):
+            self._queue(engine.key_of(child), at)
+        for child in remote:
+            self._send_later(child, at)
+
+    # ------------------------------------------------------------ cascades from other nodes (KV.CASCADE)
+
+    def receive(self, drop_us: int, keys) -> int:
+        """Queue the drop of the keys this node serves (others are ignored: never forwarded)."""
+        queued = 0
+        for key in keys:
+            if self._serves(key):
+                queued += self._queue(bytes(key), drop_us)
+        return queued
+
+    # ------------------------------------------------------------ dropping here
+
+    def _serves(self, key: bytes) -> bool:
+        slot = keyslot(key)
+        return self.cluster.is_mine(slot) and self.cluster.migrating_to(slot) is None
+
+    def _queue(self, key: bytes, drop_us: int) -> bool:
+        if len(self.queue) >= QUEUE_MAX:
+            self.stats.cut_short += 1
+            return False
+        self.queue.append((key, drop_us))
+        self._schedule()
+        return True
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        """One loop tick's share: some queued drops (each may queue more), then the sends."""
+        self._scheduled = False
+        for _ in range(min(DROPS_PER_TICK, len(self.queue))):
+            self._drop_here(*self.queue.popleft())
+        self._flush()
+        if self.queue:
+            self._schedule()
+
+    def _drop_here(self, key: bytes, drop_us: int) -> None:
+        if self.commits.get(key, -1) > drop_us:
+            self.stats.kept_fresh += 1          # written again after the drop that started this
+        elif self._serves(key) and self.engine.delete(key):
+            self.stats.dropped += 1             # its final drop cascades on (the listener above)
+
+    # ------------------------------------------------------------ sending to other nodes
+
+    def _send_later(self, key: bytes, drop_us: int) -> None:
+        owner = self.cluster.owner(keyslot(key))
+        if owner == self.cluster.my_id:
+            self._queue(key, drop_us)           # the map moved the child here
+            return
+        addr = None if owner is None else self.cluster.addr_of(owner)
+        if addr is None:
+            return
+        if self.outgoing_count >= OUTGOING_MAX:
+            self.stats.cut_short += 1
+            return
+        batch = self.outgoing.get(addr)
+        if batch is None:
+            batch = self.outgoing[addr] = Outgoing(drop_us)
+        batch.keys.append(key)
+        self.outgoing_count += 1
+        self._schedule()
+
+    def _flush(self) -> None:
+        for addr in [addr for addr in self.outgoing if addr not in self.sending]:
+            batch = self.outgoing.pop(addr)
+            self.outgoing_count -= len(batch.keys)
+            self.sending.add(addr)
+            self._tasks.spawn(self._send(addr, batch))
+
+    async def _send(self, addr: str, batch: Outgoing) -> None:
+        """One peer's batch, pipelined in commands of at most CASCADE_MAX keys; lost on an error."""
+        keys = batch.keys
+        commands = [(KV_CASCADE, batch.since_us, *keys[i:i + CASCADE_MAX]) for i in range(0, len(keys), CASCADE_MAX)]
+        try:
+            replies = await self.peers.link(addr).pipeline(commands)
+            failed = [reply for reply in replies if isinstance(reply, PeerReplyError)]
+            if failed:
+                raise failed[0]
+            self.stats.sent += len(keys)
+        except (PeerError, PeerReplyError) as e:
+            self.stats.send_failures += len(keys)
+            log.debug("A cascade of %d keys to %s was lost: %s", len(keys), addr, e)
+        finally:
+            self.sending.discard(addr)
+            if addr in self.outgoing:
+                self._schedule()
+
+    # ------------------------------------------------------------ INFO and leaving
+
+    @property
+    def pending(self) -> int:
+        """Drops and sends not done yet (0: every cascade started here has left this node)."""
+        return len(self.queue) + self.outgoing_count + len(self.sending)
+
+    def info(self) -> dict[str, int]:
+        s = self.stats
+        return {"cluster_cascade_links": self.link_count, "cluster_cascade_links_displaced": s.links_displaced,
+                "cluster_cascade_links_refused": s.links_refused, "cluster_cascade_dropped": s.dropped,
+                "cluster_cascade_sent": s.sent, "cluster_cascade_send_failures": s.send_failures,
+                "cluster_cascade_kept_fresh": s.kept_fresh, "cluster_cascade_cut_short": s.cut_short,
+                "cluster_cascade_pending": self.pending}
+
+    def close(self) -> None:
+        self._tasks.cancel_all()

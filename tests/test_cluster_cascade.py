@@ -1,0 +1,330 @@
+"""The eviction cascade across nodes (kvstore/cluster/cascade.py, KV.LINK / KV.CASCADE).
+
+The unit tests run `Cascade` on a real `Engine` and a `ClusterState` fed a map
+by hand (this node owns the lower half of the slots, another node the upper
+half), with a recording stand-in for the peer links. The integration tests
+start `kvstore cluster up` (a throwaway etcd and 3 node processes) and write
+chains through `KVClusterClient`, whose batch puts send the links.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis
+
+from client import KVClusterClient
+from kvstore.cluster.cascade import DROPS_PER_TICK, KV_CASCADE, LINKS_PER_KEY, Cascade, now_us
+from kvstore.cluster.node import ClusterState
+from kvstore.cluster.peer import PeerError
+from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
+from kvstore.engine import Engine
+from proto.wire import KV_LINK_MAX
+from tests.cluster_procs import ClusterUp
+from tests.conftest import start_kvstore, wait_until
+
+A, B = "a" * 40, "b" * 40
+NODES = {A: "10.0.0.1:7000", B: "10.0.0.2:7000"}
+MiB = 1024 * 1024
+
+
+def keys_of(owner: str, prefix: bytes, count: int) -> list[bytes]:
+    """``count`` keys whose slots ``owner`` serves in the map of `node`."""
+    half = SLOTS // 2
+    found, i = [], 0
+    while len(found) < count:
+        key = prefix + b"%d" % i
+        if (keyslot(key) < half) == (owner == A):
+            found.append(key)
+        i += 1
+    return found
+
+
+class Links:
+    """Peer links that record each pipelined command; ``down`` addresses fail as a dead node does."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, tuple]] = []
+        self.down: set[str] = set()
+
+    def link(self, addr: str):
+        links = self
+
+        class Link:
+            async def pipeline(self, commands):
+                if addr in links.down:
+                    raise PeerError(f"node {addr} is unreachable")
+                links.sent += [(addr, tuple(command)) for command in commands]
+                return [len(command) - 2 for command in commands]
+        return Link()
+
+
+def node() -> tuple[Engine, Cascade, Links]:
+    """A cascade on node A, which serves the lower half of the slots (B the upper half)."""
+    engine = Engine(4 * MiB, prefault=False)
+    cluster = ClusterState(A, NODES[A])
+    cluster.apply(SlotMap.build(1, NODES, [A] * (SLOTS // 2) + [B] * (SLOTS // 2)))
+    links = Links()
+    cascade = Cascade(engine, cluster, links)
+    cascade.attach()
+    return engine, cascade, links
+
+
+async def settle() -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------------ the engine's final drops
+
+
+def test_final_drop_listeners_hear_deletes_evictions_and_expiry_but_not_a_replaced_value():
+    engine = Engine(2 * MiB, prefault=False)
+    heard = []
+    engine.final_drop_listeners.append(lambda slot, key: heard.append(key))
+    engine.put(b"k", b"v" * 100)
+    engine.put(b"k", b"w" * 100)                # in place
+    engine.put(b"k", b"x" * 300_000)            # a new extent replaces the old one
+    assert heard == []
+    engine.delete(b"k")
+    engine.put(b"e", b"v")
+    engine.set_expire(b"e", 1)
+    assert engine.lookup(b"e") is None
+    for i in range(3):                          # 3 x 1 MiB chunks into 2 MiB: the oldest goes
+        engine.put(b"big%d" % i, bytes(600_000))
+    assert heard == [b"k", b"e", b"big0"]
+
+
+# ------------------------------------------------------------------ Cascade on a real engine
+
+
+def test_a_final_drop_sends_its_remote_children_to_their_owner_in_one_batch():
+    async def scenario():
+        engine, cascade, links = node()
+        parents, children = keys_of(A, b"p", 2), keys_of(B, b"c", 3)
+        for parent in parents:
+            engine.put(parent, b"v" * 100)
+        assert [cascade.link(parents[0], c) for c in children[:2]] == [True, True]
+        assert cascade.link(parents[0], children[0]) is False          # already there
+        assert cascade.link(parents[1], children[2]) is True
+        assert cascade.link(b"absent", children[0]) is False
+        assert cascade.info()["cluster_cascade_links"] == 3
+        before = now_us()
+        engine.delete(parents[0])
+        engine.delete(parents[1])
+        await settle()
+        [(addr, command)] = links.sent
+        assert addr == NODES[B] and command[0] == KV_CASCADE and command[2:] == tuple(children)
+        assert before <= command[1] <= now_us()
+        info = cascade.info()
+        assert info["cluster_cascade_links"] == 0 and info["cluster_cascade_sent"] == 3
+        assert info["cluster_cascade_pending"] == 0
+    asyncio.run(scenario())
+
+
+def test_a_re_put_of_the_parent_keeps_its_links_and_cascades_nothing():
+    async def scenario():
+        engine, cascade, links = node()
+        parent, child = keys_of(A, b"p", 1)[0], keys_of(B, b"c", 1)[0]
+        engine.put(parent, b"v" * 100)
+        cascade.link(parent, child)
+        engine.put(parent, b"w" * 100)                  # in place
+        engine.put(parent, b"x" * 300_000)              # a new value replaces it
+        await settle()
+        assert links.sent == [] and cascade.link_count == 1
+        engine.delete(parent)
+        await settle()
+        assert [command[2:] for _, command in links.sent] == [(child,)]
+    asyncio.run(scenario())
+
+
+def test_local_descendants_go_too_a_bounded_number_per_loop_tick():
+    async def scenario():
+        engine, cascade, links = node()
+        head, *rest = keys_of(A, b"n", 1 + 3 * DROPS_PER_TICK)
+        engine.put(head, b"h")
+        chain = rest[:DROPS_PER_TICK]                   # a chain under the head ...
+        for parent, key in zip([head, *chain], chain):
+            engine.put(key, b"c", parent=parent)
+        for key in rest[DROPS_PER_TICK:]:               # ... and many children of it
+            engine.put(key, b"w", parent=head)
+        engine.delete(head)
+        await asyncio.sleep(0)
+        assert cascade.stats.dropped <= DROPS_PER_TICK  # the loop serves clients in between
+        for _ in range(2 * DROPS_PER_TICK):
+            await asyncio.sleep(0)
+        assert len(engine.index) == 0 and cascade.stats.dropped == 3 * DROPS_PER_TICK
+    asyncio.run(scenario())
+
+
+def test_a_cascade_never_drops_a_value_written_after_the_drop_that_started_it():
+    async def scenario():
+        engine, cascade, links = node()
+        fresh, stale = keys_of(A, b"k", 2)
+        dropped_at = now_us()
+        time.sleep(0.002)
+        engine.put(fresh, b"rewritten after the drop")
+        assert cascade.receive(dropped_at, [fresh]) == 1
+        await settle()
+        assert engine.lookup(fresh) is not None and cascade.stats.kept_fresh == 1
+        engine.put(stale, b"written before the drop")
+        assert cascade.receive(now_us() + 1, [stale]) == 1
+        await settle()
+        assert engine.lookup(stale) is None and cascade.stats.dropped == 1
+    asyncio.run(scenario())
+
+
+def test_keys_this_node_does_not_serve_are_neither_dropped_nor_forwarded():
+    async def scenario():
+        engine, cascade, links = node()
+        theirs = keys_of(B, b"t", 1)[0]
+        engine.put(theirs, b"a copy of B's block")     # as a hot-block copy is held
+        assert cascade.receive(now_us() + 1, [theirs]) == 0
+        engine.delete(theirs)                          # a copy going is no drop of the block
+        await settle()
+        assert links.sent == [] and cascade.stats.dropped == 0
+    asyncio.run(scenario())
+
+
+def test_links_are_capped_per_key_and_per_node():
+    async def scenario():
+        engine, cascade, links = node()
+        parents, children = keys_of(A, b"p", 3), keys_of(B, b"c", LINKS_PER_KEY + 4)
+        for parent in parents:
+            engine.put(parent, b"v")
+        assert all(cascade.link(parents[0], child) for child in children)
+        assert cascade.children[parents[0]] == children[4:]            # the newest stay
+        assert cascade.link_count == LINKS_PER_KEY and cascade.stats.links_displaced == 4
+        cascade.max_links = LINKS_PER_KEY + 1
+        assert cascade.link(parents[1], children[0]) is True
+        assert cascade.link(parents[2], children[0]) is False           # over the node's budget
+        assert cascade.stats.links_refused == 1
+        engine.delete(parents[0])                                       # links go with their key
+        assert cascade.link_count == 1 and parents[0] not in cascade.children
+    asyncio.run(scenario())
+
+
+def test_a_batch_a_peer_does_not_take_is_counted_and_lost():
+    async def scenario():
+        engine, cascade, links = node()
+        parent, child = keys_of(A, b"p", 1)[0], keys_of(B, b"c", 1)[0]
+        engine.put(parent, b"v")
+        cascade.link(parent, child)
+        links.down.add(NODES[B])
+        engine.delete(parent)
+        await settle()
+        assert cascade.stats.send_failures == 1 and cascade.pending == 0
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ 3 real nodes
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ClusterUp(nodes=3, dram_size="64mb") as up:
+        yield up
+
+
+@pytest.fixture
+def kv(cluster):
+    with KVClusterClient([f"{h}:{p}" for h, p in cluster.addrs], fast_path="off") as client:
+        yield client
+
+
+def _chain(kv: KVClusterClient, name: str, blocks: int, size: int = 1000) -> list[bytes]:
+    keys = [b"%s-%03d" % (name.encode(), i) for i in range(blocks)]
+    kv.batch_put([(k, bytes(size)) for k in keys], parents=[None] + keys[:-1])
+    return keys
+
+
+def _cached(kv: KVClusterClient, keys: list[bytes]) -> list[bool]:
+    return [loc is not None for loc in kv.locate(keys)]
+
+
+def _info(cluster, field: str) -> list[int]:
+    return [redis.Redis(*addr).info("cluster")[field] for addr in cluster.addrs]
+
+
+@pytest.mark.parametrize("how", ["delete", "expire"])
+def test_dropping_an_early_block_drops_the_rest_of_its_chain_on_every_node(kv, cluster, how):
+    keys = _chain(kv, f"drop-{how}", 32)
+    assert len({kv.node_of(k) for k in keys[6:]}) == 3
+    assert _cached(kv, keys) == [True] * 32
+    if how == "delete":
+        kv.delete(keys[5])
+    else:
+        kv.execute("PEXPIRE", keys[5], 1)
+        time.sleep(0.01)
+        assert kv.get(keys[5]) is None                 # lazily expired: a final drop
+    wait_until(lambda: _cached(kv, keys) == [True] * 5 + [False] * 27, 5.0, "the chain's tail to go")
+
+
+def test_a_re_put_chain_is_linked_again_and_nodes_hold_one_link_per_crossing(kv, cluster):
+    keys = _chain(kv, "relink", 24)
+    crossings = sum(kv.node_of(a) != kv.node_of(b) for a, b in zip(keys, keys[1:]))
+    before = sum(_info(cluster, "cluster_cascade_links"))
+    _chain(kv, "relink", 24)                            # the same chain again: nothing new to record
+    assert sum(_info(cluster, "cluster_cascade_links")) == before
+    kv.delete(keys[0])
+    wait_until(lambda: not any(_cached(kv, keys)), 5.0, "the whole chain to go")
+    assert sum(_info(cluster, "cluster_cascade_links")) == before - crossings
+
+
+def test_link_bad_input_gets_clear_errors(kv, cluster):
+    parent = _chain(kv, "bad", 1)[0]
+    owner = kv.node_of(parent)
+    host, port = owner.rsplit(":", 1)
+    other = next(f"{h}:{p}" for h, p in cluster.addrs if f"{h}:{p}" != owner)
+    here = redis.Redis(host, int(port))
+    elsewhere = redis.Redis(*other.rsplit(":", 1))
+    with pytest.raises(redis.exceptions.MovedError):
+        elsewhere.execute_command("KV.LINK", parent, b"child")      # a parent of a slot served elsewhere
+    with pytest.raises(redis.ResponseError, match="syntax error"):
+        here.execute_command("KV.LINK", parent, b"c1", parent)
+    with pytest.raises(redis.ResponseError, match=f"at most {KV_LINK_MAX} links"):
+        here.execute_command("KV.LINK", *[parent, b"c"] * (KV_LINK_MAX + 1))
+    with pytest.raises(redis.ResponseError, match="longer than 1024 bytes"):
+        here.execute_command("KV.LINK", parent, b"c" * 1025)
+    with pytest.raises(redis.ResponseError, match="at most 1024 keys"):
+        here.execute_command("KV.CASCADE", now_us(), *[b"k"] * 1025)
+    with pytest.raises(redis.ResponseError, match="microseconds"):
+        here.execute_command("KV.CASCADE", b"soon", b"k")
+    absent = b"{%s}absent" % parent                                 # same slot, not cached
+    assert here.execute_command("KV.LINK", parent, b"child-1", absent, b"child-2") == 1
+    here.execute_command("ACL", "SETUSER", "tenant-a", "on", ">pw", "~bad-*", "+@all")
+    tenant = redis.Redis(host, int(port), username="tenant-a", password="pw")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        tenant.execute_command("KV.LINK", parent, b"someone-else:block")
+    assert tenant.execute_command("KV.LINK", parent, b"bad-child") == 1
+
+
+def test_chains_written_past_memory_stay_prefixes():
+    """Each node evicts its own oldest at its own pressure; the cascade drops what that leaves unreachable."""
+    with ClusterUp(nodes=3, dram_size="4mb") as up, \
+            KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
+        chains = [_chain(kv, f"full{c:03d}", 16, size=64 * 1024) for c in range(40)]     # ~3.3 x memory
+        settled = lambda: sum(_info(up, "cluster_cascade_pending")) == 0     # noqa: E731
+        wait_until(settled, 5.0, "the cascades to settle")
+        broken = 0
+        for keys in chains:
+            cached = _cached(kv, keys)
+            gap = cached.index(False) if False in cached else len(cached)
+            broken += any(cached[gap:])
+        assert broken == 0
+        assert sum(_info(up, "cluster_cascade_dropped")) > 0
+
+
+def test_a_standalone_node_has_no_cascade(tmp_path):
+    daemon = start_kvstore(tmp_path)
+    try:
+        conn = redis.Redis(daemon.host, daemon.port)
+        conn.execute_command("KV.PUT", "p", "v")
+        with pytest.raises(redis.ResponseError, match="cluster support disabled"):
+            conn.execute_command("KV.LINK", "p", "c")
+        with pytest.raises(redis.ResponseError, match="cluster support disabled"):
+            conn.execute_command("KV.CASCADE", now_us(), "p")
+        assert conn.get("p") == b"v"
+    finally:
+        daemon.stop()
