@@ -1,0 +1,441 @@
+"""KVClusterClient: one store made of many nodes, with every method of KVClient.
+
+The nodes share the key space by Redis Cluster's hash slots, so the client
+keeps the slot map (read with ``CLUSTER SLOTS`` from any node) and one
+`KVClient` per node, and sends each key where its slot lives. What this adds
+over routing one key at a time:
+
+- **Batches split per node and run in parallel.** A prompt's blocks land on
+  different nodes (placement is per block), so a prefix is read from every
+  node at once and the nodes' NICs add up; results come back in the caller's
+  order.
+- **One parallel round for a prefix match.** Each node is asked ``KV.MATCH``
+  for its own keys of the chain (in chain order): it answers how many of them
+  lead before its first miss, which names that node's first missing position
+  in the whole chain; the answer is the smallest such position. A node never
+  needs the others' keys.
+- **Chain links for eviction.** A batch put links each block to its nearest
+  ancestor on its own node (so each node evicts its part of a chain leaf
+  first) and tells the node of each block's chain parent, when that is
+  another node, which block follows it (``KV.LINK``, pipelined with that
+  node's part of the batch): when the parent goes for good, its node has the
+  rest of the chain dropped, so what a chain keeps cached stays a prefix.
+- **Redirections are followed.** ``MOVED`` (the map changed) refreshes the map
+  and retries on the new owner; ``ASK`` (a slot being moved) retries once on
+  the importing node after ``ASKING``, on the same connection.
+- **Reads of hot blocks spread over their copies.** A node copies a block
+  read more often than its ``--hot-reads`` to other nodes; the client polls
+  each node's hot-key map (``KV.HOTKEYS``, nil while unchanged) at most once a
+  second and sends reads of those keys to the owner or a copy at random. Its
+  connections send READONLY, so a copy holder serves them; a read a copy
+  cannot serve (the copy went, the holder died) is retried on the owner.
+- **The local fast path is per node**: each node's `KVClient` maps its node's
+  arena when that node runs on this host (``fast_path="auto"``).
+
+A put that is not an overwrite (put-once) is not retried after ``MOVED``
+changed the map mid-batch for nodes whose part had already run: as in
+KVClient, a retry could not tell its own earlier put from someone else's.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from client.buffers import Key
+from client.errors import ConnectionError, KVError, ResponseError
+from client.hashing import BlockHasher
+from client.operations import Items, Location, Value, with_parents
+from client.sync_client import KVClient
+from proto.slots import SLOTS, keyslot
+
+REDIRECTS = 5                # MOVED/ASK hops followed for one request before giving up
+ANCESTOR_HOPS = 64           # how far up a batch's links a block looks for an ancestor on its node
+HOT_REFRESH_S = 1.0          # how often the hot-key maps are polled (only when reading)
+
+
+class ClusterDown(KVError):
+    """No node could tell the slot map, or a slot has no owner."""
+
+
+def _key_bytes(key: Key) -> bytes:
+    return key if isinstance(key, bytes) else str(key).encode()
+
+
+class KVClusterClient:
+    """A blocking client of a kvstore cluster; thread-safe like `KVClient`.
+
+    ``nodes``: "host:port" of any nodes of the cluster (one is enough; the
+    rest are learned from the slot map). Other arguments are those of
+    `KVClient` (password, timeout, retries, pool_size, fast_path, ...).
+    """
+
+    def __init__(self, nodes: Sequence[str], *, parallelism: int = 16, **client_args: Any):
+        if not nodes:
+            raise ValueError("name at least one node (host:port)")
+        self._client_args = client_args
+        self._clients: dict[str, KVClient] = {}
+        self._seeds = list(nodes)
+        # (node addresses, owner index per slot), replaced whole by `refresh`: an operation reads
+        # it once, so a refresh in another thread never mixes two maps.
+        self._map: tuple[list[str], np.ndarray] = ([], np.full(SLOTS, -1, dtype=np.int32))
+        self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="kvcluster")
+        self._ask_clients: dict[str, KVClient] = {}
+        self._ask_lock = threading.Lock()
+        self._hot: dict[bytes, list[str]] = {}          # hot key -> owner and copy holders
+        self._hot_versions: dict[str, Any] = {}         # per node: its hot-key map's version ...
+        self._hot_entries: dict[str, list] = {}         # ... and its entries at that version
+        self._hot_polled = 0.0
+        self.refresh()
+
+    # ------------------------------------------------------------ the map
+
+    def refresh(self) -> None:
+        """Read the slot map again (CLUSTER SLOTS) from the first node that answers."""
+        errors = []
+        for addr in [*self._map[0], *self._seeds]:
+            try:
+                ranges = self._client(addr).execute("CLUSTER", "SLOTS")
+            except KVError as exc:
+                errors.append(f"{addr}: {exc}")
+                continue
+            self._apply(ranges)
+            return
+        raise ClusterDown("no node answered CLUSTER SLOTS: " + "; ".join(errors))
+
+    def _apply(self, ranges: list) -> None:
+        addrs: list[str] = []
+        owner = np.full(SLOTS, -1, dtype=np.int32)
+        for start, end, master, *_ in ranges:
+            host = bytes(master[0]).decode() if isinstance(master[0], (bytes, bytearray)) else master[0]
+            addr = f"{host}:{master[1]}"
+            if addr not in addrs:
+                addrs.append(addr)
+            owner[start:end + 1] = addrs.index(addr)
+        self._map = (addrs, owner)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes that own slots, as the map last read says."""
+        return list(self._map[0])
+
+    def node_of(self, key: Key) -> str:
+        """The "host:port" that owns ``key``'s slot."""
+        addrs, owner = self._map
+        index = owner[keyslot(_key_bytes(key))]
+        if index < 0:
+            raise ClusterDown(f"slot {keyslot(_key_bytes(key))} has no owner")
+        return addrs[index]
+
+    def _client(self, addr: str) -> KVClient:
+        client = self._clients.get(addr)
+        if client is None:
+            host, _, port = addr.rpartition(":")
+            client = self._clients.setdefault(addr, KVClient(host.strip("[]"), int(port), readonly=True,
+                                                             **self._client_args))
+        return client
+
+    # ------------------------------------------------------------ routing
+
+    def _on_key(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
+        """Run ``run(client)`` on the owner of ``key``, following MOVED and ASK."""
+        addr = self.node_of(key)
+        for _ in range(REDIRECTS):
+            try:
+                return run(self._client(addr))
+            except ResponseError as exc:
+                addr = self._redirected(exc, key, run)
+                if not isinstance(addr, str):
+                    return addr[0]
+        raise ClusterDown(f"too many redirections for key {key!r}")
+
+    def _redirected(self, exc: ResponseError, key: Key, run: Callable[[KVClient], Any]):
+        """Where to retry after a redirection: an address, or (result,) when ASK already ran it."""
+        words = str(exc).split()
+        if exc.code == "MOVED" and len(words) >= 3:
+            self.refresh()
+            return self.node_of(key)
+        if exc.code == "ASK" and len(words) >= 3:
+            return (self._asking(words[2], run),)
+        raise exc
+
+    def _asking(self, addr: str, run: Callable[[KVClient], Any]) -> Any:
+        """Run once on the node importing the slot, after ASKING on the same connection.
+
+        A one-connection client over the wire (no fast path: its lease commands
+        would be routed on their own) guarantees ASKING and the request share it.
+        """
+        with self._ask_lock:
+            client = self._ask_clients.get(addr)
+            if client is None:
+                host, _, port = addr.rpartition(":")
+                args = {**self._client_args, "pool_size": 1, "fast_path": "off"}
+                client = self._ask_clients[addr] = KVClient(host.strip("[]"), int(port), **args)
+            client.execute("ASKING")
+            return run(client)
+
+    def _by_node(self, keys: Sequence[Key]) -> dict[str, list[int]]:
+        """Indices of ``keys`` grouped by owner, in the caller's order within each node."""
+        addrs, owner_of = self._map
+        owners = np.fromiter((owner_of[keyslot(_key_bytes(k))] for k in keys), dtype=np.int32, count=len(keys))
+        if (owners < 0).any():
+            raise ClusterDown("a key's slot has no owner")
+        groups: dict[str, list[int]] = {}
+        for index, owner in enumerate(owners.tolist()):
+            groups.setdefault(addrs[owner], []).append(index)
+        return groups
+
+    def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]],
+                 tail_first: bool = True, also: Iterable[str] = ()) -> list[Any]:
+        """Run ``run(client, indices)`` on every node with keys, in parallel; results in key order.
+
+        Each node gets its part ``tail_first`` (last key first): a batch is
+        usually a chain's blocks in chain order, and a node touched tail first
+        ends with the head most recently used, so its LRU drops the chain's tail
+        before its head although it holds only scattered blocks of it (the
+        node's KV.MATCH refreshes tail first too).
+
+        A node that answers MOVED for its part gets the map read again and
+        that part is sent again where it now belongs; a part that meets ASK (a
+        slot in the middle of a move) is run key by key, each following its
+        own redirection. Nodes named in ``also`` are run too, with no keys (a
+        cluster put's chain links for a node that stores none of the batch).
+        """
+        results: list[Any] = [None] * len(keys)
+        pending = self._by_node(keys)
+        for addr in also:
+            pending.setdefault(addr, [])
+        if tail_first:
+            pending = {addr: indices[::-1] for addr, indices in pending.items()}
+        for _ in range(REDIRECTS):
+            futures = {addr: self._pool.submit(run, self._client(addr), indices) for addr, indices in pending.items()}
+            moved: list[int] = []
+            for addr, future in futures.items():
+                try:
+                    for index, value in zip(pending[addr], future.result()):
+                        results[index] = value
+                except ResponseError as exc:
+                    if exc.code == "MOVED":
+                        moved += pending[addr]
+                    elif exc.code == "ASK":
+                        for i in pending[addr]:
+                            results[i] = self._on_key(keys[i], lambda c, i=i: run(c, [i])[0])
+                    else:
+                        raise
+            if not moved:
+                return results
+            self.refresh()
+            regrouped = self._by_node([keys[i] for i in moved])
+            pending = {addr: [moved[j] for j in local] for addr, local in regrouped.items()}
+        raise ClusterDown("too many redirections for a batch")
+
+    # ------------------------------------------------------------ hot keys
+
+    def _poll_hot(self) -> None:
+        """Refresh the hot-key map from every node, at most once per HOT_REFRESH_S."""
+        now = time.monotonic()
+        if now - self._hot_polled < HOT_REFRESH_S:
+            return
+        self._hot_polled = now
+        nodes = list(self._map[0])
+        replies = self._pool.map(self._hot_keys_of, nodes)
+        hot: dict[bytes, list[str]] = {}
+        for addr, entries in zip(nodes, replies):
+            for key, holders in entries:
+                hot[bytes(key)] = [addr, *(bytes(h).decode() for h in holders)]
+        self._hot = hot
+
+    def _hot_keys_of(self, addr: str) -> list:
+        """A node's hot keys and their copy holders (its last answer while unchanged)."""
+        try:
+            reply = self._client(addr).execute("KV.HOTKEYS", self._hot_versions.get(addr, -1))
+        except KVError:
+            return []
+        if reply is not None:
+            self._hot_versions[addr], self._hot_entries[addr] = reply[0], reply[1]
+        return self._hot_entries.get(addr, [])
+
+    def _read(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
+        """A read: a hot key's goes to its owner or a copy at random (the owner on failure)."""
+        self._poll_hot()
+        holders = self._hot.get(_key_bytes(key))
+        if holders:
+            addr = random.choice(holders)
+            if addr != holders[0]:
+                try:
+                    return run(self._client(addr))
+                except (ResponseError, ConnectionError):
+                    pass                      # the copy went or its holder died: the owner answers
+        return self._on_key(key, run)
+
+    # ------------------------------------------------------------ one key
+
+    def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
+        return self._on_key(key, lambda c: c.put(key, value, parent=parent, overwrite=overwrite))
+
+    def get(self, key: Key) -> bytearray | None:
+        return self._read(key, lambda c: c.get(key))
+
+    def get_into(self, key: Key, buffer: Any) -> int | None:
+        return self._read(key, lambda c: c.get_into(key, buffer))
+
+    def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
+        return self._on_key(key, lambda c: c.put_tensor(key, tensor, parent=parent))
+
+    def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
+        return self._read(key, lambda c: c.get_tensor(key, framework=framework))
+
+    def get_tensor_into(self, key: Key, tensor: Any) -> bool:
+        return self._read(key, lambda c: c.get_tensor_into(key, tensor))
+
+    def put_layer(self, key: Key, layer: int, data: Any, **options: Any) -> Any:
+        return self._on_key(key, lambda c: c.put_layer(key, layer, data, **options))
+
+    def get_layers(self, key: Key, start: int = 0, stop: int | None = None, **options: Any) -> Any:
+        return self._on_key(key, lambda c: c.get_layers(key, start, stop, **options))
+
+    # ------------------------------------------------------------ batches
+
+    def exists(self, *keys: Key) -> int:
+        """How many of keys are cached (KV.LOCATE: one round trip per node, whatever the slots)."""
+        return sum(location is not None for location in self.locate(keys))
+
+    def delete(self, *keys: Key) -> int:
+        """Remove keys; how many existed. DEL stays within one slot, as Redis Cluster requires."""
+        def per_node(client: KVClient, indices: list[int]) -> list[int]:
+            slots: dict[int, list[int]] = {}
+            for i in indices:
+                slots.setdefault(keyslot(_key_bytes(keys[i])), []).append(i)
+            counts = {i: 0 for i in indices}
+            for same_slot in slots.values():
+                counts[same_slot[0]] = client.delete(*(keys[i] for i in same_slot))
+            return [counts[i] for i in indices]
+        return sum(self._scatter(keys, per_node))
+
+    def batch_put(self, items: Items, *, parents: Sequence[Key | None] | None = None,
+                  overwrite: bool = True) -> list[bool]:
+        pairs, links = with_parents(items, parents)
+
+        def put(client: KVClient, ix: list[int], local: list[Key | None], chain: list) -> list[bool]:
+            return client.batch_put([pairs[i] for i in ix], parents=local, overwrite=overwrite, chain_links=chain)
+        return self._put_chain([k for k, _ in pairs], links, put)
+
+    def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
+        return self._scatter(keys, lambda c, ix: c.batch_get([keys[i] for i in ix]))
+
+    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
+        return self._scatter(keys, lambda c, ix: c.batch_get_into([keys[i] for i in ix], [buffers[i] for i in ix]))
+
+    def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
+        pairs, links = with_parents(items, parents)
+
+        def put(client: KVClient, ix: list[int], local: list[Key | None], chain: list) -> list[bool]:
+            stored = client.batch_put_tensors([pairs[i] for i in ix], parents=local)
+            client.batch_put([], chain_links=chain)         # tensors go one by one: the links follow
+            return stored
+        return self._put_chain([k for k, _ in pairs], links, put)
+
+    def _put_chain(self, keys: list[Key], links: list[Key | None],
+                   put: Callable[[KVClient, list[int], list[Key | None], list], list[bool]]) -> list[bool]:
+        """A batch put, each node's part by ``put(client, indices, local parents, chain links)``,
+        in chain order (not tail first), so an ancestor is there when its descendant is linked to it."""
+        local, remote = self._chain_links(keys, links)
+        by_client = {self._client(addr): chain for addr, chain in remote.items()}
+        return self._scatter(keys, lambda c, ix: put(c, ix, [local[i] for i in ix], by_client.pop(c, [])),
+                             tail_first=False, also=remote)
+
+    def _chain_links(self, keys: list[Key], links: list[Key | None]) -> tuple[list[Key | None], dict[str, list]]:
+        """Each block's nearest ancestor (through the batch's own links) on the block's node, and, per
+        node, the (parent, child) links of the blocks whose chain parent lives on that other node.
+
+        A chain's blocks are spread over nodes. Linked to the nearest ancestor
+        it holds, each node keeps a chain of its own blocks and evicts them
+        leaf first (tail first). A parent's node records its children elsewhere
+        (KV.LINK, sent with its part of the batch), so when it drops the parent
+        for good it has them dropped too (kvstore/cluster/cascade.py): they can
+        no longer be reached by a prefix match. The walk up stops after
+        ANCESTOR_HOPS links (an ancestor on the same node is about N hops up
+        among N nodes), so a batch costs O(keys) however long its chain.
+        """
+        owner = {key: self.node_of(key) for key in keys}
+
+        def node_of(key: Key) -> str:
+            return owner[key] if key in owner else self.node_of(key)
+
+        up = dict(zip(keys, links))
+        local: list[Key | None] = []
+        remote: dict[str, list] = {}
+        for key, parent in zip(keys, links):
+            if parent is not None and node_of(parent) != owner[key]:
+                remote.setdefault(node_of(parent), []).append((parent, key))
+            for _ in range(ANCESTOR_HOPS):          # bounded: links may loop, chains may be long
+                if parent is None or node_of(parent) == owner[key]:
+                    break
+                parent = up.get(parent)
+            local.append(parent)
+        return local, remote
+
+    def batch_get_tensors_into(self, keys: Sequence[Key], tensors: Sequence[Any]) -> list[bool]:
+        return self._scatter(keys, lambda c, ix: c.batch_get_tensors_into([keys[i] for i in ix],
+                                                                          [tensors[i] for i in ix]))
+
+    def locate(self, keys: Sequence[Key]) -> list[Location | None]:
+        return self._scatter(keys, lambda c, ix: c.locate([keys[i] for i in ix]))
+
+    # ------------------------------------------------------------ prefixes
+
+    def match_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading keys of a chain are cached, over all nodes in one parallel round."""
+        if not keys:
+            return 0
+        leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]), len(ix)),
+                                tail_first=False)
+        return leading.index(False) if False in leading else len(keys)
+
+    def match_tokens(self, hasher: BlockHasher, token_ids: Any) -> int:
+        return self.match_prefix(hasher.keys(token_ids)) * hasher.block_tokens
+
+    # ------------------------------------------------------------ whole cluster
+
+    def stats(self) -> dict[str, int]:
+        """Every node's KV.STATS counters, added up."""
+        totals: dict[str, int] = {}
+        for counters in self._pool.map(lambda addr: self._client(addr).stats(), self.nodes):
+            for name, value in counters.items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
+
+    def ping(self) -> bool:
+        return all(self._pool.map(lambda addr: self._client(addr).ping(), self.nodes))
+
+    def execute(self, *args: Any) -> Any:
+        """Any command: sent to the owner of its first argument after the name (a key for most
+        commands), or to any node when it has none."""
+        if len(args) > 1:
+            return self._on_key(args[1], lambda c: c.execute(*args))
+        return self._client(self.nodes[0]).execute(*args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for client in [*self._clients.values(), *self._ask_clients.values()]:
+            try:
+                client.close()
+            except ConnectionError:
+                pass
+        self._clients.clear()
+        self._ask_clients.clear()
+
+    def __enter__(self) -> KVClusterClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _leading_flags(leading: int, count: int) -> list[bool]:
+    """Per key of a node's part: True while it is among the part's leading cached keys."""
+    return [True] * leading + [False] * (count - leading)
