@@ -15,6 +15,7 @@ import threading
 
 from conductor.admission import MODES, Admission, Slo
 from conductor.costmodel import CalibrationError, CostModel, fit_cost_model, read_timings
+from conductor.live import DEFAULT_REPORT_TIMEOUT_S
 from conductor.policy import POLICIES
 from conductor.simulator import SimConfig, replay, stderr_progress
 from conductor.trace import TraceError, load_trace
@@ -135,9 +136,9 @@ def conductor_parser() -> argparse.ArgumentParser:
                        help="the store node answering KV.MATCH and KV.LOCATE")
     where.add_argument("--cluster", metavar="etcd://HOST:PORT/NAME",
                        help="a store cluster instead: its nodes are read from this etcd")
-    p.add_argument("--report-timeout", type=_positive(float, "--report-timeout"), default=2.0,
-                   help="seconds without a load report after which an instance gets no requests until it "
-                   "reports again (default 2; workers report every 0.2)")
+    p.add_argument("--report-timeout", type=_positive(float, "--report-timeout"),
+                   default=DEFAULT_REPORT_TIMEOUT_S, help="seconds without a load report after which an "
+                   f"instance gets no requests until it reports again (default {DEFAULT_REPORT_TIMEOUT_S:g})")
     p.add_argument("--password", help="the store's password (AUTH)")
     p.add_argument("--model", default="default",
                    help="namespace that token ids are hashed under (must match the workers')")

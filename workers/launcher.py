@@ -46,8 +46,8 @@ def llm_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argument
     p.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO in seconds (default 30)")
     p.add_argument("--tbt-slo", type=float, default=1.0, help="TBT SLO in seconds (default 1)")
     p.add_argument("--calibrate", metavar="TIMINGS", help="the conductor's cost model fitted to these timings")
-    p.add_argument("--report-timeout", type=float, default=2.0,
-                   help="seconds without a worker's load report before the conductor stops sending it work")
+    p.add_argument("--report-timeout", type=float, metavar="S", help="seconds without a worker's load report before the "
+                   "conductor stops sending it work (default: the conductor's)")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway HTTP port (0: any free one)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--store", metavar="HOST:PORT", help="use this store instead of starting one")
@@ -155,8 +155,9 @@ def _start_store(d: Deployment, args: argparse.Namespace, folder: Path) -> Store
 def _start_conductor(d: Deployment, args: argparse.Namespace, store: StoreFlags) -> str:
     flags = ["conductor", "--port", "0", *store.flags, "--model", namespace_of(args.model),
              "--block-tokens", str(args.block_tokens), "--policy", args.policy, "--rejection", args.rejection,
-             "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
-             "--report-timeout", str(args.report_timeout)]
+             "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
+    if args.report_timeout:
+        flags += ["--report-timeout", str(args.report_timeout)]
     if args.calibrate:
         flags += ["--calibrate", args.calibrate]
     line = d.start(flags)
