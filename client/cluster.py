@@ -9,11 +9,13 @@ over routing one key at a time:
   different nodes (placement is per block), so a prefix is read from every
   node at once and the nodes' NICs add up; results come back in the caller's
   order.
-- **One parallel round for a prefix match.** Each node is asked ``KV.MATCH``
-  for its own keys of the chain (in chain order): it answers how many of them
-  lead before its first miss, which names that node's first missing position
-  in the whole chain; the answer is the smallest such position. A node never
-  needs the others' keys.
+- **One round for a prefix match.** Each node is asked ``KV.MATCH`` for its
+  own keys of the chain (in chain order): it answers how many of them lead
+  before its first miss, which names that node's first missing position in
+  the whole chain; the answer is the smallest such position. A node never
+  needs the others' keys. The requests go out on one connection per node
+  before any reply is read (no thread hand-offs for a sub-millisecond
+  question), and each key's slot is computed once and remembered.
 - **Chain links for eviction.** A batch put links each block to its nearest
   ancestor on its own node (so each node evicts its part of a chain leaf
   first) and tells the node of each block's chain parent, when that is
@@ -42,6 +44,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -49,13 +52,14 @@ import numpy as np
 from client.buffers import Key
 from client.errors import ConnectionError, KVError, ResponseError
 from client.hashing import BlockHasher
-from client.operations import Items, Location, Value, with_parents
+from client.operations import Items, Location, Value, match_prefix as match_call, with_parents
 from client.sync_client import KVClient
 from proto.slots import SLOTS, keyslot
 
 REDIRECTS = 5                # MOVED/ASK hops followed for one request before giving up
 ANCESTOR_HOPS = 64           # how far up a batch's links a block looks for an ancestor on its node
 HOT_REFRESH_S = 1.0          # how often the hot-key maps are polled (only when reading)
+SLOT_CACHE_KEYS = 1 << 16    # keys whose slot is remembered (a chain's keys are asked about again and again)
 
 
 class ClusterDown(KVError):
@@ -90,6 +94,7 @@ class KVClusterClient:
         self._hot_versions: dict[str, Any] = {}         # per node: its hot-key map's version ...
         self._hot_entries: dict[str, list] = {}         # ... and its entries at that version
         self._hot_polled = 0.0
+        self._slots: dict[Key, int] = {}                # key -> its slot, for at most SLOT_CACHE_KEYS keys
         self.refresh()
 
     # ------------------------------------------------------------ the map
@@ -178,16 +183,28 @@ class KVClusterClient:
             client.execute("ASKING")
             return run(client)
 
+    def _slots_of(self, keys: Sequence[Key]) -> list[int]:
+        """The slot of each key, remembered (a prompt's keys come back in every match and read)."""
+        known, slots = self._slots, []
+        for key in keys:
+            slot = known.get(key)
+            if slot is None:
+                if len(known) >= SLOT_CACHE_KEYS:
+                    known.clear()
+                slot = known[key] = keyslot(_key_bytes(key))
+            slots.append(slot)
+        return slots
+
     def _by_node(self, keys: Sequence[Key]) -> dict[str, list[int]]:
         """Indices of ``keys`` grouped by owner, in the caller's order within each node."""
         addrs, owner_of = self._map
-        owners = np.fromiter((owner_of[keyslot(_key_bytes(k))] for k in keys), dtype=np.int32, count=len(keys))
+        owners = owner_of[self._slots_of(keys)]
         if (owners < 0).any():
             raise ClusterDown("a key's slot has no owner")
-        groups: dict[str, list[int]] = {}
+        groups: list[list[int]] = [[] for _ in addrs]
         for index, owner in enumerate(owners.tolist()):
-            groups.setdefault(addrs[owner], []).append(index)
-        return groups
+            groups[owner].append(index)
+        return {addr: indices for addr, indices in zip(addrs, groups) if indices}
 
     def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]],
                  tail_first: bool = True, also: Iterable[str] = ()) -> list[Any]:
@@ -389,12 +406,41 @@ class KVClusterClient:
     # ------------------------------------------------------------ prefixes
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
-        """How many leading keys of a chain are cached, over all nodes in one parallel round."""
+        """How many leading keys of a chain are cached, over all nodes in one round.
+
+        A round that meets a redirection (a slot moved or moving) or a broken
+        connection is run again the general way, which follows MOVED and ASK.
+        """
         if not keys:
             return 0
-        leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]), len(ix)),
-                                tail_first=False)
+        try:
+            leading = self._match_round(keys)
+        except (ResponseError, ConnectionError):
+            leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]),
+                                                                       len(ix)), tail_first=False)
         return leading.index(False) if False in leading else len(keys)
+
+    def _match_round(self, keys: Sequence[Key]) -> list[bool]:
+        """Per key, whether it leads its node's part: KV.MATCH sent to every node, then the replies read.
+
+        The nodes answer at once while this thread waits once, which on a
+        few cores beats a thread per node (each hand-off costs about what a
+        node's answer does). Connections are borrowed in address order, so
+        two threads never wait on each other's pools. An error closes the
+        borrowed connections (their replies unread) and is raised.
+        """
+        leading = [False] * len(keys)
+        with ExitStack() as borrowed:
+            sent = []
+            for addr, indices in sorted(self._by_node(keys).items()):
+                conn = borrowed.enter_context(self._client(addr)._transport.connection())
+                call = match_call([keys[i] for i in indices])
+                conn.send(call.requests)
+                sent.append((conn, call, indices))
+            for conn, call, indices in sent:
+                for i in indices[:call.finish(conn.receive([None] * len(call.requests)))]:
+                    leading[i] = True
+        return leading
 
     def match_tokens(self, hasher: BlockHasher, token_ids: Any) -> int:
         return self.match_prefix(hasher.keys(token_ids)) * hasher.block_tokens

@@ -40,9 +40,18 @@ class Connection(SocketConnection):
         """Send all requests at once, then read one reply per request."""
         if not requests:
             return []
-        sinks = sinks or [None] * len(requests)
+        self.send(requests)
+        return self.receive(sinks or [None] * len(requests))
+
+    def send(self, requests: Sequence[Sequence[Any]]) -> None:
+        """The first half of a round trip: send requests whose replies `receive` reads later
+        (several connections' requests can then be in flight at once)."""
         with socket_errors(f"request to {self.endpoint}"):
             self._send(resp.pack(requests))
+
+    def receive(self, sinks: Sequence[resp.Sink]) -> list[Any]:
+        """The second half: one reply per sink, for requests already sent."""
+        with socket_errors(f"request to {self.endpoint}"):
             return [self._drive(self._reader.read(sink)) for sink in sinks]
 
     def round_trip_fds(self, requests: Sequence[Sequence[Any]]) -> tuple[list[Any], list[int]]:

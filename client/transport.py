@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 from client.aio_connection import AsyncConnection
@@ -41,6 +42,11 @@ class Transport:
 
     def execute(self, op: Any) -> Any:
         return self._drive(self.core.run(op)).result()
+
+    def connection(self) -> AbstractContextManager[Connection]:
+        """Borrow a pooled connection (a context manager): for a caller that sends on several
+        connections before it reads from any (a cluster's one-round prefix match)."""
+        return self._pool.connection()
 
     def _drive(self, steps: Steps, conn: Connection | None = None) -> Ended:
         outcome = None

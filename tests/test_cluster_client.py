@@ -1,5 +1,6 @@
 """KVClusterClient against `kvstore cluster up` (3 real nodes, real etcd): batches split per
-node and run in parallel, a prefix match in one parallel round, MOVED followed after the map changes."""
+node and run in parallel, a prefix match in one round (sent to every node before any reply is read),
+MOVED followed after the map changes."""
 from __future__ import annotations
 
 import os
@@ -79,6 +80,29 @@ def test_prefix_match_over_nodes_is_one_parallel_round(client, cluster):
     client.delete(keys[50])
     assert client.match_prefix(keys) == 50
     assert client.match_prefix([]) == 0
+
+
+def test_a_prefix_match_sends_to_every_node_from_the_callers_thread(client, monkeypatch):
+    """Requests out on every node's connection before any reply is read: no thread per node."""
+    keys = [b"pipelined:%03d" % i for i in range(64)]
+    client.batch_put([(k, b"v") for k in keys[:40]], parents=[None] + keys[:39])
+    monkeypatch.setattr(client._pool, "submit", lambda *a, **k: pytest.fail("a thread was used"))
+    assert client.match_prefix(keys) == 40
+
+
+def test_a_prefix_match_over_a_stale_map_follows_moved(client, cluster):
+    keys = [b"stale-match:%03d" % i for i in range(30)]
+    client.batch_put([(k, b"v") for k in keys], parents=[None] + keys[:-1])
+    client._map[1][:] = 0                         # every slot on one node: the others' keys get MOVED
+    assert client.match_prefix(keys) == 30
+    assert len({client.node_of(k) for k in keys}) == 3
+
+
+def test_remembered_slots_are_bounded(client, monkeypatch):
+    monkeypatch.setattr("client.cluster.SLOT_CACHE_KEYS", 100)
+    keys = [b"many:%05d" % i for i in range(1000)]
+    assert client.match_prefix(keys) == 0
+    assert len(client._slots) <= 100
 
 
 def test_moved_refreshes_a_stale_map(client, cluster):
