@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from client import KVClient
 from conductor.stores import StoreError, cluster_nodes, open_store
 from llm_procs import LlmUp, post
+from proto import grpc_codegen
 from tests.cluster_procs import ClusterUp
 from workers.catalog import TINY
 from workers.decode import DecodeEngine
@@ -19,6 +21,7 @@ from workers.kvio import make_connector
 from workers.model import load_model, reference_generate
 from workers.prefill import PrefillEngine
 
+cpb, cpb_grpc = grpc_codegen.load("conductor")
 BLOCK_TOKENS = 8
 
 
@@ -71,9 +74,12 @@ def test_llm_up_on_a_started_cluster_serves_token_exact_completions(tiny):
     with LlmUp("--cluster-nodes", "3", "--prefill", "1", "--decode", "1", "--model", TINY, "--port", "0",
                "--block-tokens", str(BLOCK_TOKENS), "--dram-size", "64mb") as info:
         assert info["store"].startswith("etcd://")
-        prompt = [(5 * i + 1) % 256 for i in range(70)]
-        status, body = post(info["gateway"], {"prompt": prompt, "max_tokens": 8, "return_token_ids": True})
-        assert status == 200, body
-        assert json.loads(body)["choices"][0]["token_ids"] == reference_generate(tiny, prompt, 8)
+        base = [(5 * i + 1) % 256 for i in range(70)]
+        for prompt in (base, base + [9] * 12):         # the second reuses the first's blocks (KV.MATCH, KV.LOCATE)
+            status, body = post(info["gateway"], {"prompt": prompt, "max_tokens": 8, "return_token_ids": True})
+            assert status == 200, body
+            assert json.loads(body)["choices"][0]["token_ids"] == reference_generate(tiny, prompt, 8)
         counts = keys_per_node(cluster_nodes(info["store"]))
-        assert sum(counts) == 70 // BLOCK_TOKENS and sum(1 for c in counts if c) > 1, counts
+        assert sum(counts) == 82 // BLOCK_TOKENS and sum(1 for c in counts if c) > 1, counts
+        with grpc.insecure_channel(info["conductor"]) as channel:
+            assert cpb_grpc.ConductorStub(channel).Stats(cpb.StatsRequest(), timeout=10).reused_tokens == 64
