@@ -5,7 +5,8 @@ ahead by an earlier put of the same size on the same connection
 (`reservation_pool`), or else a fresh one (``KV.RESERVE``, carrying the
 token of the mapping: STALEARENA after a restart, before any byte is
 written). ``KV.PUBLISH`` then commits the values under their keys, and the
-same round trip reserves the spares for the next put. A reservation is
+same command reserves the spares for the next put (``NEXT``: one command a
+put, not a publish and a reserve to parse and dispatch). A reservation is
 written only while at least half of its life is left; a copy that took
 longer, or a copy that failed, gives the extents back at once (else they
 would stay reserved until their deadline) and fails.
@@ -47,9 +48,23 @@ class PublishRound:
 
     requests: list[tuple]
     first: int                   # index of the first KV.PUBLISH
-    count: int
-    ahead: list[int]             # sizes reserved ahead by the last request, if any
+    ahead: list[int | None]      # per KV.PUBLISH: the size its NEXT reserves ahead, or None
     started: float
+
+    def settle(self, fast: FastPath, replies: list, owner: Any) -> list:
+        """The publishes' own replies; the spares their NEXT reserved go to the pool."""
+        stored, spares = [], []
+        for reply, size in zip(replies[self.first:], self.ahead):
+            if size is None or isinstance(reply, KVError):
+                stored.append(reply)
+                continue
+            stored.append(reply[0])
+            if not isinstance(reply[1], KVError):        # NOSPARE: the next put reserves its own
+                spares += _spares_of(fast, [reply[1]], [size], self.started, owner)
+        if spares:
+            with fast.lock:
+                fast.spares.add(spares)
+        return stored
 
 
 def _reserve_copy_publish(core, call: Call, conn) -> Steps:
@@ -75,11 +90,7 @@ def _reserve_copy_publish(core, call: Call, conn) -> Steps:
     if sent is None:
         yield _unreserve(spares)
         raise TimeoutError("the copy into reserved extents took longer than half their lifetime")
-    replies = yield RoundTrip(sent.requests)
-    if sent.ahead and not isinstance(replies[-1], KVError):
-        with fast.lock:
-            fast.spares.add(_spares_of(fast, replies[-1], sent.ahead, sent.started, conn))
-    return call.finish(replies[sent.first:sent.first + sent.count])
+    return call.finish(sent.settle(fast, (yield RoundTrip(sent.requests)), conn))
 
 
 def _unreserve(spares: list[Spare]) -> RoundTrip:
@@ -116,9 +127,22 @@ def _copy_and_publish(fast: FastPath, arena: Arena, local: LocalWrite, spares: l
         arena.write(spare.offset, view)
     fast.stats.writes += 1
     before = fast.housekeeping()
-    publish = [(fp.KV_PUBLISH, spare.reservation_id, key, *put_options(parent, local.overwrite))
-               for spare, key, parent in zip(spares, local.keys, local.parents)]
+    sizes = [view.nbytes for view in local.views]
     with fast.lock:
-        ahead = fast.spares.wanted([view.nbytes for view in local.views], owner)
-    requests = [*before, *publish, *local.trailing, *([_reserve_request(fast, arena, ahead)] if ahead else [])]
-    return PublishRound(requests, len(before), len(publish), ahead, time.monotonic())
+        ahead = _reserving_ahead(sizes, fast.spares.wanted(sizes, owner))
+    next_ttl = ("NEXT", fast.reservation_ttl_ms)
+    publish = [(fp.KV_PUBLISH, spare.reservation_id, key, *put_options(parent, local.overwrite),
+                *(next_ttl if size is not None else ()))
+               for spare, key, parent, size in zip(spares, local.keys, local.parents, ahead)]
+    return PublishRound([*before, *publish, *local.trailing], len(before), ahead, time.monotonic())
+
+
+def _reserving_ahead(sizes: list[int], wanted: list[int]) -> list[int | None]:
+    """Per value put, the size its KV.PUBLISH reserves ahead with NEXT (the last values of each
+    wanted size), or None."""
+    ahead: list[int | None] = [None] * len(sizes)
+    for i in range(len(sizes) - 1, -1, -1):
+        if sizes[i] in wanted:
+            wanted.remove(sizes[i])
+            ahead[i] = sizes[i]
+    return ahead

@@ -6,6 +6,7 @@ import os
 import socket
 import time
 
+import pytest
 import redis
 
 from conftest import start_kvstore, wait_until
@@ -74,3 +75,27 @@ def test_touch_counts_reads_served_elsewhere_as_hits_and_arena_passes_the_index(
 def _fields(reply) -> dict:
     """A field-value reply as a dict (redis-py parses some as a flat list)."""
     return dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else reply
+
+
+def test_publish_with_next_reserves_the_next_extent_in_the_same_command(tmp_path):
+    """KV.PUBLISH ... NEXT ttl: the value is committed and an extent of its size is reserved
+    for the same connection ([stored, [id, offset]]); a bad TTL commits nothing; with no room
+    for the spare the value is stored all the same and NOSPARE stands in the spare's place."""
+    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--maxmemory-policy", "noeviction")
+    try:
+        client = redis.Redis(daemon.host, daemon.port, single_connection_client=True)
+        token = client.execute_command("KV.ARENA")[4]
+        (first, _), = client.execute_command("KV.RESERVE", token, 5000, 1 << 20)
+        with pytest.raises(redis.ResponseError, match="TTL"):
+            client.execute_command("KV.PUBLISH", first, "a", "NEXT", 0)
+        assert client.exists("a") == 0
+        stored, (spare, offset) = client.execute_command("KV.PUBLISH", first, "a", "NX", "NEXT", 5000)
+        assert stored == 1 and client.strlen("a") == 1 << 20 and spare != first and offset >= 0
+        assert _fields(client.execute_command("KV.LEASES"))[b"reservations_active"] == 1
+        assert client.execute_command("KV.PUBLISH", spare, "a", "NX", "NEXT", 5000)[0] == 0    # existed
+        (big, _), = client.execute_command("KV.RESERVE", token, 5000, 4 << 20)
+        stored, no_room = client.execute_command("KV.PUBLISH", big, "b", "NEXT", 5000)
+        assert stored == 1 and client.strlen("b") == 4 << 20
+        assert isinstance(no_room, redis.ResponseError) and str(no_room).startswith("NOSPARE")
+    finally:
+        daemon.stop()
