@@ -13,7 +13,10 @@ In-process (one store daemon, the engines in this process):
   the cold TTFT (median of repeats, fresh prompts each time).
 - overlap: a 1,024-token prefill with layer-wise puts against the same prefill
   storing nothing (until it returns, and until the last put is answered), and
-  the gap between the prefill's return and the first decode step.
+  the gap between the prefill's return and the first decode step. The wall
+  clock overhead holds only while a core is free for the puts and the store;
+  the CPU seconds the puts add (this process and the store daemon together,
+  over the bare prefill's) say what they cost whatever else the host runs.
 
 Live (`kvstore llm up --prefill 2 --decode 1`, see `loadtest/serving_replay.py`):
 
@@ -29,10 +32,12 @@ Every figure is printed with its target; ratios come from one run.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -152,28 +157,46 @@ def bench_reuse(rig: Rig, repeats: int) -> list[Figure]:
                    w / c <= 0.45)]
 
 
-def bench_overlap(rig: Rig, repeats: int) -> list[Figure]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/PID/stat: utime, stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_overlap(rig: Rig, store_pid: int, repeats: int) -> list[Figure]:
+    """Per repeat: a bare prefill, a storing prefill (wall clock and CPU, nothing else running), and a storing
+    prefill handed straight to the decode engine (the gap to its first step)."""
     rng = random.Random(31)
-    bare, returned, saved, gaps = [], [], [], []
+    bare, returned, saved, gaps, bare_cpu, stored_cpu = [], [], [], [], [], []
+
+    def cpu() -> float:
+        return time.process_time() + cpu_seconds(store_pid)
+
     for r in range(repeats):
-        t = time.perf_counter()
+        c, t = cpu(), time.perf_counter()
         rig.prefill.prefill(f"bare-{r}", fresh_prompt(rig.loaded, 1024, rng), reuse_limit=0, store_kv=False)
         bare.append(time.perf_counter() - t)
-        prompt = fresh_prompt(rig.loaded, 1024, rng)
-        t = time.perf_counter()
-        result = rig.prefill.prefill(f"stored-{r}", prompt, reuse_limit=0)
-        done = time.perf_counter()
-        seq = rig.decode.submit(f"stored-{r}", prompt, result.first_token, result.stored_tokens, 2)
+        bare_cpu.append(cpu() - c)
+        c, t = cpu(), time.perf_counter()
+        rig.prefill.prefill(f"stored-{r}", fresh_prompt(rig.loaded, 1024, rng), reuse_limit=0)
+        returned.append(time.perf_counter() - t)
         rig.prefill.connector.wait_for_save()
         saved.append(time.perf_counter() - t)
-        returned.append(done - t)
+        stored_cpu.append(cpu() - c)
+        prompt = fresh_prompt(rig.loaded, 1024, rng)
+        result = rig.prefill.prefill(f"handoff-{r}", prompt, reuse_limit=0)
+        done = time.perf_counter()
+        seq = rig.decode.submit(f"handoff-{r}", prompt, result.first_token, result.stored_tokens, 2)
         list(rig.decode.stream(seq))
         gaps.append(seq.first_step_at - done)
-    b, ret, sav, gap = (statistics.median(x) for x in (bare, returned, saved, gaps))
-    log(f"overlap: bare {b:.3f}s, with puts {ret:.3f}s to return and {sav:.3f}s to the last put; gap {gap * 1e3:.1f} ms")
+        rig.prefill.connector.wait_for_save()
+    b, ret, sav, gap, bc, sc = (statistics.median(x) for x in (bare, returned, saved, gaps, bare_cpu, stored_cpu))
+    log(f"overlap (load average {os.getloadavg()[0]:.1f}): bare {b:.3f}s, with puts {ret:.3f}s to return and "
+        f"{sav:.3f}s to the last put; gap {gap * 1e3:.1f} ms; CPU bare {bc:.3f}s, with puts {sc:.3f}s")
     return [Figure("prefill 1,024 tokens + layer-wise puts, until the last put", f"+{(sav / b - 1) * 100:.1f}%",
                    "<= +10%", sav / b - 1 <= 0.10),
             Figure("  (until the prefill hands off)", f"+{(ret / b - 1) * 100:.1f}%", "", None),
+            Figure("  (CPU seconds, this process + the store)", f"+{(sc / bc - 1) * 100:.1f}%", "", None),
             Figure("first decode step after the prefill ends", f"{gap * 1e3:.1f} ms", "<= 50 ms", gap <= 0.050)]
 
 
@@ -182,7 +205,7 @@ def in_process(args: argparse.Namespace, sections: set[str]) -> list[Figure]:
     figures = []
     with ProcessGroup() as group:
         template = "{python} -m kvstore serve --port {port} --dram-size {memory} --unixsocket {dir}/kv.sock"
-        start_kvstore(group, "2gb", template)
+        store = start_kvstore(group, "2gb", template)
         socket_path = str(group.log_dir / "kv.sock")
         if "exact" in sections:
             rig = Rig(loaded, socket_path, EXACT_BLOCK_TOKENS)
@@ -192,7 +215,7 @@ def in_process(args: argparse.Namespace, sections: set[str]) -> list[Figure]:
         if "reuse" in sections:
             figures += bench_reuse(rig, args.repeats)
         if "overlap" in sections:
-            figures += bench_overlap(rig, args.repeats)
+            figures += bench_overlap(rig, store.process.pid, args.repeats)
         rig.decode.stop()
     return figures
 
