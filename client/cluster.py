@@ -21,7 +21,9 @@ over routing one key at a time:
   first) and tells the node of each block's chain parent, when that is
   another node, which block follows it (``KV.LINK``, pipelined with that
   node's part of the batch): when the parent goes for good, its node has the
-  rest of the chain dropped, so what a chain keeps cached stays a prefix.
+  rest of the chain dropped, so what a chain keeps cached stays a prefix. A
+  single-key put with a parent elsewhere queues its link, sent in the
+  background (`cluster_links`).
 - **Redirections are followed.** ``MOVED`` (the map changed) refreshes the map
   and retries on the new owner; ``ASK`` (a slot being moved) retries once on
   the importing node after ``ASKING``, on the same connection.
@@ -55,6 +57,7 @@ from client.buffers import Key
 from client.errors import ConnectionError, KVError, ResponseError
 from client.hashing import BlockHasher
 from client.operations import Items, Location, Value, match_prefix as match_call, with_parents
+from client.cluster_links import LinkSender
 from client.sync_client import KVClient
 from proto.slots import SLOTS, keyslot
 
@@ -98,6 +101,7 @@ class KVClusterClient:
         self._hot_polled = 0.0
         self._hot_turn = itertools.count(random.randrange(1 << 16))   # whose turn among a hot key's holders
         self._slots: dict[Key, int] = {}                # key -> its slot, for at most SLOT_CACHE_KEYS keys
+        self._links = LinkSender(self._pool, self._client)     # single puts' chain links, sent in the background
         self.refresh()
 
     # ------------------------------------------------------------ the map
@@ -300,7 +304,8 @@ class KVClusterClient:
     # ------------------------------------------------------------ one key
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
-        return self._on_key(key, lambda c: c.put(key, value, parent=parent, overwrite=overwrite))
+        stored = self._on_key(key, lambda c: c.put(key, value, parent=parent, overwrite=overwrite))
+        return self._linked(stored, parent, key)
 
     def get(self, key: Key) -> bytearray | None:
         return self._read(key, lambda c: c.get(key))
@@ -309,7 +314,7 @@ class KVClusterClient:
         return self._read(key, lambda c: c.get_into(key, buffer))
 
     def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
-        return self._on_key(key, lambda c: c.put_tensor(key, tensor, parent=parent))
+        return self._linked(self._on_key(key, lambda c: c.put_tensor(key, tensor, parent=parent)), parent, key)
 
     def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
         return self._read(key, lambda c: c.get_tensor(key, framework=framework))
@@ -318,7 +323,18 @@ class KVClusterClient:
         return self._read(key, lambda c: c.get_tensor_into(key, tensor))
 
     def put_layer(self, key: Key, layer: int, data: Any, **options: Any) -> Any:
-        return self._on_key(key, lambda c: c.put_layer(key, layer, data, **options))
+        stored = self._on_key(key, lambda c: c.put_layer(key, layer, data, **options))
+        last = layer == options.get("n_layers", 0) - 1          # the block is whole (and its parent before it)
+        return self._linked(stored, options.get("parent"), key) if last else stored
+
+    def _linked(self, stored: Any, parent: Key | None, key: Key) -> Any:
+        """``stored``, after queueing a stored block's chain link for its parent's node when that is
+        another node (client/cluster_links.py: sent in the background, batched per node)."""
+        if stored and parent is not None:
+            addr = self.node_of(parent)
+            if addr != self.node_of(key):
+                self._links.add(addr, parent, key)
+        return stored
 
     def get_layers(self, key: Key, start: int = 0, stop: int | None = None, **options: Any) -> Any:
         return self._on_key(key, lambda c: c.get_layers(key, start, stop, **options))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 import redis
 
@@ -268,6 +269,21 @@ def test_links_ride_with_puts_through_the_local_arena_too(cluster):
         assert sum(kv._client(addr).fast_path.stats.writes for addr in kv.nodes) == 3
         kv.delete(keys[3])
         wait_until(lambda: _cached(kv, keys) == [True] * 3 + [False] * 29, 5.0, "the chain's tail to go")
+
+
+@pytest.mark.parametrize("how", ["put", "put_layer"])
+def test_single_key_puts_link_their_chain_in_the_background(kv, how):
+    keys = [b"single-%s-%02d" % (how.encode(), i) for i in range(16)]
+    for i, key in enumerate(keys):
+        parent = keys[i - 1] if i else None
+        if how == "put":
+            kv.put(key, b"v" * 100, parent=parent)
+        else:
+            for layer in range(3):
+                kv.put_layer(key, layer, np.zeros(8, dtype=np.float32), n_layers=3, parent=parent)
+    wait_until(lambda: all(_cached(kv, keys)), 5.0, "the chain to be written")
+    kv.delete(keys[2])
+    wait_until(lambda: _cached(kv, keys) == [True] * 2 + [False] * 14, 5.0, "the chain's tail to go")
 
 
 def test_a_re_put_chain_is_linked_again_and_nodes_hold_one_link_per_crossing(kv, cluster):
