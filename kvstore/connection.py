@@ -37,7 +37,7 @@ from itertools import islice
 
 from kvstore import acl
 from kvstore.commands import CommandError
-from kvstore.dispatch import dispatch, release_queued, value_destination
+from kvstore.dispatch import dispatch, release_queued, run_plain, value_destination
 from kvstore.engine import Extent
 from kvstore.protocol import writer
 from kvstore.protocol.reader import ProtocolError, RequestReader
@@ -207,7 +207,9 @@ class Connection:
         """Run parsed commands in order; stop while one waits for a tier."""
         backlog = self.backlog
         while backlog and self.waiting is None and not self.close_after_reply:
-            dispatch(self, *backlog.popleft())
+            run_plain(self)
+            if backlog and self.waiting is None and not self.close_after_reply:
+                dispatch(self, *backlog.popleft())
         if self.prefetched and not backlog and self.waiting is None:
             self.engine.tiers.unstage(self.prefetched)
             self.prefetched = []

@@ -102,21 +102,8 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
             settled = False
             return
         _run(conn, cmd, args)
-    except NeedsDemotion as exc:
-        settled = False
-        conn.defer(conn.engine.tiers.make_room(exc.size),
-                   lambda _: dispatch(conn, args, None, has_holders))
-    except Redirected as exc:
-        _fail(conn, exc.reply)
-    except CommandError as exc:
-        if cmd is None and args[0].lower() == b"exec":
-            exc = _abort_transaction(conn, exc)
-        _fail(conn, writer.error(str(exc), exc.code), cmd is None or cmd.name.encode() not in RUN_INSIDE_MULTI)
-    except OutOfMemory:
-        _fail(conn, OOM_ERROR)
-    except Exception:
-        log.exception("command %r failed", args[0][:64])
-        _fail(conn, INTERNAL_ERROR)
+    except Exception as exc:
+        settled = _failed(conn, cmd, args, exc, has_holders)
     finally:
         if settled:
             if conn.asking and conn.multi is None and args[0].lower() != b"asking":
@@ -124,6 +111,75 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
             if has_holders:
                 release_holders(conn.engine, args)
             conn.server.stats.commands += 1
+
+
+def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_holders: bool) -> bool:
+    """Queue the error reply of a request that raised ``exc``; False when it was
+    deferred instead, to run again (a write waiting for DRAM to make room)."""
+    if isinstance(exc, NeedsDemotion):
+        conn.defer(conn.engine.tiers.make_room(exc.size),
+                   lambda _: dispatch(conn, args, None, has_holders))
+        return False
+    if isinstance(exc, Redirected):
+        _fail(conn, exc.reply)
+    elif isinstance(exc, CommandError):
+        if cmd is None and args[0].lower() == b"exec":
+            exc = _abort_transaction(conn, exc)
+        _fail(conn, writer.error(str(exc), exc.code), cmd is None or cmd.name.encode() not in RUN_INSIDE_MULTI)
+    elif isinstance(exc, OutOfMemory):
+        _fail(conn, OOM_ERROR)
+    else:
+        log.exception("command %r failed", args[0][:64], exc_info=exc)
+        _fail(conn, INTERNAL_ERROR)
+    return True
+
+
+def run_plain(conn) -> None:
+    """Run the plain GETs and SETs at the head of ``conn``'s backlog without the generic checks.
+
+    A pipelined batch of small GETs and SETs spends more time in the checks
+    of `dispatch` than in the commands. When none of those checks can matter
+    for this connection right now (`_plain_allowed`), a request that is
+    exactly ``GET key`` or ``SET key value`` (no options, no value received
+    into the arena, no parse failure) goes straight to its handler through
+    `_run`: the same handler, slowlog, reply and acknowledgement waits as the
+    generic path, the same error replies. Nothing a plain GET or SET does can
+    change what `_plain_allowed` looked at, and no other client runs until
+    this batch ends, so it is asked once per batch; any other request ends
+    the batch and takes the generic path.
+    """
+    backlog = conn.backlog
+    if not backlog or not _plain_allowed(conn):
+        return
+    tiers = conn.engine.tiers
+    done = 0
+    try:
+        while backlog and conn.waiting is None and not conn.close_after_reply:
+            args, failure, has_holders = backlog[0]
+            plain = _PLAIN.get(args[0])
+            if plain is None or len(args) != plain[1] or failure is not None or has_holders:
+                return
+            backlog.popleft()
+            cmd = plain[0]
+            try:
+                if tiers is not None and _fetch_first(conn, cmd, args, False):
+                    return      # counted when it runs, once its value is in DRAM
+                _run(conn, cmd, args)
+            except Exception as exc:
+                if not _failed(conn, cmd, args, exc, False):
+                    continue
+            done += 1
+    finally:
+        conn.server.stats.commands += done
+
+
+def _plain_allowed(conn) -> bool:
+    """Whether this connection's requests need none of the checks `dispatch` makes before
+    a GET or SET runs: authenticated as a user allowed everything, no MULTI, no ASKING,
+    no CLIENT PAUSE, no cluster routing, no SSD index still loading."""
+    server, tiers = conn.server, conn.engine.tiers
+    return conn.authenticated and conn.user.unrestricted and conn.multi is None and not conn.asking \
+        and server.pause is None and server.cluster is None and (tiers is None or not tiers.loading)
 
 
 def _checked(conn, args: list) -> Command | None:
@@ -290,3 +346,8 @@ def _unknown_command(args: list) -> str:
             break
         shown += "'" + arg[:128 - len(shown)].decode(errors="replace") + "' "
     return f"unknown command '{args[0][:128].decode(errors='replace')}', with args beginning with: {shown}"
+
+
+# Requests `run_plain` takes, by their name as clients send it: (command, the only argument count).
+_PLAIN = {name: (lookup(name), argc) for base, argc in ((b"GET", 2), (b"SET", 3))
+          for name in (base, base.lower())}

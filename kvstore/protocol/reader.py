@@ -15,6 +15,7 @@ a ``ProtocolError`` means: reply with it, then close the connection.
 """
 from __future__ import annotations
 
+from itertools import chain, repeat
 from typing import Any, Callable
 
 BIG_BULK = 32 * 1024
@@ -23,7 +24,10 @@ MAX_MULTIBULK = 2**31 - 1     # Redis's INT_MAX
 UNAUTH_MULTIBULK = 10
 UNAUTH_BULK = 16384
 INITIAL_BUFFER = 16 * 1024
-SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per pass
+SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per pass (< BIG_BULK)
+MAX_SPLIT_ARGS = 1024         # arguments of a command the fast path takes; more go the exact way
+_SPLIT_HEADS = {b"*%d" % n: n for n in range(1, MAX_SPLIT_ARGS + 1)}    # canonical array headers only
+_BULK_HEADERS = [b"$%d" % n for n in range(SPLIT_WINDOW)]                # canonical bulk headers by length
 
 _DISCARD = memoryview(bytearray(1024 * 1024))
 
@@ -39,6 +43,13 @@ Allocate = Callable[[list, int], tuple[memoryview, Any]]
 def _plain_alloc(args: list, size: int) -> tuple[memoryview, Any]:
     buf = bytearray(size)
     return memoryview(buf), buf
+
+
+def _lengths_match(headers: list[bytes], args: list[bytes]) -> bool:
+    """Whether each header is exactly the canonical ``$len`` of its argument (no sign,
+    no leading zero), for a whole batch in C: the expected headers come from a table
+    indexed by length, and the two lists are compared at once."""
+    return headers == list(map(_BULK_HEADERS.__getitem__, map(len, args)))
 
 
 def _int(buf: bytearray, start: int, stop: int) -> int | None:
@@ -119,6 +130,7 @@ class RequestReader:
         self.failure: Exception | None = None
         self.has_holders = False
         self.skip = 0                   # CRLF after a big bulk still to skip
+        self.exact_until = 0            # the small-command split failed on the bytes before this
         self.big: memoryview | None = None
         self.big_holder: Any = None
         self.big_got = 0
@@ -144,7 +156,7 @@ class RequestReader:
         head = self.recv_buffer()
         if (self.big is None and not self.discarding) or self.start != self.end:
             return [head]
-        self.start = self.end = 0
+        self.start = self.end = self.exact_until = 0
         return [head, self.mv]
 
     def received(self, n: int) -> None:
@@ -165,6 +177,7 @@ class RequestReader:
 
     def _make_room(self) -> None:
         live = self.end - self.start
+        self.exact_until = max(0, self.exact_until - self.start)
         if self.start:
             self.buf[:live] = self.buf[self.start:self.end]
         else:
@@ -192,7 +205,7 @@ class RequestReader:
             self.parsed_before_error = out
             raise
         if self.start == self.end and self.big is None and not self.discarding:
-            self.start = self.end = 0
+            self.start = self.end = self.exact_until = 0
         return out
 
     def _parse_into(self, out: list) -> None:
@@ -205,7 +218,7 @@ class RequestReader:
                 if self.skip:
                     break
             if self.args is None and self.authenticated and self.end - self.start > 4 \
-                    and buf[self.start] == 42:
+                    and buf[self.start] == 42 and self.start >= self.exact_until:
                 self._split_small_commands(out)
             if self.args is None and not self._begin_command(out):
                 break
@@ -217,32 +230,38 @@ class RequestReader:
 
     def _split_small_commands(self, out: list) -> None:
         """Fast path for pipelined batches of small commands: one C-level split of
-        the buffer on CRLF, then each argument is checked against its ``$len``
-        header. Anything unusual (a value holding CRLF, a big bulk, a malformed
-        header, an incomplete command) stops it; the exact parser takes over
-        from there, so both paths accept and reject exactly the same input."""
-        parts = self.mv[self.start:min(self.end, self.start + SPLIT_WINDOW)].tobytes().split(b"\r\n")
-        complete, i, used = len(parts) - 1, 0, 0
+        the buffer on CRLF, then all the ``$len`` headers of the batch are checked
+        against their arguments at once (`_lengths_match`), so the Python work
+        per command is a dict lookup of its ``*argc`` line and two slices.
+
+        Anything unusual (a value holding CRLF, a big bulk, a malformed header,
+        more than ``MAX_SPLIT_ARGS`` arguments, an incomplete command) is left
+        to the exact parser, so both paths accept and reject exactly the same
+        input; a window whose check fails is not split again, so a bad byte
+        costs one wasted split, not one per command behind it.
+        """
+        start = self.start
+        window = min(self.end, start + SPLIT_WINDOW)
+        parts = self.mv[start:window].tobytes().split(b"\r\n")
+        complete, i = len(parts) - 1, 0
+        commands, headers = [], []
         while i < complete:
-            head = parts[i]
-            count = head[1:]
-            if head[:1] != b"*" or not count.isdigit() or count[:1] == b"0" or len(count) > 4:
+            argc = _SPLIT_HEADS.get(parts[i])
+            if argc is None:
                 break
-            argc = int(count)
             stop = i + 1 + 2 * argc
             if stop > complete:
                 break
-            args = parts[i + 2:stop:2]
-            size = len(head) + 2
-            for header, arg in zip(parts[i + 1:stop:2], args):
-                if len(arg) >= BIG_BULK or header != b"$%d" % len(arg):
-                    self.start += used
-                    return
-                size += len(header) + len(arg) + 4
-            out.append((args, None, False))
-            used += size
+            headers += parts[i + 1:stop:2]
+            commands.append(parts[i + 2:stop:2])
             i = stop
-        self.start += used
+        if not commands:
+            return
+        if not _lengths_match(headers, list(chain.from_iterable(commands))):
+            self.exact_until = window
+            return
+        self.start = start + sum(map(len, parts[:i])) + 2 * i
+        out += zip(commands, repeat(None), repeat(False))
 
     def _begin_command(self, out: list) -> bool:
         buf, pos, end = self.buf, self.start, self.end

@@ -1,0 +1,50 @@
+"""The reader's fast path for pipelined small commands (`RequestReader._split_small_commands`).
+
+It splits a window of the buffer on CRLF and checks every ``$len`` header of
+the batch against its argument at once; whatever it takes must be exactly
+what the exact parser takes, and whatever it refuses is left to that parser.
+What is checked, each time against the exact parser alone on the same bytes:
+- headers that are almost canonical (leading zero, sign, spaces, underscores,
+  a newline or a ``$`` inside, a length one off) anywhere in a batch;
+- a value holding CRLF or a lone LF in the middle of a batch;
+- array headers that are not canonical (``*03``, ``*+3``) or past the split's limit;
+- a window whose check fails is split once, not once per command behind it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvstore.protocol.reader import MAX_SPLIT_ARGS, RequestReader
+from test_protocol_reader import PIPELINE, outcome, parse_all
+from test_redis_compat import encode_command
+
+
+@pytest.mark.parametrize("header", [b"$05", b"$+5", b"$ 5", b"$5 ", b"$0_5", b"$4", b"$6", b"$5\n", b"$\n5",
+                                    b"$$5", b"$-5", b"5", b"$", b"$5$"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_header_that_is_not_canonical_is_answered_as_the_exact_parser_answers(header, where, monkeypatch):
+    odd = b"*2\r\n$3\r\nGET\r\n" + header + b"\r\nvalue\r\n"
+    stream = {"first": odd + PIPELINE, "middle": PIPELINE + odd + PIPELINE, "last": PIPELINE + odd}[where]
+    assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("head", [b"*03", b"*+3", b"* 3", b"*3 ", b"*%d" % (MAX_SPLIT_ARGS + 1)])
+def test_an_array_header_that_is_not_canonical_is_answered_as_the_exact_parser_answers(head, monkeypatch):
+    args = [b"x"] * (MAX_SPLIT_ARGS + 1) if head.endswith(b"%d" % (MAX_SPLIT_ARGS + 1)) else [b"SET", b"k", b"v"]
+    stream = PIPELINE + head + b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args) + PIPELINE
+    assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("value", [b"a\r\nb", b"\r\n", b"a\nb", b"\r", b"$3\r\nabc", b"*1\r\n$1\r\nx"])
+def test_values_holding_line_ends_come_back_whole(value):
+    cmds = [[b"SET", b"k%d" % i, value if i % 5 == 2 else b"v" * i] for i in range(40)]
+    assert parse_all(b"".join(encode_command(*c) for c in cmds)) == cmds
+
+
+def test_a_window_whose_check_fails_is_split_once(monkeypatch):
+    splits = []
+    real = RequestReader._split_small_commands
+    monkeypatch.setattr(RequestReader, "_split_small_commands", lambda self, out: splits.append(1) or real(self, out))
+    cmds = [[b"SET", b"k%d" % i, b"a\r\nb" if i == 0 else b"v"] for i in range(30)]
+    assert parse_all(b"".join(encode_command(*c) for c in cmds)) == cmds
+    assert len(splits) == 1
