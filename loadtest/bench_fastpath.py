@@ -23,7 +23,10 @@ pairs' ratios in a run, then the median over runs (with the spread over runs).
 - warm get: a repeated get of one key vs a copy from a source in cache
   (>= 0.7x, as before the shared index);
 - put of one fresh key from a cold source (>= 0.5x the cold copy at 1 MiB),
-  and ``batch_put`` of 256 x 1 MiB (time within 1.5x of 256 cold copies);
+  beside its floor, the put's copy alone into extents reserved beforehand
+  (fresh memory no cache holds, where the reference's destination stays in
+  cache), and ``batch_put`` of 256 x 1 MiB (time within 1.5x of 256 cold
+  copies, whose destinations are not in cache either);
 - ``batch_get_into`` of 256 x 1 MiB vs 256 cold copies (time within 1.5x);
 - layer-wise: a writer process puts 32 layers while this process reads them
   one by one: time to the first layer vs time to the whole block.
@@ -46,6 +49,7 @@ import numpy as np
 from client import KVClient
 from loadtest.procs import ProcessGroup, start_kvstore, start_mooncake
 from loadtest.report import one_line
+from proto import fastpath as fp
 
 MIB = 1 << 20
 LAYERS = 32
@@ -183,12 +187,20 @@ def warm_get(kv: KVClient, size: int, samples: int) -> dict[str, float]:
 
 
 def puts(kv: KVClient, pool: ColdPool, size: int, run: int, samples: int) -> dict[str, float]:
-    """Puts of fresh keys (each a new block) from cold sources."""
+    """Puts of fresh keys (each a new block) from cold sources, and a put's copy alone: into
+    extents reserved beforehand, with no SDK and no round trip (the floor: a put writes into
+    memory no cache holds, the reference into a destination it holds)."""
     name, dst = f"{size // MIB}MiB", np.empty(size, np.uint8)
     keys = [f"put-{run}-{size}-{i}" for i in range(samples)]
     copies, stores = paired(pool, size, samples, dst, lambda i, source: kv.put(keys[i], source))
     kv.delete(*keys)
-    return {f"put {name} vs cold copy": ratio(copies, stores), f"put {name} us": statistics.median(stores) * 1e6}
+    arena = kv.fast_path.arena()
+    extents = kv.execute(fp.KV_RESERVE, arena.token, 60_000, *[size] * samples)
+    alone = paired(pool, size, samples, dst, lambda i, source: arena.write(extents[i][1], source))
+    kv.execute(fp.KV_UNRESERVE, *(reservation for reservation, _ in extents))
+    return {f"put {name} vs cold copy": ratio(copies, stores), f"put {name} us": statistics.median(stores) * 1e6,
+            f"put {name} copy into a fresh extent alone vs cold copy": ratio(*alone),
+            f"put {name} copy into a fresh extent alone us": statistics.median(alone[1]) * 1e6}
 
 
 def batches(kv: KVClient, pool: ColdPool, run: int, repeats: int) -> dict[str, float]:
