@@ -177,6 +177,16 @@ def test_a_cascade_never_drops_a_value_written_after_the_drop_that_started_it():
     asyncio.run(scenario())
 
 
+def test_commit_times_are_kept_for_a_bounded_number_of_keys():
+    async def scenario():
+        engine, cascade, links = node()
+        assert cascade.fresh_keys == 1024                  # a 4 MiB node: the floor
+        for i in range(3000):
+            engine.put(b"k%d" % i, b"v")
+        assert len(cascade.commits) == 1024 and next(iter(cascade.commits)) == b"k1976"
+    asyncio.run(scenario())
+
+
 def test_keys_this_node_does_not_serve_are_neither_dropped_nor_forwarded():
     async def scenario():
         engine, cascade, links = node()

@@ -41,10 +41,10 @@ are sent), so two nodes that disagree on the map cannot bounce a cascade.
 Ordering. A cascade may reach a node after the client found the hole and
 wrote the chain again. It carries the time of the drop that started it, and a
 node never drops a value committed after that time: commit times of the last
-``FRESH_SECONDS`` (at most ``FRESH_KEYS`` keys) answer that question. Clocks
-of different hosts differ by milliseconds; a cascade that loses that race
-drops a fresh block and the rest of its chain after it, which costs misses,
-never a wrong value, and leaves the chain a prefix.
+``FRESH_SECONDS`` (for at most one key per 8 KiB of DRAM) answer that
+question. Clocks of different hosts differ by milliseconds; a cascade that
+loses that race drops a fresh block and the rest of its chain after it, which
+costs misses, never a wrong value, and leaves the chain a prefix.
 
 Not covered: links do not travel with a slot move, and what a dead node held
 cannot cascade (its links died with it).
@@ -73,8 +73,9 @@ MIN_LINKS = 4096            # ... but never fewer than this
 DROPS_PER_TICK = 256        # local drops per loop tick
 QUEUE_MAX = 100_000         # local drops waiting
 OUTGOING_MAX = 65_536       # keys waiting to be sent to other nodes
-FRESH_SECONDS = 5.0         # how long a commit time is kept for the ordering question
-FRESH_KEYS = 65_536
+FRESH_SECONDS = 5.0         # how long a commit time is kept for the ordering question ...
+FRESH_KEYS = (1024, 65_536)  # ... for this many keys at least and at most: one per FRESH_SHARE bytes of DRAM
+FRESH_SHARE = 8192
 
 
 def now_us() -> int:
@@ -109,6 +110,7 @@ class Cascade:
         self.cluster = cluster
         self.peers = peers
         self.max_links = max(MIN_LINKS, engine.limit // LINK_BUDGET_SHARE)
+        self.fresh_keys = min(FRESH_KEYS[1], max(FRESH_KEYS[0], engine.limit // FRESH_SHARE))
         self.children: dict[bytes, list[bytes]] = {}        # own key -> children on other nodes
         self.link_count = 0
         self.queue: deque[tuple[bytes, int]] = deque()     # (own key, drop time) to drop here
@@ -159,7 +161,7 @@ class Cascade:
         commits[key] = now
         commits.move_to_end(key)
         oldest = now - int(FRESH_SECONDS * 1e6)
-        while len(commits) > FRESH_KEYS or next(iter(commits.values())) < oldest:
+        while len(commits) > self.fresh_keys or next(iter(commits.values())) < oldest:
             commits.popitem(last=False)
 
     def _on_final_drop(self, slot: int, key: bytes) -> None:
