@@ -227,6 +227,13 @@ def test_a_batch_a_peer_does_not_take_is_counted_and_lost():
         engine.delete(parent)
         await settle()
         assert cascade.stats.send_failures == 1 and cascade.pending == 0
+        cascade.close()                                 # the node leaves: its last drops cascade nothing
+        links.down.clear()
+        engine.put(parent, b"v")
+        cascade.link(parent, child)
+        engine.delete(parent)
+        await settle()
+        assert cascade.pending == 0 and len(links.sent) == 0
     asyncio.run(scenario())
 
 

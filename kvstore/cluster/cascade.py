@@ -138,10 +138,8 @@ class Cascade:
         if slot is None or child == parent:
             return False
         key = self.engine.key_of(slot)          # the index's own key object: no second copy
-        children = self.children.get(key)
-        if children is None:
-            children = self.children[key] = []
-        elif child in children:
+        children = self.children.get(key, [])
+        if child in children:
             return False
         if len(children) >= LINKS_PER_KEY:
             children.pop(0)
@@ -152,6 +150,7 @@ class Cascade:
         else:
             self.link_count += 1
         children.append(bytes(child))
+        self.children[key] = children
         return True
 
     # ------------------------------------------------------------ what the engine tells
@@ -281,4 +280,7 @@ class Cascade:
                 "cluster_cascade_pending": self.pending}
 
     def close(self) -> None:
+        """Stop: the engine's later drops (a shutdown's) cascade nothing."""
+        self.engine.final_drop_listeners.remove(self._on_final_drop)
+        self.engine.commit_listeners.remove(self._on_commit)
         self._tasks.cancel_all()
