@@ -4,9 +4,11 @@ A put copies each value into an extent reserved for it: a spare reserved
 ahead by an earlier put of the same size on the same connection
 (`reservation_pool`), or else a fresh one (``KV.RESERVE``, carrying the
 token of the mapping: STALEARENA after a restart, before any byte is
-written). ``KV.PUBLISH`` then commits the values under their keys, and the
-same command reserves the spares for the next put (``NEXT``: one command a
-put, not a publish and a reserve to parse and dispatch). A reservation is
+written). One round trip then commits the values under their keys and
+reserves the spares for the next put: ``KV.PUBLISH ... NEXT`` for each value
+whose size wants a spare (one command a put, not a publish and a reserve to
+parse and dispatch), one ``KV.MPUBLISH`` for the rest of a batch (one command,
+not one a value). A reservation is
 written only while at least half of its life is left; a copy that took
 longer, or a copy that failed, gives the extents back at once (else they
 would stay reserved until their deadline) and fails.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from itertools import repeat
 from typing import Any
 
 from client.arena import Arena
@@ -44,22 +47,29 @@ def write(core, call: Call) -> Steps:
 
 @dataclass
 class PublishRound:
-    """The requests that publish a put (after any releases riding along) and reserve ahead."""
+    """The requests that publish a put or a batch (after any releases riding along): one
+    KV.MPUBLISH for the values that reserve nothing ahead, then one KV.PUBLISH ... NEXT for each
+    value whose size the next put will want a spare of."""
 
     requests: list[tuple]
-    first: int                   # index of the first KV.PUBLISH
-    ahead: list[int | None]      # per KV.PUBLISH: the size its NEXT reserves ahead, or None
+    first: int                       # index of the first publishing request
+    batched: list[int]               # the values KV.MPUBLISH commits, in order
+    ahead: list[tuple[int, int]]     # (value, size) of each KV.PUBLISH ... NEXT, in order
     started: float
 
     def settle(self, fast: FastPath, replies: list, owner: Any) -> list:
-        """The publishes' own replies; the spares their NEXT reserved go to the pool."""
-        stored, spares = [], []
-        for reply, size in zip(replies[self.first:], self.ahead):
-            if size is None or isinstance(reply, KVError):
-                stored.append(reply)
-                continue
-            stored.append(reply[0])
-            if not isinstance(reply[1], KVError):        # NOSPARE: the next put reserves its own
+        """One reply per value, in the values' order; the spares NEXT reserved go to the pool."""
+        stored: list[Any] = [None] * (len(self.batched) + len(self.ahead))
+        at = self.first
+        if self.batched:
+            many = replies[at]
+            at += 1
+            for i, reply in zip(self.batched, many if isinstance(many, list) else repeat(many)):
+                stored[i] = reply
+        spares = []
+        for (i, size), reply in zip(self.ahead, replies[at:]):
+            stored[i] = reply if isinstance(reply, KVError) else reply[0]
+            if not isinstance(reply, KVError) and not isinstance(reply[1], KVError):    # NOSPARE: none
                 spares += _spares_of(fast, [reply[1]], [size], self.started, owner)
         if spares:
             with fast.lock:
@@ -130,15 +140,19 @@ def _copy_and_publish(fast: FastPath, arena: Arena, local: LocalWrite, spares: l
     sizes = [view.nbytes for view in local.views]
     with fast.lock:
         ahead = _reserving_ahead(sizes, fast.spares.wanted(sizes, owner))
-    next_ttl = ("NEXT", fast.reservation_ttl_ms)
-    publish = [(fp.KV_PUBLISH, spare.reservation_id, key, *put_options(parent, local.overwrite),
-                *(next_ttl if size is not None else ()))
-               for spare, key, parent, size in zip(spares, local.keys, local.parents, ahead)]
-    return PublishRound([*before, *publish, *local.trailing], len(before), ahead, time.monotonic())
+    batched = [i for i, size in enumerate(ahead) if size is None]
+    nexts = [(i, size) for i, size in enumerate(ahead) if size is not None]
+    many = [(fp.KV_MPUBLISH, "OVERWRITE" if local.overwrite else "NX",
+             *(arg for i in batched for arg in (spares[i].reservation_id, local.keys[i], local.parents[i] or "")))
+            ] if batched else []
+    singles = [(fp.KV_PUBLISH, spares[i].reservation_id, local.keys[i],
+                *put_options(local.parents[i], local.overwrite), "NEXT", fast.reservation_ttl_ms) for i, _ in nexts]
+    requests = [*before, *many, *singles, *local.trailing]
+    return PublishRound(requests, len(before), batched, nexts, time.monotonic())
 
 
 def _reserving_ahead(sizes: list[int], wanted: list[int]) -> list[int | None]:
-    """Per value put, the size its KV.PUBLISH reserves ahead with NEXT (the last values of each
+    """Per value put, the size its publish reserves ahead with NEXT (the last values of each
     wanted size), or None."""
     ahead: list[int | None] = [None] * len(sizes)
     for i in range(len(sizes) - 1, -1, -1):

@@ -12,6 +12,7 @@ KV_LEASE = "KV.LEASE"            # pin values for a direct read
 KV_RELEASE = "KV.RELEASE"        # unpin; says whether each lease was still valid
 KV_RESERVE = "KV.RESERVE"        # an extent for a direct write
 KV_PUBLISH = "KV.PUBLISH"        # commit a written reservation under a key
+KV_MPUBLISH = "KV.MPUBLISH"      # commit several (a batch), one command
 KV_UNRESERVE = "KV.UNRESERVE"    # give back reservations never published
 KV_LEASES = "KV.LEASES"          # lease, reservation and partial-block counters
 KV_GPUARENA = "KV.GPUARENA"      # the GPU tier's CUDA IPC handle

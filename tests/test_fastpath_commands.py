@@ -99,3 +99,29 @@ def test_publish_with_next_reserves_the_next_extent_in_the_same_command(tmp_path
         assert isinstance(no_room, redis.ResponseError) and str(no_room).startswith("NOSPARE")
     finally:
         daemon.stop()
+
+
+def test_mpublish_commits_a_batch_in_one_command_and_answers_per_value(tmp_path):
+    """KV.MPUBLISH NX|OVERWRITE id key parent ...: per value 1 stored, 0 existed (NX) or EXPIRED
+    (an unknown reservation: the others are committed all the same); a malformed command
+    (mode, argument count, an id that is not a number) commits nothing."""
+    daemon = start_kvstore(tmp_path)
+    try:
+        client = redis.Redis(daemon.host, daemon.port, single_connection_client=True)
+        token = client.execute_command("KV.ARENA")[4]
+        (a, _), (b, _), (c, _) = client.execute_command("KV.RESERVE", token, 5000, 300, 400, 500)
+        for bad in (("PUT", a, "a", ""), ("NX", a, "a"), ("NX", a, "a", "", "x", "b", "")):
+            with pytest.raises(redis.ResponseError):
+                client.execute_command("KV.MPUBLISH", *bad)
+        assert _fields(client.execute_command("KV.LEASES"))[b"reservations_active"] == 3
+        client.set("c", b"old")
+        replies = client.execute_command("KV.MPUBLISH", "NX", a, "a", "", 12345, "x", "", b, "b", "a", c, "c", "")
+        assert replies[0] == 1 and replies[2] == 1 and replies[3] == 0
+        assert isinstance(replies[1], redis.ResponseError) and str(replies[1]).startswith("EXPIRED")
+        assert (client.strlen("a"), client.strlen("b"), client.get("c"), client.exists("x")) == (300, 400, b"old", 0)
+        (d, _), = client.execute_command("KV.RESERVE", token, 5000, 600)
+        assert client.execute_command("KV.MPUBLISH", "overwrite", d, "c", "") == [1]
+        assert client.strlen("c") == 600
+        assert _fields(client.execute_command("KV.LEASES"))[b"reservations_active"] == 0
+    finally:
+        daemon.stop()

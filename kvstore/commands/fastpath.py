@@ -13,6 +13,9 @@ everything a client holds has an id, an owner and a deadline).
     KV.PUBLISH id key [PARENT p] [NX] [NEXT ttl_ms]
                                          -> 1 stored, 0 key existed under NX (extent given back);
                                             with NEXT: [that, [reservation id, offset] or an error]
+    KV.MPUBLISH NX|OVERWRITE id key parent [id key parent ...]
+                                         -> per value: as KV.PUBLISH, or an error (EXPIRED);
+                                            parent "" for none
     KV.UNRESERVE id [id ...]             -> how many reservations were given back
     KV.TOUCH key [key ...]               -> how many of the keys exist (each counted as a read hit)
     KV.LEASES                            -> lease, reservation, partial-block and shared index counters
@@ -40,6 +43,10 @@ client's mapping (a restarted node knows no reservation of the old one). A
 spare the node has no room for now is an error in its place (NOSPARE): the
 value is published all the same, and the client's next put reserves with
 KV.RESERVE, which may make room by demoting or evicting.
+
+A batch of puts commits with one KV.MPUBLISH: parsing and dispatching a
+command costs the node more than committing a value, so a batch of 256
+values pays for one command instead of 256.
 
 Commands that hand out arena offsets take the client's arena token first: a
 client still holding the mapping of a node that has since restarted (a new
@@ -178,6 +185,7 @@ def kv_reserve(conn, args):
 
 
 PUBLISH_OPTIONS = {b"PARENT": 1, b"NX": 0, b"NEXT": 1}
+EXPIRED = ("reservation expired or unknown", "EXPIRED")
 
 
 @command(fp.KV_PUBLISH, -3, "write fast", "fastpath",
@@ -187,19 +195,38 @@ def kv_publish(conn, args):
     reservation_id = parse_int(args[1], "lease and reservation ids are integers")
     key, opts = args[2], option_map(args, 3, PUBLISH_OPTIONS) if len(args) > 3 else {}
     next_ttl = parse_ttl_ms(opts[b"NEXT"]) if b"NEXT" in opts else None     # checked before anything changes
-    table = conn.server.leases
-    reservation = table.take(reservation_id)
+    reservation = conn.server.leases.take(reservation_id)
     if reservation is None:
-        raise CommandError("reservation expired or unknown", "EXPIRED")
-    table.published()
-    size = reservation.extent.size
-    if b"NX" in opts and conn.engine.lookup(key) is not None:
+        raise CommandError(*EXPIRED)
+    stored = _commit(conn, reservation, key, opts.get(b"PARENT"), b"NX" in opts)
+    return stored if next_ttl is None else writer.array([stored, _spare(conn, reservation.extent.size, next_ttl)])
+
+
+@command(fp.KV_MPUBLISH, -5, "write fast", "fastpath",
+         "Commits written reservations as the values of keys (a batch): NX|OVERWRITE id key parent ...; "
+         "per value 1, 0 or EXPIRED.", keys=(3, -2, 3), spans_slots=True)
+def kv_mpublish(conn, args):
+    mode = args[1].upper()
+    if mode not in (b"NX", b"OVERWRITE") or (len(args) - 2) % 3:
+        raise CommandError("syntax error: KV.MPUBLISH NX|OVERWRITE id key parent [id key parent ...]")
+    ids = parse_ids(args[2::3])                      # all checked before anything is committed
+    table, replies = conn.server.leases, []
+    for reservation_id, key, parent in zip(ids, args[3::3], args[4::3]):
+        reservation = table.take(reservation_id)
+        replies.append(writer.error(*EXPIRED) if reservation is None
+                       else _commit(conn, reservation, key, parent or None, mode == b"NX"))
+    return writer.array(replies)
+
+
+def _commit(conn, reservation, key: bytes, parent: bytes | None, nx: bool) -> bytes:
+    """Commit a taken reservation as ``key``'s value (under NX only when the key is absent;
+    else its extent goes back): the reply, 1 stored or 0 existed."""
+    conn.server.leases.published()
+    if nx and conn.engine.lookup(key) is not None:
         conn.engine.release(reservation.extent)
-        stored = writer.ZERO
-    else:
-        conn.engine.commit(key, reservation.extent, opts.get(b"PARENT"))
-        stored = writer.ONE
-    return stored if next_ttl is None else writer.array([stored, _spare(conn, size, next_ttl)])
+        return writer.ZERO
+    conn.engine.commit(key, reservation.extent, parent)
+    return writer.ONE
 
 
 def _spare(conn, size: int, ttl_ms: int) -> bytes:
