@@ -4,7 +4,7 @@ Each part is its own `python -m kvstore ...` process (the same commands a
 deployment would run by hand), started in dependency order: the store (one
 node; or `kvstore cluster up` with `--cluster-nodes N`; none when `--store`
 or `--cluster` names one), the conductor (hashing prompts under the workers' model
-namespace and block size, so its `KV.MATCH` sees their blocks), the workers,
+namespace and block size, so its `KV.MATCH` sees their blocks), the workers (side by side),
 the gateway. Each is ready when it prints its first line; the launcher then
 prints one JSON object (gateway URL, store, conductor, workers) and waits. On
 SIGINT or SIGTERM, or when the store, the conductor or the gateway exits, it
@@ -70,16 +70,23 @@ class Deployment:
 
     def start(self, args: list[str], ready_line: bool = True) -> str:
         """Start ``kvstore ARGS``; return its first stdout line (the ready signal)."""
+        proc = self.spawn(args)
+        return self.ready(proc) if ready_line else ""
+
+    def spawn(self, args: list[str]) -> subprocess.Popen:
+        """Start ``kvstore ARGS`` without waiting for it (several may then start side by side)."""
         proc = subprocess.Popen([sys.executable, "-m", "kvstore", *args], stdout=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True)
         self.procs.append(proc)
-        if not ready_line:
-            return ""
+        return proc
+
+    def ready(self, proc: subprocess.Popen) -> str:
+        """The process's first stdout line, once it has printed it; UsageError if it never does."""
         line = _first_line(proc, self.stopping)
         if self.stopping.is_set():
             raise UsageError("stopped while starting")
         if not line:
-            raise UsageError(f"`kvstore {' '.join(args[:2])}` exited with {proc.poll()} before it was ready")
+            raise UsageError(f"`kvstore {' '.join(proc.args[3:5])}` exited with {proc.poll()} before it was ready")
         return line
 
     def stop(self) -> None:
@@ -169,9 +176,9 @@ def _start_workers(d: Deployment, args: argparse.Namespace, store: StoreFlags, c
     threads = args.threads or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
     common = [*store.flags, *store.worker_flags, "--conductor", conductor, "--model", args.model,
               "--block-tokens", str(args.block_tokens), "--threads", str(threads)]
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        for i in range(count):
-            d.workers.append(json.loads(d.start(["worker", role, "--id", f"{role}-{i}", *common])))
+    started = [d.spawn(["worker", role, "--id", f"{role}-{i}", *common])
+               for role, count in (("prefill", args.prefill), ("decode", args.decode)) for i in range(count)]
+    d.workers += [json.loads(d.ready(proc)) for proc in started]      # they load the model side by side
 
 
 def launch(args: argparse.Namespace) -> int:
