@@ -289,8 +289,10 @@ def test_links_ride_with_puts_through_the_local_arena_too(cluster):
 
 
 @pytest.mark.parametrize("how", ["put", "put_layer"])
-def test_single_key_puts_link_their_chain_in_the_background(kv, how):
+def test_single_key_puts_link_their_chain_in_the_background(kv, cluster, how):
     keys = [b"single-%s-%02d" % (how.encode(), i) for i in range(16)]
+    crossings = sum(kv.node_of(a) != kv.node_of(b) for a, b in zip(keys, keys[1:]))
+    before = sum(_info(cluster, "cluster_cascade_links"))
     for i, key in enumerate(keys):
         parent = keys[i - 1] if i else None
         if how == "put":
@@ -298,7 +300,9 @@ def test_single_key_puts_link_their_chain_in_the_background(kv, how):
         else:
             for layer in range(3):
                 kv.put_layer(key, layer, np.zeros(8, dtype=np.float32), n_layers=3, parent=parent)
-    wait_until(lambda: all(_cached(kv, keys)), 5.0, "the chain to be written")
+    assert all(_cached(kv, keys))
+    linked = lambda: sum(_info(cluster, "cluster_cascade_links")) == before + crossings    # noqa: E731
+    wait_until(linked, 5.0, "the links to arrive")
     kv.delete(keys[2])
     wait_until(lambda: _cached(kv, keys) == [True] * 2 + [False] * 14, 5.0, "the chain's tail to go")
 
