@@ -8,10 +8,10 @@ written). One round trip then commits the values under their keys and
 reserves the spares for the next put: ``KV.PUBLISH ... NEXT`` for each value
 whose size wants a spare (one command a put, not a publish and a reserve to
 parse and dispatch), one ``KV.MPUBLISH`` for the rest of a batch (one command,
-not one a value). A reservation is
-written only while at least half of its life is left; a copy that took
-longer, or a copy that failed, gives the extents back at once (else they
-would stay reserved until their deadline) and fails.
+not one a value). A reservation is written only while at least half of its
+life is left; a copy that took longer, or a copy that failed, gives the
+extents back at once (else they would stay reserved until their deadline)
+and fails.
 
 Puts smaller than `FAST_PUT_MIN` in all go over the wire, where one round
 trip is cheaper.
@@ -136,6 +136,11 @@ def _copy_and_publish(fast: FastPath, arena: Arena, local: LocalWrite, spares: l
             return None
         arena.write(spare.offset, view)
     fast.stats.writes += 1
+    return _publish_round(fast, local, spares, owner)
+
+
+def _publish_round(fast: FastPath, local: LocalWrite, spares: list[Spare], owner: Any) -> PublishRound:
+    """The round trip after the copies: what rides along, the publishes, the trailing requests."""
     before = fast.housekeeping()
     sizes = [view.nbytes for view in local.views]
     with fast.lock:
