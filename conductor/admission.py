@@ -35,6 +35,17 @@ arrival check knows:
     far (learned during the run), so with w = service_s / that cost the
     request is admitted when chance >= w / (1 + w): a request of average
     prefill needs even odds, a long prefill better ones, a short one less.
+  - The hold: a request that would not fit when its KV arrives may fit a
+    little later, once the residents expected to leave have left. Under
+    bursts the baseline gets that for free: it admits the whole burst into a
+    deep prefill queue, which feeds decode through the lull after it (and
+    wastes the prefill of the burst's head). Predictive instead tries the
+    due times a few seconds later (`HOLD_STEPS_S`, doubling, as far as the
+    TTFT SLO allows) and admits the request for the first one whose chance
+    pays for its prefill; its prefill then starts that much later (its node
+    waits for it, so the queue behind it sees the delay). The request is
+    forecast and scored at the due time it was admitted for (or turned away
+    at), once.
   This damps the oscillation and wastes the least prefill.
 
 The decode-stage check stays in every mode but `none`: memory is physical.
@@ -51,6 +62,12 @@ MODES = ("none", "baseline", "early", "predictive")
 REJECT_TTFT = "ttft"
 REJECT_DECODE = "decode"
 
+# Later due times a predictive check may try, seconds after the first: doubling, so a
+# few forecasts cover the TTFT SLO's room. A step of 1 s landed held requests in the
+# same crowded batch the forecast had just refused and wasted more prefill.
+HOLD_STEPS_S = (2.0, 4.0, 8.0, 16.0)
+HOLD_MARGIN_S = 2.0     # a hold leaves this much of the TTFT SLO for a slower prefill
+
 
 @dataclass(frozen=True)
 class Slo:
@@ -62,8 +79,10 @@ class Slo:
 class Admission:
     mode: str
     slo: Slo
+    holds: bool = False     # whether a prefill's start may be held back (the replay's can)
     prefill_spent_s: float = field(default=0.0, init=False)   # on requests admitted
     joined: int = field(default=0, init=False)                # requests the decode check took
+    hold_s: float = field(default=0.0, init=False)  # the wait before the admitted one's prefill
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,8 +92,10 @@ class Admission:
     def at_arrival(self, now_s: float, placement: Placement, decode: DecodeView,
                    input_length: int, output_estimate: float,
                    least_queue_s: float = 0.0) -> str | None:
-        """The reason to reject at arrival, or None to admit (``least_queue_s``: the
-        shortest prefill queue now)."""
+        """The reason to reject at arrival, or None to admit, its prefill to start
+        `hold_s` later than the queue allows (``least_queue_s``: the shortest prefill
+        queue now)."""
+        self.hold_s = 0.0
         if self.mode == "none":
             return None
         if placement.ttft_s > self.slo.ttft_s:
@@ -83,13 +104,36 @@ class Admission:
             if not decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s):
                 return REJECT_DECODE
         elif self.mode == "predictive":
-            due_s = now_s + placement.ttft_s + decode.cost.transfer_s(input_length)
-            chance = decode.fit_chance(now_s, due_s, input_length, output_estimate,
-                                       self.slo.tbt_s, least_queue_s)
-            if chance < self.chance_needed(placement.service_s):
-                return REJECT_DECODE
-            self.prefill_spent_s += placement.service_s
+            return self._predictive(now_s, placement, decode, input_length, output_estimate,
+                                    least_queue_s)
         return None
+
+    def _predictive(self, now_s: float, placement: Placement, decode: DecodeView,
+                    input_length: int, output_estimate: float,
+                    least_queue_s: float) -> str | None:
+        """Admit for the first due time (now, or held `HOLD_STEPS_S` later) whose chance of
+        fitting pays for the prefill at risk."""
+        due_s = now_s + placement.ttft_s + decode.cost.transfer_s(input_length)
+        need = self.chance_needed(placement.service_s)
+
+        def chance(hold_s: float, record: bool = False) -> float:
+            return decode.fit_chance(now_s, due_s + hold_s, input_length, output_estimate,
+                                     self.slo.tbt_s, least_queue_s, record)
+
+        hold = next((h for h in self.hold_choices(placement.ttft_s) if chance(h) >= need), None)
+        chance(hold or 0.0, record=True)
+        if hold is None:
+            return REJECT_DECODE
+        self.hold_s = hold
+        self.prefill_spent_s += placement.service_s
+        return None
+
+    def hold_choices(self, ttft_s: float) -> tuple[float, ...]:
+        """No hold, then the holds that keep the TTFT `HOLD_MARGIN_S` inside its SLO."""
+        if not self.holds:
+            return (0.0,)
+        room = self.slo.ttft_s - ttft_s - HOLD_MARGIN_S
+        return (0.0, *(h for h in HOLD_STEPS_S if h <= room))
 
     def chance_needed(self, service_s: float) -> float:
         """The least chance of fitting that pays for risking ``service_s`` of prefill."""

@@ -31,6 +31,7 @@ from conductor.admission import REJECT_TTFT, Admission
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeView
+from conductor.fit_odds import FitOdds
 from conductor.outputs import OUTPUT_PRIOR_TOKENS
 from conductor.policy import FROM_POOL, Candidates, DecodeLoad, Placement, Policy
 from conductor.stores import Store
@@ -51,13 +52,34 @@ class Rejected(Exception):
 
 
 class ReportedDecode(DecodeView):
-    """A live decode instance, known by its last report plus what was sent since."""
+    """A live decode instance, known by its last report plus what was sent since.
+
+    A report carries no per-sequence ages, so the forecast for any time ahead
+    is what is there now plus what is on its way. How far to trust it is
+    learned as in the replay (`fit_odds`): every forecast the predictive check
+    makes is scored by the first report after its due time, so the chance of
+    fitting is how often requests given that much room, that far ahead, found
+    it in the load the instance later reported. A report after the due time
+    counts an admitted request that has joined, so the score errs on the safe
+    side by one request.
+    """
 
     def __init__(self, cost: CostModel):
         super().__init__(cost)
         self.reported = DecodeLoad(0, 0.0)
         self.pending_tokens = 0
         self.pending = 0
+        self.odds = FitOdds()
+
+    def observe(self, now_s: float, reported: DecodeLoad) -> None:
+        """A load report at ``now_s``: it replaces what was sent since the last one, and
+        scores the forecasts due by now."""
+        self.reported = reported
+        self.pending = self.pending_tokens = 0
+        self.odds.score_due(now_s, self._judge)
+
+    def _judge(self, due_s: float, request: tuple[int, float, float]) -> tuple[bool, float]:
+        return self.fits(self.reported, *request), self.reported.kv_tokens
 
     def load(self) -> DecodeLoad:
         return self.reported
@@ -67,8 +89,6 @@ class ReportedDecode(DecodeView):
                           self.reported.kv_tokens + self.pending_tokens)
 
     def predicted_load(self, at_s: float, least_queue_s: float = 0.0) -> DecodeLoad:
-        # A report carries no per-sequence ages, so the best prediction is
-        # what is there now plus what is already on its way.
         return self.committed_load()
 
 
@@ -148,8 +168,7 @@ class LiveConductor:
                 self.queued_s[self.prefill_ids.index(instance_id)] = queued_s
             elif instance_id in self.decode_ids:
                 d = self.decodes[self.decode_ids.index(instance_id)]
-                d.reported = DecodeLoad(batch, float(kv_tokens))
-                d.pending = d.pending_tokens = 0
+                d.observe(self.clock(), DecodeLoad(batch, float(kv_tokens)))
 
     def mark_unreachable(self, instance_id: str) -> None:
         """A front end could not reach this instance: no more requests until it reports again."""
@@ -206,7 +225,7 @@ class LiveConductor:
         p = _renumbered(self.policy.choose_prefill(cand), live_p)
         j = live_d[self.policy.choose_decode([self.decodes[j].committed_load() for j in live_d], input_length)]
         estimate = output_length or OUTPUT_PRIOR_TOKENS
-        reason = self.admission.at_arrival(0.0, p, self.decodes[j], input_length, estimate)
+        reason = self.admission.at_arrival(self.clock(), p, self.decodes[j], input_length, estimate)
         if reason is not None:
             self._count_rejection(reason)
             raise Rejected(reason, self._rejection_text(reason, p))

@@ -3,11 +3,12 @@
 Each prefill instance runs one request at a time in arrival order, so its
 queue is fully described by the time it becomes free (`busy_until`): the
 queue time a policy sees is `busy_until - now`, and a placement's finish
-time is known the moment it is made. Only three things happen later and go
-through the event heap: a prefill finishing (its blocks enter the node's
-cache, its KV starts moving to decode), the KV reaching the decode instance
-(the decode-stage admission check, then joining the batch), and a decode
-instance's next departure. Decode batches are simulated per event, never
+time is known the moment it is made (a request that predictive admission
+holds back, `Admission.hold_s`, starts that much later and its node waits
+for it). Only three things happen later and go through the event heap: a
+prefill finishing (its blocks enter the node's cache, its KV starts moving
+to decode), the KV reaching the decode instance (the decode-stage admission
+check, then joining the batch), and a decode instance's next departure. Decode batches are simulated per event, never
 per token (see `decode`). Caches hold 512-token blocks under the store's
 eviction policy (see `cache`). Arrivals are processed in timestamp order;
 all events due by an arrival's time are applied first.
@@ -69,7 +70,7 @@ class Simulator:
         self.cfg = config
         self.cost = cost
         self.policy = make_policy(config.policy, cost, config.seed, config.balancing_threshold)
-        self.admission = Admission(config.admission, config.slo)
+        self.admission = Admission(config.admission, config.slo, holds=True)
         self.directory = BlockDirectory()
         capacity = max(1, config.cache_tokens_per_node // config.block_tokens)
         self.caches = [NodeCache(i, capacity, self.directory, config.seed)
@@ -145,7 +146,7 @@ class Simulator:
         held = tuple(b for b in reused if b in cache)
         cache.touch(held)
         cache.pin(held)
-        start = max(now, float(self.busy_until[p.prefill]))
+        start = max(now, float(self.busy_until[p.prefill])) + self.admission.hold_s
         finish = start + p.service_s
         self.busy_until[p.prefill] = finish
         self.out.prefill_busy_s += p.service_s

@@ -73,10 +73,25 @@ def test_decode_overflow_is_rejected_after_prefill(mode):
 
 def test_predictive_rejects_at_arrival_and_wastes_nothing():
     # At 0.1 B's predicted TTFT is 0.924 + 1.024, so it would reach decode at
-    # 2.048, after A's KV (due 1.024): 1,024 + 1,024 + 512 > 2,000.
-    summary, _ = run(_overlap_trace(), admission="predictive", slo=Slo(30, 0.1))
+    # 2.048, after A's KV (due 1.024): 1,024 + 1,024 + 512 > 2,000. A TTFT SLO
+    # of 10 s leaves room to hold B 2 or 4 s, and A (expected to make the prior's
+    # 512 tokens, 5.12 s) is still there then.
+    summary, _ = run(_overlap_trace(), admission="predictive", slo=Slo(10, 0.1))
     assert (summary.rejected_at_arrival, summary.rejected_at_decode) == (1, 0)
     assert summary.wasted_prefill_s == 0
+
+
+def test_predictive_holds_a_request_until_decode_has_room():
+    # A decodes 400 tokens from 1.024 to 5.024. B would meet it at 2.048, or at
+    # 4.048 and 6.048 held 2 or 4 s (A expected until 6.144); held 8 s its KV
+    # arrives at 10.048, when A is expected gone, and it is.
+    trace = [req(0.0, [1, 2], output=400), req(0.1, [3, 4], output=10)]
+    summary, out = run(trace, admission="predictive", slo=Slo(30, 0.1))
+    assert (summary.rejected, summary.completed_in_slo) == (0, 2)
+    assert out.ttft_s[1] == pytest.approx(0.924 + 1.024 + 8.0)
+    # the replay of the other modes holds nothing: B meets A and is turned away
+    summary, _ = run(trace, admission="baseline", slo=Slo(30, 0.1))
+    assert summary.rejected_at_decode == 1
 
 
 def test_no_admission_serves_everything():
