@@ -266,7 +266,7 @@ def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
     if not pending:
         return False
     ahead = [p for p in tiers.pending_fetch(_reads_ahead(conn)) if p not in pending]
-    conn.defer(tiers.fetch(pending + ahead),
+    conn.defer(tiers.fetch(pending + ahead, into_arena=cmd.group == "fastpath"),   # leases read the arena
                lambda fetched: _run_fetched(conn, fetched, args, has_holders, len(pending)))
     return True
 
