@@ -68,8 +68,9 @@ class TierMoves:
         self.slots.set_dram_offset(slot, extent.offset)
         self.slots.set_flags(slot, self.slots.flags[slot] | STAGED)
 
-    def stage_on_heap(self, slot: int, data: bytearray) -> None:
-        """Stage a copy outside the arena: DRAM is full of values that exist nowhere else."""
+    def stage_on_heap(self, slot: int, data: bytes | bytearray) -> None:
+        """Stage a copy outside the arena: one read from SSD for a socket reply (RocksDB's
+        own bytes), or any read while DRAM is full of values that exist nowhere else."""
         self.slots.heap_copies[slot] = data
         self.slots.set_flags(slot, self.slots.flags[slot] | STAGED)
 

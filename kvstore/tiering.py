@@ -48,6 +48,7 @@ log = logging.getLogger("kvstore")
 MAX_INFLIGHT_BYTES = 256 * 1024 * 1024    # demotion writes queued at once
 LOAD_CHUNK = 5000
 SSD_READERS = 4                           # RocksDB reads in flight (they release the GIL)
+WIRE_STAGING_BYTES = 64 * 1024 * 1024     # SSD values one fetch may stage outside the arena for a socket reply
 
 
 @dataclass
@@ -123,12 +124,25 @@ class TierManager:
                 out.append((key, slot))
         return out
 
-    async def fetch(self, items: list[tuple[bytes, int]]) -> list[tuple]:
-        """Copy values into fresh DRAM extents; results for `install`."""
+    async def fetch(self, items: list[tuple[bytes, int]], into_arena: bool = True) -> list[tuple]:
+        """Bring values up for a command; results for `install`.
+
+        Values go into fresh DRAM extents, except SSD values of a command that
+        sends them over a socket (``into_arena`` False): those stay the bytes
+        RocksDB's read returned, staged on the heap and sent from there, which
+        spares a copy as costly as the read (docs/tiers.md). A value that this
+        read makes hot still goes to the arena, its new home; so do values past
+        WIRE_STAGING_BYTES in one fetch, bounding what the heap holds.
+        """
         engine = self.engine
+        heap_left = 0 if into_arena else WIRE_STAGING_BYTES
         jobs = []
         for key, slot in items:
-            size = engine.size_of(slot)
+            size, on_gpu = engine.size_of(slot), engine.tier_code(slot) == GPU
+            if not on_gpu and size <= heap_left and not self._next_hit_is_hot(slot):
+                heap_left -= size
+                jobs.append((key, slot, None, None, False))
+                continue
             try:
                 dest = engine.reserve(size, clean_only=True)
                 view = dest.view
@@ -137,18 +151,28 @@ class TierManager:
                 # the heap instead, for this command only.
                 dest = bytearray(size)
                 view = memoryview(dest)
-            jobs.append((key, slot, dest, view, engine.tier_code(slot) == GPU))
-        from_ssd = [job for job in jobs if not job[4]]
-        parts = _split(from_ssd, self.worker.readers) if from_ssd else []
+            jobs.append((key, slot, dest, view, on_gpu))
         copies = [self._copy_from_gpu(slot, view) for _, slot, _, view, on_gpu in jobs if on_gpu]
-        copies += [self.worker.submit(self.ssd.get_many_into, [job[0] for job in part], [job[3] for job in part])
-                   for part in parts]   # one call per reader thread, its headers in one multi_get
-        gathered = await asyncio.gather(*copies, return_exceptions=True)
-        gpu_results = iter(gathered[:len(copies) - len(parts)])
-        ssd_results = iter([result for part, outcome in zip(parts, gathered[len(copies) - len(parts):])
-                            for result in _spread(outcome, len(part))])
-        return [(key, slot, dest, next(gpu_results if on_gpu else ssd_results))
-                for key, slot, dest, _, on_gpu in jobs]
+        on_ssd = [i for i, job in enumerate(jobs) if not job[4]]
+        reads = self._read_ssd(jobs, [i for i in on_ssd if jobs[i][3] is None])
+        reads += self._read_ssd(jobs, [i for i in on_ssd if jobs[i][3] is not None])
+        gathered = await asyncio.gather(*copies, *(future for future, _ in reads), return_exceptions=True)
+        results = dict(zip([i for i, job in enumerate(jobs) if job[4]], gathered[:len(copies)]))
+        for (_, part), outcome in zip(reads, gathered[len(copies):]):
+            results.update(zip(part, _spread(outcome, len(part))))
+        return [(key, slot, dest, results[i]) for i, (key, slot, dest, _, _) in enumerate(jobs)]
+
+    def _read_ssd(self, jobs: list[tuple], chosen: list[int]) -> list[tuple[asyncio.Future, list[int]]]:
+        """Start reading the SSD jobs at positions ``chosen`` (all into buffers, or all with
+        none: `get_many`), one call per reader thread, its headers in one multi_get;
+        (future, its positions) per call."""
+        calls = []
+        for part in _split(chosen, self.worker.readers) if chosen else []:
+            keys, views = [jobs[i][0] for i in part], [jobs[i][3] for i in part]
+            future = (self.worker.submit(self.ssd.get_many, keys) if views[0] is None
+                      else self.worker.submit(self.ssd.get_many_into, keys, views))
+            calls.append((future, part))
+        return calls
 
     def _copy_from_gpu(self, slot: int, view: memoryview) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -198,17 +222,19 @@ class TierManager:
         engine, staged = self.engine, []
         for key, slot, dest, result in fetched:
             current = engine.index.get(key) == slot and engine.tier_code(slot) != DRAM
-            on_heap = isinstance(dest, bytearray)
+            in_arena = dest is not None and not isinstance(dest, bytearray)
             if isinstance(result, BaseException) or result is None or not current:
-                if not on_heap:
+                if in_arena:
                     engine.release(dest)
                 if current:
                     self._lost(key, slot, result)
                 continue
             tier = engine.tier_code(slot)
             self.stats[tier].hits += 1
-            if on_heap:
-                engine.moves.stage_on_heap(slot, dest)
+            if not in_arena:
+                if dest is None and not self._next_hit_is_hot(slot):
+                    self._is_hot(slot)         # counted (a hit that makes it hot finds it an extent)
+                engine.moves.stage_on_heap(slot, result if dest is None else dest)
                 staged.append(slot)
             elif self._is_hot(slot):
                 self._free_gpu(slot)
@@ -236,16 +262,25 @@ class TierManager:
         self.engine.drop(slot)
 
     def _is_hot(self, slot: int) -> bool:
-        now = time.monotonic()
-        hits, start = self._heat.get(slot, (0, now))
-        if now - start > self.cfg.promote_window_s:
-            hits, start = 0, now
-        hits += 1
+        """Count a hit of ``slot``; whether it makes the value hot (then its count starts over)."""
+        hits, start = self._hits_with_next(slot)
         if hits >= self.cfg.promote_hits:
             self._heat.pop(slot, None)
             return True
         self._heat[slot] = (hits, start)
         return False
+
+    def _next_hit_is_hot(self, slot: int) -> bool:
+        """Whether one more hit would make ``slot`` hot (nothing is counted)."""
+        return self._hits_with_next(slot)[0] >= self.cfg.promote_hits
+
+    def _hits_with_next(self, slot: int) -> tuple[int, float]:
+        """Hits of ``slot`` in its window, one more included, and the window's start."""
+        now = time.monotonic()
+        hits, start = self._heat.get(slot, (0, now))
+        if now - start > self.cfg.promote_window_s:
+            hits, start = 0, now
+        return hits + 1, start
 
     # ------------------------------------------------------------ engine events
 

@@ -5,7 +5,10 @@ What is checked, on a real RocksDB in tmp_path and an engine in this process:
   commands) are read by one call per reader thread, whose headers come from
   one batched multi_get, not one task and one thread hand-off per key;
 - every value comes back byte for byte, and a value that fails verification
-  is dropped while the others of the same fetch are still served.
+  is dropped while the others of the same fetch are still served;
+- values read for a socket reply are RocksDB's own bytes, staged outside the
+  arena (no extent, no copy), up to a bound per fetch; a read that makes a
+  value hot still gives it a home in the arena.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 
 from kvstore.engine import Engine
 from kvstore.slots import DRAM
+from kvstore import tiering
 from kvstore.tiering import TieringConfig, TierManager
 from kvstore.tiers.ssd import SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker
@@ -66,16 +70,71 @@ def test_a_prefix_on_ssd_is_read_by_one_call_per_reader_thread(node):
     assert all(engine.tier_code(engine.lookup(key)) != DRAM for key in keys)
 
 
-def test_a_value_that_fails_verification_is_dropped_and_the_rest_are_served(node):
+@pytest.mark.parametrize("into_arena", [True, False], ids=["arena", "socket"])
+def test_a_value_that_fails_verification_is_dropped_and_the_rest_are_served(node, into_arena):
     engine, tiers, tier = node
     keys = [b"a", b"b", b"c"]
     store_on_ssd(engine, tier, keys)
     tier._values[b"b"] = bytes(SIZE)               # a payload its header's checksum does not match
 
     async def read_all():
-        return tiers.install(await tiers.fetch(tiers.pending_fetch(keys)))
+        return tiers.install(await tiers.fetch(tiers.pending_fetch(keys), into_arena=into_arena))
 
     staged = asyncio.run(read_all())
     assert engine.lookup(b"b") is None
     assert [engine.value(engine.lookup(key)) for key in (b"a", b"c")] == [value_of(b"a"), value_of(b"c")]
     tiers.unstage(staged)
+
+
+def fetch_and_install(tiers: TierManager, keys: list[bytes], into_arena: bool) -> list[int]:
+    async def read_all():
+        return tiers.install(await tiers.fetch(tiers.pending_fetch(keys), into_arena=into_arena))
+    return asyncio.run(read_all())
+
+
+def count_reads(tiers: TierManager) -> list[str]:
+    calls = []
+    submit = tiers.worker.submit
+    tiers.worker.submit = lambda fn, *args: calls.append(fn.__name__) or submit(fn, *args)
+    return calls
+
+
+def test_values_for_a_socket_reply_are_rocksdbs_own_bytes_and_take_no_extent(node):
+    engine, tiers, tier = node
+    keys = [b"block-%d" % i for i in range(8)]
+    store_on_ssd(engine, tier, keys)
+    calls = count_reads(tiers)
+    used = engine.allocator.used
+    staged = fetch_and_install(tiers, keys, into_arena=False)
+    assert calls == ["get_many"] * tiers.worker.readers
+    assert engine.allocator.used == used
+    assert all(engine.lookup(key) in engine.slots.heap_copies for key in keys)     # outside the arena
+    assert [engine.value(engine.lookup(key)) for key in keys] == [value_of(key) for key in keys]
+    tiers.unstage(staged)
+    assert all(engine.tier_code(engine.lookup(key)) != DRAM for key in keys)
+
+
+def test_socket_staging_is_bounded_per_fetch_and_the_rest_go_to_the_arena(node, monkeypatch):
+    engine, tiers, tier = node
+    monkeypatch.setattr(tiering, "WIRE_STAGING_BYTES", 3 * SIZE)
+    keys = [b"block-%d" % i for i in range(8)]
+    store_on_ssd(engine, tier, keys)
+    calls = count_reads(tiers)
+    staged = fetch_and_install(tiers, keys, into_arena=False)
+    on_heap = [key for key in keys if engine.lookup(key) in engine.slots.heap_copies]
+    assert on_heap == keys[:3]
+    assert sorted(set(calls)) == ["get_many", "get_many_into"]
+    assert [engine.value(engine.lookup(key)) for key in keys] == [value_of(key) for key in keys]
+    tiers.unstage(staged)
+
+
+def test_a_socket_read_that_makes_a_value_hot_gives_it_a_home_in_the_arena(node):
+    engine, tiers, tier = node
+    tiers.cfg.promote_hits = 2
+    store_on_ssd(engine, tier, [b"hot"])
+    tiers.unstage(fetch_and_install(tiers, [b"hot"], into_arena=False))
+    assert engine.tier_code(engine.lookup(b"hot")) != DRAM
+    assert fetch_and_install(tiers, [b"hot"], into_arena=False) == []
+    slot = engine.lookup(b"hot")
+    assert engine.tier_code(slot) == DRAM and engine.value(slot) == value_of(b"hot")
+    assert tiers.stats[tiering.SSD].promotions == 1
