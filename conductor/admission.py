@@ -83,6 +83,7 @@ class Admission:
     prefill_spent_s: float = field(default=0.0, init=False)   # on requests admitted
     joined: int = field(default=0, init=False)                # requests the decode check took
     hold_s: float = field(default=0.0, init=False)  # the wait before the admitted one's prefill
+    held: int = field(default=0, init=False)        # requests admitted with a hold
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -125,6 +126,7 @@ class Admission:
         if hold is None:
             return REJECT_DECODE
         self.hold_s = hold
+        self.held += hold > 0
         self.prefill_spent_s += placement.service_s
         return None
 

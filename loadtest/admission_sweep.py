@@ -9,7 +9,8 @@ long system prompts with quick turns, session trees, none at all) and the
 length distributions. For each trace the replay speed is searched (doubling,
 then halving the interval in log speed) until the baseline rejects 20-40 %
 of the requests on 15P+1D; then early and predictive run at that speed. The
-report is one row per trace, the share of traces on which each mode serves
+report is one row per trace (with how many requests predictive admitted
+with a held prefill start), the share of traces on which each mode serves
 the most requests within the SLO, and the bias of the predictive forecast by
 horizon over all traces (every checked request scored, see `fit_odds`).
 """
@@ -78,18 +79,22 @@ class TraceResult:
     speed: float
     runs: dict[str, RunSummary]
     misses: np.ndarray          # per horizon band: n, sum, sum of squares (share of a node)
+    held: int                   # requests predictive admitted with a held prefill start
 
     def goodput(self, mode: str) -> int:
         return self.runs[mode].completed_in_slo
 
 
-def _replay(trace, cost: CostModel, mode: str, speed: float) -> tuple[RunSummary, np.ndarray]:
+def _replay(trace, cost: CostModel, mode: str, speed: float) -> tuple[RunSummary, Simulator]:
     sim = Simulator(trace, SimConfig(prefill=PREFILL, decode=DECODE, admission=mode,
                                      speed=speed), cost)
-    summary = sim.run()
-    misses = sum(d.odds.misses() for d in sim.decodes)
-    scale = np.array([1.0, 1 / cost.decode_capacity_tokens, cost.decode_capacity_tokens ** -2])
-    return summary, misses * scale
+    return sim.run(), sim
+
+
+def _misses(sim: Simulator) -> np.ndarray:
+    """The forecast's misses per horizon band as a share of a node (see `FitOdds.misses`)."""
+    cap = sim.cost.decode_capacity_tokens
+    return sum(d.odds.misses() for d in sim.decodes) * np.array([1.0, 1 / cap, cap ** -2])
 
 
 def find_speed(trace, cost: CostModel) -> tuple[float, RunSummary]:
@@ -120,11 +125,11 @@ def run_trace(name: str, requests: int, seed: int) -> TraceResult:
     reusable, total = reusable_blocks(trace)
     cost = CostModel.from_testbed()
     speed, baseline = find_speed(trace, cost)
-    runs, misses = {"baseline": baseline}, None
-    for mode in MODES[1:]:
-        runs[mode], m = _replay(trace, cost, mode, speed)
-        misses = m if mode == "predictive" else misses
-    return TraceResult(name, spec.arrival, varies, reusable / total, speed, runs, misses)
+    runs = {"baseline": baseline}
+    runs["early"], _ = _replay(trace, cost, "early", speed)
+    runs["predictive"], sim = _replay(trace, cost, "predictive", speed)
+    return TraceResult(name, spec.arrival, varies, reusable / total, speed, runs, _misses(sim),
+                       sim.admission.held)
 
 
 def generalize(requests: int = 4000, seed: int = 5, names: list[str] | None = None,
@@ -148,7 +153,7 @@ def report(results: list[TraceResult], wall_s: float) -> str:
     lines = ["| trace | varies | arrival | reusable | speed | baseline rejects "
              "| rejected: baseline / early / predictive | goodput: baseline / early / predictive "
              "| predictive ÷ best other | wasted prefill (s): baseline / early / predictive "
-             "| predictive ÷ baseline |", "|---" * 11 + "|"]
+             "| predictive ÷ baseline | held |", "|---" * 12 + "|"]
     ratios, waste = [], []
     for r in results:
         b, e, p = (r.runs[m] for m in MODES)
@@ -159,7 +164,7 @@ def report(results: list[TraceResult], wall_s: float) -> str:
             f"| {b.rejected / b.requests:.0%} | {b.rejected} / {e.rejected} / {p.rejected} "
             f"| {b.completed_in_slo} / {e.completed_in_slo} / {p.completed_in_slo} "
             f"| {ratios[-1]:.3f} | {b.wasted_prefill_s:.0f} / {e.wasted_prefill_s:.0f} / "
-            f"{p.wasted_prefill_s:.0f} | {waste[-1]:.2f} |")
+            f"{p.wasted_prefill_s:.0f} | {waste[-1]:.2f} | {r.held} |")
     n = len(results)
     wins = {m: sum(m in best_modes(r) for r in results) for m in MODES}
     lines += ["", "Best goodput (ties count for each): " + ", ".join(
@@ -184,9 +189,12 @@ def _bias_table(results: list[TraceResult]) -> str:
     return "\n".join(lines)
 
 
-def main(requests: int, seed: int) -> None:
+def main(requests: int, seed: int, names: list[str] | None = None) -> None:
+    unknown = sorted(set(names or ()) - set(FAMILY))
+    if unknown:
+        raise SystemExit(f"unknown trace {', '.join(unknown)} (choose from {', '.join(FAMILY)})")
     started = time.perf_counter()
-    results = generalize(requests, seed)
+    results = generalize(requests, seed, names)
     print(f"Generalization: {len(results)} generated traces of {requests} requests (seed {seed}), "
           f"{PREFILL}P+{DECODE}D, kvcache-centric, SLO TTFT 30 s / TBT 0.1 s, at the speed where "
           f"the baseline rejects {BAND[0]:.0%}-{BAND[1]:.0%}\n")

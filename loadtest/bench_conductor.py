@@ -10,7 +10,7 @@ beside the paper's and writes the plots. `--sweep` replays every split from
 `--generalize` judges the admission modes on a family of generated traces
 (`admission_sweep`).
 
-    python -m loadtest.bench_conductor [TRACE] [--out DIR] [--sweep | --generalize]
+    python -m loadtest.bench_conductor [TRACE] [--out DIR] [--sweep | --generalize [--traces ...]]
 """
 from __future__ import annotations
 
@@ -129,10 +129,13 @@ def main() -> None:
                     help="requests per generated trace (--generalize; default 4000)")
     ap.add_argument("--seed", type=int, default=5,
                     help="seed of the generated traces (--generalize; default 5)")
+    ap.add_argument("--traces", default="", metavar="NAME,...",
+                    help="only these generated traces (--generalize; default all of "
+                         "admission_sweep.FAMILY)")
     args = ap.parse_args()
     if args.generalize:
         from loadtest.admission_sweep import main as generalize_main
-        generalize_main(args.requests, args.seed)
+        generalize_main(args.requests, args.seed, [n for n in args.traces.split(",") if n])
         return
     trace, cost, out = load_trace(args.trace), CostModel.from_testbed(), Path(args.out)
     if args.sweep:
