@@ -37,6 +37,7 @@ from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.table import Command, CommandError, lookup
 from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
 from kvstore.protocol import writer
+from kvstore.tiering import ARENA_READERS
 
 log = logging.getLogger("kvstore")
 
@@ -266,7 +267,7 @@ def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
     if not pending:
         return False
     ahead = [p for p in tiers.pending_fetch(_reads_ahead(conn)) if p not in pending]
-    conn.defer(tiers.fetch(pending + ahead, into_arena=cmd.group == "fastpath"),   # leases read the arena
+    conn.defer(tiers.fetch(pending + ahead, into_arena=cmd.name in ARENA_READERS),
                lambda fetched: _run_fetched(conn, fetched, args, has_holders, len(pending)))
     return True
 
