@@ -8,12 +8,14 @@ turns within each repeat, their order alternating, so load from other
 processes on this shared host falls on both):
 
 1. SSD tier through the daemon vs raw rocksdict on the same disk, 256 KiB and
-   1 MiB values. Writes: a write-through node takes pipelined SETs until every
-   value is a record on SSD (receive + arena + RocksDB), against ``Rdict``
-   puts of the same values with the WAL on and block compression off. Reads:
-   the node is restarted so every value is on SSD only, and GETs (8 in
-   flight, promotion off) read each once in random order, against ``Rdict``
-   gets in the same order. Target: ratio >= 0.8.
+   1 MiB values, through redis-py (TCP) and through the SDK (Unix socket and
+   the shared arena). Writes: a write-through node takes puts (8 in flight)
+   until every value is a record on SSD (receive + arena + RocksDB), against
+   ``Rdict`` puts of the same values with the WAL on and block compression
+   off. Reads: the node is restarted so every value is on SSD only, and gets
+   (8 in flight, promotion off) read each once in random order, against
+   ``Rdict`` gets in the same order after a reopen. Target: ratio >= 0.8.
+   Beside each, bytes per CPU-second (node and client together).
 2. GET latency of 1 MiB values that hit SSD and are promoted (``--promote-hits
    1``), next to the same GETs once the values are in DRAM: p50 per repeat.
 3. DRAM-hit GETs on a node with an SSD tier vs one without (same arena size,
@@ -27,8 +29,8 @@ processes on this shared host falls on both):
    policy as a library (see loadtest/hit_ratio.py): kvstore vs exact LRU vs
    the offline optimum (Belady). Target: kvstore >= 0.9 of Belady.
 
-Values travel over a bare RESP socket (`RawClient`), not redis-py, so the
-client's own copies do not cap what the daemon is measured at.
+Tables 2 and 3 send values over a bare RESP socket (`RawClient`), not redis-py, so
+the client's own copies do not cap what the daemon is measured at.
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import redis
 
+from client import KVClient
 from kvstore.tiers.ssd import SSDTier
 from loadtest import hit_ratio
 from loadtest.bench_ssd_raw import RAW, Store, value_pool
@@ -186,73 +190,153 @@ def label(size: int) -> str:
 # ------------------------------------------------------------------ 1. SSD throughput
 
 
-def daemon_ssd_round(group: ProcessGroup, root: str, size: int, settings: Settings) -> dict[str, float]:
-    """GB/s of SETs until all land on SSD, then of GETs that all read SSD, through one node."""
-    pool = value_pool(size)
-    keys = [b"%016d" % i for i in range(max(settings.bytes_per_run // size, settings.in_flight))]
+CLIENTS = ("redis-py", "SDK")
+
+
+def ssd_keys(size: int, settings: Settings) -> list[bytes]:
+    return [b"%016d" % i for i in range(max(settings.bytes_per_run // size, settings.in_flight))]
+
+
+def daemon_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of process ``pid`` so far (/proc/PID/task/*/schedstat)."""
+    total = 0
+    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(path.read_text().split()[0])
+        except (OSError, IndexError, ValueError):     # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+class SSDClient:
+    """One way a client puts and reads values through the node: redis-py (over TCP, ``in_flight``
+    commands in a pipeline) or the SDK (over the Unix socket with the fast path, ``in_flight``
+    keys per batch_put / batch_get_into)."""
+
+    def __init__(self, kind: str, node: Server, unix_socket: str, size: int):
+        self.kind = kind
+        if kind == "redis-py":
+            self.client = redis.Redis(host=HOST, port=node.port, socket_timeout=120)
+        else:
+            self.client = KVClient(unix_socket=unix_socket, fast_path="required", timeout=120)
+            self.buffers = []
+        self.size = size
+        self.client.exists(b"warm-up")            # connect (and map the arena) before the clock runs
+
+    def put(self, keys: list[bytes], pool: list[bytes], in_flight: int) -> None:
+        for first in range(0, len(keys), in_flight):
+            batch = [(key, pool[int(key) % len(pool)]) for key in keys[first:first + in_flight]]
+            if self.kind == "redis-py":
+                pipe = self.client.pipeline(transaction=False)
+                for key, value in batch:
+                    pipe.set(key, value)
+                pipe.execute()
+            else:
+                self.client.batch_put(batch)
+
+    def get(self, keys: list[bytes], in_flight: int) -> bytes:
+        """Read every key, ``in_flight`` at a time; the last value."""
+        for first in range(0, len(keys), in_flight):
+            batch = keys[first:first + in_flight]
+            if self.kind == "redis-py":
+                pipe = self.client.pipeline(transaction=False)
+                for key in batch:
+                    pipe.get(key)
+                last = pipe.execute()[-1]
+            else:
+                self.buffers = self.buffers or [bytearray(self.size) for _ in range(in_flight)]
+                self.client.batch_get_into(batch, self.buffers[:len(batch)])
+                last = self.buffers[len(batch) - 1]
+        return bytes(last)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def daemon_ssd_round(group: ProcessGroup, root: str, size: int, kind: str,
+                     settings: Settings) -> dict[str, float]:
+    """Through one node and one client: GB/s of puts until all land on SSD, then of gets
+    that all read SSD (after a restart); and GB per CPU-second of node and client together."""
+    pool, keys = value_pool(size), ssd_keys(size, settings)
     path = tempfile.mkdtemp(prefix="bench-tiers-", dir=root)
+    sock = path + ".sock"
     node = start_node(group, "kvstore-ssd", "--dram-size", mb_flag(2 * len(keys) * size), "--ssd-dir", path,
-                      "--ssd-write-policy", "write-through", "--promote-hits", "1000000000")
+                      "--unixsocket", sock, "--ssd-write-policy", "write-through",
+                      "--promote-hits", "1000000000")
     try:
-        client = RawClient(node.port)
-        start = time.perf_counter()
-        client.set_many(keys, pool, settings.in_flight)
-        wait_for(lambda: info_field(node.port, b"ssd", b"ssd_records") == len(keys), 300)
-        put_s = time.perf_counter() - start
+        client = SSDClient(kind, node, sock, size)
+        put_s, put_cpu = timed_with_cpu(node, lambda: (
+            client.put(keys, pool, settings.in_flight),
+            wait_for(lambda: info_field(node.port, b"ssd", b"ssd_records") == len(keys), 300)))
         client.close()
         node = restart_node(group, node)
-        client = RawClient(node.port)
+        client = SSDClient(kind, node, sock, size)
         order = random.Random(size).sample(keys, len(keys))
-        start = time.perf_counter()
-        last = client.get_many(order, size, settings.in_flight)
-        get_s = time.perf_counter() - start
-        if last != pool[int(order[-1]) % len(pool)]:
+        last = []
+        get_s, get_cpu = timed_with_cpu(node, lambda: last.append(client.get(order, settings.in_flight)))
+        if last[0] != pool[int(order[-1]) % len(pool)]:
             raise RuntimeError("the node returned a wrong value")
         client.close()
     finally:
         group.stop(node.process)
         shutil.rmtree(path, ignore_errors=True)
-    moved = len(keys) * size
-    return {"put": moved / put_s / GB, "get": moved / get_s / GB}
+        Path(sock).unlink(missing_ok=True)
+    moved = len(keys) * size / GB
+    return {"put": moved / put_s, "get": moved / get_s, "get cpu": moved / get_cpu, "put cpu": moved / put_cpu}
+
+
+def timed_with_cpu(node: Server | None, action) -> tuple[float, float]:
+    """Wall seconds of ``action`` and CPU seconds spent on it by this process and ``node``'s."""
+    pid = node.process.popen.pid if node is not None else None
+    cpu = time.process_time() + (daemon_cpu_s(pid) if pid else 0.0)
+    start = time.perf_counter()
+    action()
+    wall = time.perf_counter() - start
+    return wall, time.process_time() + (daemon_cpu_s(pid) if pid else 0.0) - cpu
 
 
 def raw_ssd_round(root: str, size: int, settings: Settings) -> dict[str, float]:
-    """GB/s of the same puts and gets on raw rocksdict in this process."""
-    pool = value_pool(size)
-    keys = [b"%016d" % i for i in range(max(settings.bytes_per_run // size, settings.in_flight))]
+    """GB/s (and GB per CPU-second) of the same puts and gets on raw rocksdict in this process."""
+    pool, keys = value_pool(size), ssd_keys(size, settings)
     store = Store(RAW, tempfile.mkdtemp(prefix="bench-tiers-", dir=root), wal=True)
     try:
-        start = time.perf_counter()
-        store.run("put", keys, pool)
-        put_s = time.perf_counter() - start
+        put_s, put_cpu = timed_with_cpu(None, lambda: store.run("put", keys, pool))
         # Reopen before reading, as the daemon side restarts its node: reads come
-        # from SST files (page cache), not from the memtable of the writes.
-        store.close()
-        store = Store(RAW, store.path, wal=True)
+        # from SST files (page cache), not from the memtable or block cache of the writes.
+        store = store.reopen()
         order = random.Random(size).sample(keys, len(keys))
-        start = time.perf_counter()
-        store.run("get", order, pool)
-        get_s = time.perf_counter() - start
+        get_s, get_cpu = timed_with_cpu(None, lambda: store.run("get", order, pool))
     finally:
         store.close()
         shutil.rmtree(store.path, ignore_errors=True)
-    moved = len(keys) * size
-    return {"put": moved / put_s / GB, "get": moved / get_s / GB}
+    moved = len(keys) * size / GB
+    return {"put": moved / put_s, "get": moved / get_s, "get cpu": moved / get_cpu, "put cpu": moved / put_cpu}
 
 
 def ssd_table(group: ProcessGroup, root: str, settings: Settings) -> Table:
     table = Table(f"SSD tier through the daemon vs raw rocksdict ({root})", DAEMON, RAW)
     for size in settings.sizes:
-        rows = {op: table.row(f"{op} {label(size)}", "GB/s", Target(0.8)) for op in ("put", "get")}
+        rows = {(op, kind): table.row(f"{op} {label(size)}, {kind}", "GB/s", Target(0.8))
+                for op in ("put", "get") for kind in CLIENTS}
+        rows.update({(f"{op} cpu", kind): table.row(f"{op} {label(size)}, {kind}, per CPU-second", "GB/CPU-s")
+                     for op in ("put", "get") for kind in CLIENTS})
         for repeat in range(settings.repeats):
-            sides = [(DAEMON, lambda: daemon_ssd_round(group, root, size, settings)),
-                     (RAW, lambda: raw_ssd_round(root, size, settings))]
-            for column, measure in sides[::-1] if repeat % 2 else sides:
-                for op, value in measure().items():
-                    rows[op].add(column, value)
-    table.notes.append(f"{settings.bytes_per_run // MIB} MiB per run, {settings.in_flight} requests in flight; "
-                       "daemon writes: write-through until INFO ssd_records counts every value; daemon reads: "
-                       "after a restart, every value on SSD only, promotion off")
+            sides = [(RAW, None)] + [(DAEMON, kind) for kind in CLIENTS]
+            for column, kind in sides[repeat % 3:] + sides[:repeat % 3]:
+                if kind is None:
+                    figures = raw_ssd_round(root, size, settings)
+                    for (op, client_kind), row in rows.items():
+                        row.add(RAW, figures[op])
+                else:
+                    for op, value in daemon_ssd_round(group, root, size, kind, settings).items():
+                        rows[op, kind].add(DAEMON, value)
+    table.notes.append(f"{settings.bytes_per_run // MIB} MiB per run, {settings.in_flight} requests in flight "
+                       "(redis-py: a pipeline of that many commands; SDK: batch_put and batch_get_into of that "
+                       "many keys over the Unix socket with the fast path); daemon writes: write-through until "
+                       "INFO ssd_records counts every value; daemon reads: after a restart, every value on SSD "
+                       "only, promotion off; rocksdict reads after a reopen; 'per CPU-second': bytes per CPU "
+                       "second of the node's threads and the client together (rocksdict: this process), a cost "
+                       "that holds whatever else the host runs")
     return table
 
 

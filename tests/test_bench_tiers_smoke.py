@@ -68,10 +68,11 @@ def test_raw_client_round_trip_through_a_node(group):
     client.close()
 
 
-def test_daemon_and_raw_rounds_report_throughput(group, tmp_path):
-    for figures in (bench_tiers.daemon_ssd_round(group, str(tmp_path), 256 * KIB, TINY),
-                    bench_tiers.raw_ssd_round(str(tmp_path), 256 * KIB, TINY)):
-        assert set(figures) == {"put", "get"} and all(v > 0 for v in figures.values())
+def test_daemon_rounds_through_each_client_and_the_raw_round_report_throughput(group, tmp_path):
+    rounds = [bench_tiers.daemon_ssd_round(group, str(tmp_path), 256 * KIB, kind, TINY)
+              for kind in bench_tiers.CLIENTS]
+    for figures in (*rounds, bench_tiers.raw_ssd_round(str(tmp_path), 256 * KIB, TINY)):
+        assert set(figures) == {"put", "get", "put cpu", "get cpu"} and all(v > 0 for v in figures.values())
 
 
 def test_restart_table_reports_recovery_and_pings(group, tmp_path):
