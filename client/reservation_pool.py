@@ -3,9 +3,9 @@
 A put through the arena needs an extent to copy into (KV.RESERVE) and a
 commit (KV.PUBLISH): two round trips. A writer that puts values of a few
 sizes over and over (KV blocks all have one size per model) can ask for the
-next extent in the same round trip as the current publish, so each put after
-the first is one memcpy into a spare extent plus one round trip that carries
-the publish and the next reservation.
+next extent with the current publish (KV.PUBLISH ... NEXT), so each put after
+the first is one memcpy into a spare extent plus one round trip of one
+command that commits it and reserves the next.
 
 The pool keeps at most `per_size` spares for each of the `max_sizes` sizes
 put most recently, and at most `max_bytes` in all (spares take arena room

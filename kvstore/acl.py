@@ -80,7 +80,7 @@ EXTRA_CATEGORIES: dict[str, tuple[str, ...]] = {
 # locate: only for users allowed every key (so is any command that writes without naming its keys).
 WHOLE_KEYSPACE = frozenset({"keys", "scan", "randomkey", "flushdb", "flushall", "kv.arena", "kv.gpuarena", "kv.lease",
                             "kv.leasegpu", "kv.leaselayers", "kv.layerdone", "kv.release", "kv.reserve",
-                            "kv.publish", "kv.unreserve", "kv.hotkeys", *_BETWEEN_NODES})
+                            "kv.publish", "kv.mpublish", "kv.unreserve", "kv.hotkeys", *_BETWEEN_NODES})
 # Commands that write a key and return its old value, or move a value from one key to another:
 # they need read and write permission on every key they name.
 READS_AND_WRITES = frozenset({"getdel", "copy", "rename", "renamenx"})
