@@ -29,12 +29,26 @@ from client.sockets import Endpoint
 from proto import fastpath as fp
 
 
+PAGE = 4096                      # shared memory's page here: no huge pages for shmem on these hosts
+WALK_MIN = 512 * 1024            # copies this large load one byte a page first (`_walk`)
+
+
 class Arena:
     """The node's arena and validity words, mapped here.
 
     The node faulted the arena's pages in, but this process's page tables
     start empty, and a first touch costs ~2 us a page (a 4 MiB put into a
     fresh extent would spend 2 ms faulting): MAP_POPULATE maps them all at once.
+
+    A copy of a block that is not in any cache streams within a 4 KiB page,
+    but each new page starts with a TLB miss (a nested page walk in a virtual
+    machine) and a cache miss that the hardware prefetcher, which stops at
+    page boundaries, does not hide: one after another, 256 times a MiB. Loading
+    one byte of every page first (`_walk`) issues those misses together, as
+    independent loads overlap, so the copy that follows streams. Measured
+    here, alternating with plain copies: a copy out of the arena of 1 MiB
+    81 -> 64 us, 4 MiB 432 -> 353 us; into a fresh extent 1 MiB 107 -> 102 us,
+    4 MiB 437 -> 396 us; under 512 KiB the walk costs more than it saves.
     """
 
     def __init__(self, fd: int, size: int, token: bytes, words_fd: int, n_words: int,
@@ -50,10 +64,17 @@ class Arena:
         self._words = np.frombuffer(self._words_map, dtype=np.uint64)
 
     def read_into(self, offset: int, size: int, dest: memoryview) -> None:
+        self._walk(offset, size)
         np.copyto(np.frombuffer(dest, np.uint8, size), self.array[offset:offset + size])
 
     def write(self, offset: int, src: memoryview) -> None:
+        self._walk(offset, src.nbytes)
         np.copyto(self.array[offset:offset + src.nbytes], np.frombuffer(src, np.uint8))
+
+    def _walk(self, offset: int, size: int) -> None:
+        """Load a byte of each page of a large range about to be copied (see the class comment)."""
+        if size >= WALK_MIN:
+            self.array[offset:offset + size:PAGE].max()
 
     def view(self, offset: int, size: int) -> np.ndarray:
         return self.array[offset:offset + size]
