@@ -49,7 +49,7 @@ MAX_INFLIGHT_BYTES = 256 * 1024 * 1024    # demotion writes queued at once
 LOAD_CHUNK = 5000
 SSD_READERS = 4                           # RocksDB reads in flight (they release the GIL)
 WIRE_STAGING_BYTES = 64 * 1024 * 1024     # SSD values one fetch may stage outside the arena for a socket reply
-ARENA_READERS = frozenset({KV_LEASE, KV_LEASEGPU, KV_LEASELAYERS})   # commands whose clients read the arena
+ARENA_READERS = frozenset(name.lower() for name in (KV_LEASE, KV_LEASEGPU, KV_LEASELAYERS))  # Command.name
 
 
 @dataclass

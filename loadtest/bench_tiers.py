@@ -215,13 +215,14 @@ class SSDClient:
 
     def __init__(self, kind: str, node: Server, unix_socket: str, size: int):
         self.kind = kind
+        self.size = size
+        self.buffers = [bytearray(size)]
         if kind == "redis-py":
             self.client = redis.Redis(host=HOST, port=node.port, socket_timeout=120)
+            self.client.exists(b"warm-up")        # connect before the clock runs
         else:
             self.client = KVClient(unix_socket=unix_socket, fast_path="required", timeout=120)
-            self.buffers = []
-        self.size = size
-        self.client.exists(b"warm-up")            # connect (and map the arena) before the clock runs
+            self.client.get_into(b"warm-up", self.buffers[0])   # connect and map the arena (all of it at once)
 
     def put(self, keys: list[bytes], pool: list[bytes], in_flight: int) -> None:
         for first in range(0, len(keys), in_flight):
@@ -244,7 +245,7 @@ class SSDClient:
                     pipe.get(key)
                 last = pipe.execute()[-1]
             else:
-                self.buffers = self.buffers or [bytearray(self.size) for _ in range(in_flight)]
+                self.buffers += [bytearray(self.size) for _ in range(in_flight - len(self.buffers))]
                 self.client.batch_get_into(batch, self.buffers[:len(batch)])
                 last = self.buffers[len(batch) - 1]
         return bytes(last)

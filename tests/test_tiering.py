@@ -283,6 +283,34 @@ def test_get_during_demotion_returns_the_whole_value(tmp_path):
         daemon.stop()
 
 
+def test_sdk_reads_of_ssd_values_are_leased_from_the_arena_and_redis_reads_are_sent_from_rocksdb_bytes(tmp_path):
+    """A lease command's values are read into arena extents (the SDK copies them out of
+    shared memory, no wire fallback); a GET's are RocksDB's own bytes, taking no extent."""
+    from client import KVClient
+    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", "--promote-hits", "1000000",
+                          dram="64mb")
+    try:
+        r = client(daemon)
+        written = write_values(r, range(6))
+        wait_until(lambda: r.info("ssd")["ssd_records"] == 6, what="6 records on SSD")
+        daemon = restart(daemon, tmp_path)                # every value on SSD only
+        r = client(daemon)
+        keys = list(written)
+        assert set(tiers(r, keys)) == {"ssd"}
+        kv = KVClient(unix_socket=daemon.unix_socket, fast_path="required")
+        buffers = [bytearray(256 * KIB) for _ in range(3)]
+        assert kv.batch_get_into(keys[:3], buffers) == [256 * KIB] * 3
+        assert [digest(bytes(b)) for b in buffers] == [written[k] for k in keys[:3]]
+        assert kv.fast_path.stats.wire_calls == 0
+        kv.close()
+        used = r.info("dram")["dram_used"]
+        assert [digest(r.get(k)) for k in keys[3:]] == [written[k] for k in keys[3:]]
+        assert r.info("dram")["dram_used"] == used
+        assert set(tiers(r, keys)) == {"ssd"}
+    finally:
+        daemon.stop()
+
+
 # ------------------------------------------------------------------ soft pins and holds
 
 
