@@ -8,10 +8,11 @@ holds back, `Admission.hold_s`, starts that much later and its node waits
 for it). Only three things happen later and go through the event heap: a
 prefill finishing (its blocks enter the node's cache, its KV starts moving
 to decode), the KV reaching the decode instance (the decode-stage admission
-check, then joining the batch), and a decode instance's next departure. Decode batches are simulated per event, never
-per token (see `decode`). Caches hold 512-token blocks under the store's
-eviction policy (see `cache`). Arrivals are processed in timestamp order;
-all events due by an arrival's time are applied first.
+check, then joining the batch), and a decode instance's next departure.
+Decode batches are simulated per event, never per token (see `decode`).
+Caches hold 512-token blocks under the store's eviction policy (see
+`cache`). Arrivals are processed in timestamp order; all events due by an
+arrival's time are applied first.
 
 Per arrival the work grows with the number of instances only through numpy
 operations over them (the prefill queues, `BlockDirectory`'s bitmasks, the
