@@ -15,7 +15,7 @@ a ``ProtocolError`` means: reply with it, then close the connection.
 """
 from __future__ import annotations
 
-from itertools import chain, repeat
+from itertools import compress, cycle, repeat
 from typing import Any, Callable
 
 BIG_BULK = 32 * 1024
@@ -28,6 +28,11 @@ SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per p
 MAX_SPLIT_ARGS = 1024         # arguments of a command the fast path takes; more go the exact way
 _SPLIT_HEADS = {b"*%d" % n: n for n in range(1, MAX_SPLIT_ARGS + 1)}    # canonical array headers only
 _BULK_HEADERS = [b"$%d" % n for n in range(SPLIT_WINDOW)]                # canonical bulk headers by length
+UNIFORM_MAX_ARGS = 16         # argument counts `_uniform_commands` has masks for
+UNIFORM_MIN_COMMANDS = 6      # fewer are cheaper cut one by one
+# argc -> which parts of one command are its bulk headers, and which its arguments
+_UNIFORM_MASKS = {argc: ((False,) + (True, False) * argc, (False,) + (False, True) * argc)
+                  for argc in range(1, UNIFORM_MAX_ARGS + 1)}
 
 _DISCARD = memoryview(bytearray(1024 * 1024))
 
@@ -43,6 +48,52 @@ Allocate = Callable[[list, int], tuple[memoryview, Any]]
 def _plain_alloc(args: list, size: int) -> tuple[memoryview, Any]:
     buf = bytearray(size)
     return memoryview(buf), buf
+
+
+def _uniform_commands(parts: list[bytes], out: list) -> int:
+    """Cut a long run of commands that all have the first one's argument count (a
+    pipeline of SETs, or of GETs) in C, with no Python step per command; the
+    number of parts taken (0 when the run is short, mixed or fails its check).
+
+    Each command then spans the same number of parts, so its array header sits
+    at a fixed stride and its headers and arguments are picked out by a
+    repeating mask. Misalignment (a value holding CRLF) shows up as a header
+    that does not match its argument, which `_lengths_match` refuses.
+    """
+    argc = _SPLIT_HEADS.get(parts[0])
+    if argc is None or argc > UNIFORM_MAX_ARGS:
+        return 0
+    stride = 2 * argc + 1
+    count = (len(parts) - 1) // stride
+    if count < UNIFORM_MIN_COMMANDS or parts[0:count * stride:stride].count(parts[0]) != count:
+        return 0
+    run = parts[:count * stride]
+    header_mask, arg_mask = _UNIFORM_MASKS[argc]
+    args = list(compress(run, cycle(arg_mask)))
+    if not _lengths_match(list(compress(run, cycle(header_mask))), args):
+        return 0
+    out += zip(map(list, zip(*[iter(args)] * argc)), repeat(None), repeat(False))
+    return len(run)
+
+
+def _mixed_commands(parts: list[bytes], out: list) -> tuple[int, bool]:
+    """Cut the complete small commands at the start of ``parts``, one step per command:
+    the number of parts taken, and False when it stopped at a command the exact
+    parser must read (True when only an incomplete command is left)."""
+    complete, i = len(parts) - 1, 0
+    while i < complete:
+        argc = _SPLIT_HEADS.get(parts[i])
+        if argc is None:
+            return i, False
+        stop = i + 1 + 2 * argc
+        if stop > complete:
+            return i, True
+        args = parts[i + 2:stop:2]
+        if not _lengths_match(parts[i + 1:stop:2], args):
+            return i, False
+        out.append((args, None, False))
+        i = stop
+    return i, True
 
 
 def _lengths_match(headers: list[bytes], args: list[bytes]) -> bool:
@@ -230,38 +281,26 @@ class RequestReader:
 
     def _split_small_commands(self, out: list) -> None:
         """Fast path for pipelined batches of small commands: one C-level split of
-        the buffer on CRLF, then all the ``$len`` headers of the batch are checked
-        against their arguments at once (`_lengths_match`), so the Python work
-        per command is a dict lookup of its ``*argc`` line and two slices.
+        the buffer on CRLF, then the commands are cut out of the parts, each
+        ``$len`` header checked against its argument in C (`_lengths_match`): a
+        long run of commands of one shape at once (`_uniform_commands`), else
+        command by command (`_mixed_commands`).
 
         Anything unusual (a value holding CRLF, a big bulk, a malformed header,
         more than ``MAX_SPLIT_ARGS`` arguments, an incomplete command) is left
         to the exact parser, so both paths accept and reject exactly the same
-        input; a window whose check fails is not split again, so a bad byte
-        costs one wasted split, not one per command behind it.
+        input; the rest of a window where a check failed is not split again,
+        so bad bytes cost one wasted split, not one per command behind them.
         """
         start = self.start
         window = min(self.end, start + SPLIT_WINDOW)
         parts = self.mv[start:window].tobytes().split(b"\r\n")
-        complete, i = len(parts) - 1, 0
-        commands, headers = [], []
-        while i < complete:
-            argc = _SPLIT_HEADS.get(parts[i])
-            if argc is None:
-                break
-            stop = i + 1 + 2 * argc
-            if stop > complete:
-                break
-            headers += parts[i + 1:stop:2]
-            commands.append(parts[i + 2:stop:2])
-            i = stop
-        if not commands:
-            return
-        if not _lengths_match(headers, list(chain.from_iterable(commands))):
-            self.exact_until = window
-            return
-        self.start = start + sum(map(len, parts[:i])) + 2 * i
-        out += zip(commands, repeat(None), repeat(False))
+        taken = _uniform_commands(parts, out)
+        if not taken:
+            taken, clean = _mixed_commands(parts, out)
+            if not clean:
+                self.exact_until = window
+        self.start = start + sum(map(len, parts[:taken])) + 2 * taken
 
     def _begin_command(self, out: list) -> bool:
         buf, pos, end = self.buf, self.start, self.end
