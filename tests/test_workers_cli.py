@@ -40,3 +40,12 @@ def test_a_worker_without_a_store_says_so():
 def test_the_top_level_help_lists_the_serving_commands():
     out = kvstore("--help").stdout
     assert "worker" in out and "gateway" in out and "llm" in out
+
+
+@pytest.mark.parametrize("args", [["worker", "--help"], ["worker", "decode", "--conductor", "nowhere"],
+                                  ["llm", "up", "--prefill", "0", "--model", "tiny"]])
+def test_help_and_flag_errors_do_not_import_torch(args):
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvstore", *args], capture_output=True,
+                          text=True, timeout=60)
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert imported and "torch" not in imported and "transformers" not in imported

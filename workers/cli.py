@@ -4,6 +4,11 @@ The `kvstore` dispatcher calls `worker_main`, `gateway_main` and `llm_main`
 with the arguments after the subcommand. A process that is ready prints one
 JSON line on stdout (what it is and where it listens) and runs until SIGINT or
 SIGTERM. User errors print one `error: ...` line on stderr and return 2.
+
+torch and transformers take seconds to import here, so a worker checks its
+flags and reaches its store first and imports them only then: `--help`, a
+flag error or an unreachable store answer at once. The model's names come
+from `workers.catalog`, which imports neither.
 """
 from __future__ import annotations
 
