@@ -575,3 +575,24 @@ def test_worker_gives_each_put_its_own_error(tmp_path):
         assert tier.count == 5
     finally:
         tier.close()
+
+
+def test_worker_keeps_writing_after_a_caller_whose_loop_closed(tier):
+    worker = SSDWorker(tier)
+    gate = threading.Event()
+    store = tier.put_batch
+    tier.put_batch = lambda items: gate.wait(10) and store(items)
+
+    async def queue_and_leave() -> None:
+        worker.put(b"left", b"x")                   # its loop closes before the put is done
+
+    async def put_again() -> int:
+        return await asyncio.wait_for(worker.put(b"after", b"y"), 5)
+
+    try:
+        asyncio.run(queue_and_leave())
+        gate.set()
+        assert asyncio.run(put_again()) > 0
+        assert tier.get(b"left") == b"x" and tier.get(b"after") == b"y"
+    finally:
+        worker.close()

@@ -114,7 +114,12 @@ class _PendingPut:
             self.resolve(None, exc)
 
     def resolve(self, result: int | None, error: BaseException | None) -> None:
-        self.loop.call_soon_threadsafe(_set_future, self.future, result, error)
+        """Hand the outcome to the caller's loop; a loop already closed has no one to tell
+        (raising here would end the writer thread, and every later put would wait forever)."""
+        try:
+            self.loop.call_soon_threadsafe(_set_future, self.future, result, error)
+        except RuntimeError:
+            pass
 
 
 def _set_future(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
