@@ -90,13 +90,23 @@ def get_into_here(fast: FastPath, key: Key, buffer: Any) -> int | Detour:
     thus pays for no operation, transport or step machinery, which on a cold CPU cache
     (a block is read once) costs tens of microseconds of Python.
     """
-    if fast.mapping is None or fast.reports_due():
+    arena = fast.mapping
+    if arena is None or fast.reports_due():
         return ASK_NODE
-    outcome = read_local(fast, LocalRead([key], [writable_view(buffer)]))
-    if isinstance(outcome, Detour) or outcome[1]:
-        return ASK_NODE
+    if fast.leases or not fast.index_reads:        # a held lease may serve it: the general way
+        outcome = read_local(fast, LocalRead([key], [writable_view(buffer)]))
+        if isinstance(outcome, Detour) or outcome[1]:
+            return ASK_NODE
+        result = outcome[0][0]
+    else:                                          # a first get: the index alone, no lists built
+        result = from_index(fast, arena, key, writable_view(buffer))
+        if result is None:
+            return ASK_NODE
+        if not arena.node_alive():                 # a dead node's table: map the new node's
+            fast.drop_mapping(arena)
+            return ASK_NODE
+        fast.touched([cache_key(key)])
     fast.stats.reads += 1
-    result = outcome[0][0]
     if isinstance(result, BufferTooSmall):
         raise result
     return result
@@ -110,7 +120,7 @@ def read_held(fast: FastPath, arena: Arena, local: LocalRead, keys: list[bytes],
         if lease is None:
             misses.append(i)
             continue
-        results[i] = _copy(arena, local, i, lease.offset, lease.size)
+        results[i] = _copy(arena, local.keys[i], local.views[i], lease.offset, lease.size)
         if arena.still_valid(lease.word, lease.tag) and not lease.peer.closed():
             fast.stats.cached_reads += 1
             continue
@@ -130,25 +140,36 @@ def read_indexed(fast: FastPath, arena: Arena, local: LocalRead, keys: list[byte
     """Copy what the shared index finds into ``results`` (client/shared_index.py: find, copy,
     check the bucket, check the node lives): the results, the indices still missing, and
     whether reads wait to be reported."""
-    index, left, served = arena.index, [], []
+    left, served = [], []
     for i in misses:
-        key = keys[i]
-        found = index.find(key)
-        if found is not None:
-            at, seq, offset, size = found
-            if offset + size <= arena.size:
-                result = _copy(arena, local, i, offset, size)
-                if index.unchanged(at, seq):
-                    results[i] = result
-                    served.append(key)
-                    continue
-            fast.stats.index_races += 1
-        left.append(i)
+        result = from_index(fast, arena, local.keys[i], local.views[i])
+        if result is None:
+            left.append(i)
+        else:
+            results[i] = result
+            served.append(keys[i])
     if not served:
         return results, left, False
     if not arena.node_alive():                 # a dead node's table: map the new node's
         return fast.drop_mapping(arena)
     return results, left, fast.touched(served)
+
+
+def from_index(fast: FastPath, arena: Arena, key: Key, view: memoryview | None) -> Any:
+    """Copy the value the shared index shows for ``key`` (client/shared_index.py: find, copy,
+    check the bucket): its result as `_copy` makes it, or None when the index does not show it
+    or it changed under the copy. The caller then checks that the node lives."""
+    index = arena.index
+    found = index.find(cache_key(key))
+    if found is None:
+        return None
+    at, seq, offset, size = found
+    if offset + size <= arena.size:
+        result = _copy(arena, key, view, offset, size)
+        if index.unchanged(at, seq):
+            return result
+    fast.stats.index_races += 1
+    return None
 
 
 def _copy_bound(fast: FastPath, local: LocalRead) -> int:
@@ -204,7 +225,7 @@ def _copy_leased(fast: FastPath, arena: Arena, local: LocalRead, indices: list[i
             results[i] = None
             continue
         lease_id, offset, size, word, tag, hold_ms = entry
-        results[i] = _copy(arena, local, i, offset, size)
+        results[i] = _copy(arena, local.keys[i], local.views[i], offset, size)
         if word < 0:
             unchecked.append((i, lease_id))
         elif not arena.still_valid(word, tag):
@@ -222,14 +243,15 @@ def _copy_leased(fast: FastPath, arena: Arena, local: LocalRead, indices: list[i
     return retry, unchecked
 
 
-def _copy(arena: Arena, local: LocalRead, i: int, offset: int, size: int) -> Any:
-    view = local.views[i]
+def _copy(arena: Arena, key: Key, view: memoryview | None, offset: int, size: int) -> Any:
+    """Copy a value into ``view`` (its length), or into a new bytearray when there is none
+    (the bytearray); BufferTooSmall, copying nothing, when it does not fit."""
     if view is None:
         out = bytearray(size)
         arena.read_into(offset, size, memoryview(out))
         return out
     if size > view.nbytes:
-        return BufferTooSmall(local.keys[i], size, view.nbytes)
+        return BufferTooSmall(key, size, view.nbytes)
     arena.read_into(offset, size, view)
     return size
 
