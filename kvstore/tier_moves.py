@@ -25,6 +25,7 @@ class TierMoves:
         self.slots = slots
         self.free_dram = free_dram
         self.leave_listeners: list[Callable[[int], None]] = []   # fn(slot) before its DRAM home is let go
+        self.heap_bytes = 0          # bytes of the copies staged outside the arena now
 
     def mark_on_ssd(self, slot: int) -> None:
         """A verified copy of the DRAM value is now on SSD."""
@@ -72,6 +73,7 @@ class TierMoves:
         """Stage a copy outside the arena: one read from SSD for a socket reply (RocksDB's
         own bytes), or any read while DRAM is full of values that exist nowhere else."""
         self.slots.heap_copies[slot] = data
+        self.heap_bytes += len(data)
         self.slots.set_flags(slot, self.slots.flags[slot] | STAGED)
 
     def unstage(self, slot: int) -> None:
@@ -81,5 +83,8 @@ class TierMoves:
         if not flags & STAGED:
             return
         slots.set_flags(slot, flags & ~STAGED)
-        if slots.heap_copies.pop(slot, None) is None:
+        copy = slots.heap_copies.pop(slot, None)
+        if copy is None:
             self.free_dram(slots.dram_offset(slot), slots.size[slot])
+        else:
+            self.heap_bytes -= len(copy)

@@ -48,7 +48,7 @@ log = logging.getLogger("kvstore")
 MAX_INFLIGHT_BYTES = 256 * 1024 * 1024    # demotion writes queued at once
 LOAD_CHUNK = 5000
 SSD_READERS = 4                           # RocksDB reads in flight (they release the GIL)
-WIRE_STAGING_BYTES = 64 * 1024 * 1024     # SSD values one fetch may stage outside the arena for a socket reply
+WIRE_STAGING_BYTES = 64 * 1024 * 1024     # SSD values staged outside the arena for socket replies, node-wide
 ARENA_READERS = frozenset(name.lower() for name in (KV_LEASE, KV_LEASEGPU, KV_LEASELAYERS))  # Command.name
 
 
@@ -92,6 +92,7 @@ class TierManager:
         self._moving: dict[int, int] = {}                 # slot -> token of its copy to another tier
         self._tokens = itertools.count(1)
         self._inflight = 0
+        self._heap_reading = 0              # bytes being read from SSD to be staged outside the arena
         self._newest = -1                   # the entry committed last (maybe a chain head whose tail is coming)
         self._ssd_trouble_until = 0.0
         self._stalled = False              # demotion found nothing to move: writes may evict
@@ -133,15 +134,16 @@ class TierManager:
         RocksDB's read returned, staged on the heap and sent from there, which
         spares a copy as costly as the read (docs/tiers.md). A value that this
         read makes hot still goes to the arena, its new home; so do values past
-        WIRE_STAGING_BYTES in one fetch, bounding what the heap holds.
+        WIRE_STAGING_BYTES staged or being read for staging on the whole node,
+        bounding what the heap holds.
         """
         engine = self.engine
-        heap_left = 0 if into_arena else WIRE_STAGING_BYTES
-        jobs = []
+        heap_left = 0 if into_arena else WIRE_STAGING_BYTES - engine.moves.heap_bytes - self._heap_reading
+        jobs, reading = [], 0
         for key, slot in items:
             size, on_gpu = engine.size_of(slot), engine.tier_code(slot) == GPU
-            if not on_gpu and size <= heap_left and not self._next_hit_is_hot(slot):
-                heap_left -= size
+            if not on_gpu and size <= heap_left - reading and not self._next_hit_is_hot(slot):
+                reading += size
                 jobs.append((key, slot, None, None, False))
                 continue
             try:
@@ -157,7 +159,11 @@ class TierManager:
         on_ssd = [i for i, job in enumerate(jobs) if not job[4]]
         reads = self._read_ssd(jobs, [i for i in on_ssd if jobs[i][3] is None])
         reads += self._read_ssd(jobs, [i for i in on_ssd if jobs[i][3] is not None])
-        gathered = await asyncio.gather(*copies, *(future for future, _ in reads), return_exceptions=True)
+        self._heap_reading += reading
+        try:
+            gathered = await asyncio.gather(*copies, *(future for future, _ in reads), return_exceptions=True)
+        finally:
+            self._heap_reading -= reading      # install stages them next: then moves.heap_bytes counts them
         results = dict(zip([i for i, job in enumerate(jobs) if job[4]], gathered[:len(copies)]))
         for (_, part), outcome in zip(reads, gathered[len(copies):]):
             results.update(zip(part, _spread(outcome, len(part))))
