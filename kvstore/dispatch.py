@@ -34,6 +34,7 @@ from time import perf_counter_ns
 from kvstore import acl
 from kvstore.cluster.routing import redirect
 from kvstore.cluster.slots import keys_by_slot
+from kvstore.commands.strings import set_plain
 from kvstore.commands.table import Command, CommandError, lookup
 from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
 from kvstore.protocol import writer
@@ -142,17 +143,17 @@ def run_plain(conn) -> None:
     of `dispatch` than in the commands. When none of those checks can matter
     for this connection right now (`_plain_allowed`), a request that is
     exactly ``GET key`` or ``SET key value`` (no options, no value received
-    into the arena, no parse failure) goes straight to its handler through
-    `_run`: the same handler, slowlog, reply and acknowledgement waits as the
-    generic path, the same error replies. Nothing a plain GET or SET does can
-    change what `_plain_allowed` looked at, and no other client runs until
-    this batch ends, so it is asked once per batch; any other request ends
-    the batch and takes the generic path.
+    into the arena, no parse failure) goes straight to its handler: the same
+    handler, slowlog, reply and SSD acknowledgement wait as `_run` (no
+    cluster here, so no copies to wait for), the same error replies. Nothing
+    a plain GET or SET does can change what `_plain_allowed` looked at, and no
+    other client runs until this batch ends, so it is asked once per batch;
+    any other request ends the batch and takes the generic path.
     """
     backlog = conn.backlog
     if not backlog or not _plain_allowed(conn):
         return
-    tiers = conn.engine.tiers
+    tiers, threshold = conn.engine.tiers, conn.server.slowlog.threshold_ns
     done = 0
     try:
         while backlog and conn.waiting is None and not conn.close_after_reply:
@@ -161,11 +162,20 @@ def run_plain(conn) -> None:
             if plain is None or len(args) != plain[1] or failure is not None or has_holders:
                 return
             backlog.popleft()
-            cmd = plain[0]
+            cmd, handler = plain[0], plain[2]
             try:
                 if tiers is not None and _fetch_first(conn, cmd, args, False):
                     return      # counted when it runs, once its value is in DRAM
-                _run(conn, cmd, args)
+                conn.last_command = cmd.name
+                start = perf_counter_ns()
+                reply = handler(conn, args)
+                elapsed = perf_counter_ns() - start
+                if elapsed >= threshold:
+                    _log_slow(conn, cmd, args, elapsed)
+                if reply is not None:
+                    conn.wbuf += reply
+                if tiers is not None and tiers.has_unacked():
+                    _wait_for_ssd(conn, tiers)
             except Exception as exc:
                 if not _failed(conn, cmd, args, exc, False):
                     continue
@@ -240,18 +250,27 @@ def _run(conn, cmd: Command, args: list) -> None:
     reply = cmd.handler(conn, args)
     elapsed = perf_counter_ns() - start
     slowlog = conn.server.slowlog
-    if elapsed >= slowlog.threshold_ns and "skip_slowlog" not in cmd.flags:
-        slowlog.record(conn, args, elapsed)      # kvstore/slowlog.py
+    if elapsed >= slowlog.threshold_ns:
+        _log_slow(conn, cmd, args, elapsed)
     if reply is not None:
-        conn.write(reply)
+        conn.wbuf += reply
     tiers = conn.engine.tiers
     if tiers is not None and tiers.has_unacked():
-        # A write that must reach SSD before it is acknowledged: hold later replies.
-        conn.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ordering_only)
+        _wait_for_ssd(conn, tiers)
     cluster = conn.server.cluster
     if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
         # A write of a replicated key: the reply waits until its copies are gone.
         conn.defer(cluster.copies.take_unacked(), _ordering_only)
+
+
+def _log_slow(conn, cmd: Command, args: list, elapsed: int) -> None:
+    if "skip_slowlog" not in cmd.flags:
+        conn.server.slowlog.record(conn, args, elapsed)      # kvstore/slowlog.py
+
+
+def _wait_for_ssd(conn, tiers) -> None:
+    """A write that must reach SSD before it is acknowledged: hold later replies."""
+    conn.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ordering_only)
 
 
 def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
@@ -349,6 +368,7 @@ def _unknown_command(args: list) -> str:
     return f"unknown command '{args[0][:128].decode(errors='replace')}', with args beginning with: {shown}"
 
 
-# Requests `run_plain` takes, by their name as clients send it: (command, the only argument count).
-_PLAIN = {name: (lookup(name), argc) for base, argc in ((b"GET", 2), (b"SET", 3))
-          for name in (base, base.lower())}
+# Requests `run_plain` takes, by their name as clients send it: (command, the only argument
+# count, the handler for that form: SET's plain form is `set_plain`, its value never an extent).
+_PLAIN = {name: (lookup(name), argc, handler) for base, argc, handler in
+          ((b"GET", 2, lookup(b"GET").handler), (b"SET", 3, set_plain)) for name in (base, base.lower())}

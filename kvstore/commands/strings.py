@@ -74,6 +74,13 @@ def set_(conn, args):
     return old or writer.OK
 
 
+def set_plain(conn, args: list) -> bytes:
+    """``SET key value`` with a small value (bytes, never an arena extent): the form
+    kvstore/dispatch.py's plain path runs without SET's option parsing."""
+    conn.engine.put(args[1], args[2])
+    return writer.OK
+
+
 @command("GET", 2, "readonly fast", "string", "Returns the string value of a key.", reads=first_key)
 def get(conn, args):
     slot = conn.engine.get_slot(args[1])
