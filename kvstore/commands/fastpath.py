@@ -37,16 +37,17 @@ wire.
 
 A writer puts values of a few sizes over and over, so KV.PUBLISH can reserve
 the extent of the next put of the same size in the same command (NEXT): one
-command to parse and dispatch per put instead of two, which on two busy cores
-is a tenth of a put's round trip. The published reservation vouches for the
-client's mapping (a restarted node knows no reservation of the old one). A
-spare the node has no room for now is an error in its place (NOSPARE): the
-value is published all the same, and the client's next put reserves with
-KV.RESERVE, which may make room by demoting or evicting.
+command to parse and dispatch per put instead of two (the node's part of a
+put, alternating after a 1 MiB copy: 70.8 -> 64.2 us). The published
+reservation vouches for the client's mapping (a restarted node knows no
+reservation of the old one). A spare the node has no room for now is an error
+in its place (NOSPARE): the value is published all the same, and the client's
+next put reserves with KV.RESERVE, which may make room by demoting or
+evicting.
 
 A batch of puts commits with one KV.MPUBLISH: parsing and dispatching a
 command costs the node more than committing a value, so a batch of 256
-values pays for one command instead of 256.
+values pays for one command instead of 256 (10.7 -> 5.4 ms, same A/B).
 
 Commands that hand out arena offsets take the client's arena token first: a
 client still holding the mapping of a node that has since restarted (a new
