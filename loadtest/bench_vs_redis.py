@@ -12,6 +12,7 @@ targets are set on (issue 2):
             (plus Mooncake Store's put/get over TCP as a third column when its
             CPU-only wheel is installed: the anchor to beat)
 - small:    redis-benchmark 100-byte SET/GET, -c 50, -P 1 and -P 16   >= 0.9 and >= 0.3
+            (and the server's CPU time per command over each run, all threads)
 - match:    KV.MATCH of a 1-, 16- and 256-key chain from a raw socket p50 <= 0.5 ms at 256,
             one command per call. Redis has no KV.MATCH; its column times EXISTS of the
             same keys in one command, the closest thing it can answer in one round trip.
@@ -118,12 +119,26 @@ def bench_small(table: Table, servers: dict[str, Server], settings: Settings, gr
     for pipeline, target, requests in ((1, 0.9, settings.small_requests), (16, 0.3, 5 * settings.small_requests)):
         rows = [table.row(f"redis-benchmark {op} 100 B -c 50 -P {pipeline}", "ops/s", Target(target))
                 for op in ("SET", "GET")]
+        rows.append(table.row(f"server CPU per command, SET+GET 100 B -P {pipeline}", "us"))
         log(f"redis-benchmark SET/GET 100 B -P {pipeline} x {requests}")
         for name, server in turns(servers, settings.repeats):
             def measure(server=server) -> list[float]:
+                before = server_cpu_ns(server)
                 rates = redis_benchmark(server, size=100, requests=requests, clients=50, pipeline=pipeline)
-                return [rates["SET"], rates["GET"]]
+                return [rates["SET"], rates["GET"], (server_cpu_ns(server) - before) / (2 * requests) / 1000]
             record(rows, name, measure, MEASUREMENT_ERRORS)
+
+
+def server_cpu_ns(server: Server) -> int:
+    """CPU time the server's process has used, all its threads (Linux's schedstat), in ns:
+    what a command costs the server, whatever else the host is running."""
+    task_dir = f"/proc/{server.process.pid}/task"
+    total = 0
+    for task in os.listdir(task_dir):
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"{task_dir}/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+    return total
 
 
 # --- redis-py and Mooncake: one client, a SET loop then a GET loop ---------------------------------
