@@ -50,7 +50,7 @@ class SlotTable:
         self.size = array("I")
         self.tier = array("b")
         self.flags = array("b")
-        self.heap_copies: dict[int, bytearray] = {}    # slot -> staged copy outside the arena
+        self.heap_copies: dict[int, bytes | bytearray] = {}    # slot -> staged copy outside the arena
         self.count_in = [0] * len(TIERS)
         self.bytes_in = [0] * len(TIERS)
         self._free: list[int] = []

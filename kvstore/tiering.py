@@ -16,6 +16,10 @@ one tier or the other.
   read (`pending_fetch`), `fetch` copies them into DRAM extents, and `install`
   either makes the copy the value's home (the value is hot: N hits within the
   window) or stages it for this one command (`unstage` frees it afterwards).
+  A command that sends its values over a socket gets RocksDB's own bytes
+  instead, staged outside the arena (no copy; bounded on the node); only the
+  lease commands (`ARENA_READERS`), whose clients read shared memory, need
+  the extents.
 - Ordering on SSD: puts and deletes share the writer thread's queue, so a
   delete issued after a put always lands after it.
 - Nothing moves under a copy: while a value is copied off DRAM or the GPU on a
