@@ -177,6 +177,48 @@ def test_a_cascade_never_drops_a_value_written_after_the_drop_that_started_it():
     asyncio.run(scenario())
 
 
+def test_a_value_rewritten_in_place_after_the_drop_is_kept_too():
+    async def scenario():
+        engine, cascade, links = node()
+        key = keys_of(A, b"k", 1)[0]
+        engine.put(key, b"v" * 100)
+        while cascade.commits:                          # its commit time is forgotten ...
+            cascade.commits.popitem()
+        dropped_at = now_us()
+        time.sleep(0.002)
+        engine.put(key, b"w" * 100)                     # ... and a re-put of the same size goes in place
+        assert cascade.receive(dropped_at, [key]) == 1
+        await settle()
+        assert engine.lookup(key) is not None and cascade.stats.kept_fresh == 1
+    asyncio.run(scenario())
+
+
+def test_a_batch_carries_its_earliest_drop_time():
+    async def scenario():
+        engine, cascade, links = node()
+        later, earlier = keys_of(B, b"c", 2)
+        cascade._send_later(later, 2_000)
+        cascade._send_later(earlier, 1_000)           # a cascade received from a node whose drop was earlier
+        await settle()
+        [(_, command)] = links.sent
+        assert command[1] == 1_000
+    asyncio.run(scenario())
+
+
+def test_after_close_queued_drops_and_sends_are_abandoned_and_links_refused():
+    async def scenario():
+        engine, cascade, links = node()
+        mine, theirs = keys_of(A, b"m", 1)[0], keys_of(B, b"t", 1)[0]
+        engine.put(mine, b"v")
+        cascade.receive(now_us() + 1, [mine])
+        cascade._send_later(theirs, now_us())
+        cascade.close()
+        await settle()
+        assert engine.lookup(mine) is not None and links.sent == [] and cascade.pending == 0
+        assert cascade.cluster.cascade is None          # KV.LINK answers as on a node without a cascade
+    asyncio.run(scenario())
+
+
 def test_commit_times_are_kept_for_a_bounded_number_of_keys():
     async def scenario():
         engine, cascade, links = node()

@@ -127,6 +127,7 @@ class Cascade:
         """Listen to the engine; commands reach this object as ``cluster.cascade``."""
         self.engine.final_drop_listeners.append(self._on_final_drop)
         self.engine.commit_listeners.append(self._on_commit)
+        self.engine.overwrite_listeners.append(self._on_commit)     # a same-size re-put, written in place
         self.cluster.cascade = self
 
     # ------------------------------------------------------------ links (KV.LINK)
@@ -155,7 +156,8 @@ class Cascade:
 
     # ------------------------------------------------------------ what the engine tells
 
-    def _on_commit(self, key: bytes, slot: int) -> None:
+    def _on_commit(self, key: bytes, slot: int = -1) -> None:
+        """Remember when ``key`` was written (a commit, or a rewrite in place, which commits nothing)."""
         commits, now = self.commits, now_us()
         commits[key] = now
         commits.move_to_end(key)
@@ -235,6 +237,7 @@ class Cascade:
         batch = self.outgoing.get(addr)
         if batch is None:
             batch = self.outgoing[addr] = Outgoing(drop_us)
+        batch.since_us = min(batch.since_us, drop_us)   # a key received may carry an earlier drop
         batch.keys.append(key)
         self.outgoing_count += 1
         self._schedule()
@@ -280,7 +283,13 @@ class Cascade:
                 "cluster_cascade_pending": self.pending}
 
     def close(self) -> None:
-        """Stop: the engine's later drops (a shutdown's) cascade nothing."""
+        """Stop: the engine's later drops (a shutdown's) cascade nothing, and neither do the drops
+        and sends still waiting (a tick already scheduled finds nothing to do)."""
         self.engine.final_drop_listeners.remove(self._on_final_drop)
         self.engine.commit_listeners.remove(self._on_commit)
+        self.engine.overwrite_listeners.remove(self._on_commit)
+        self.cluster.cascade = None
+        self.queue.clear()
+        self.outgoing.clear()
+        self.outgoing_count = 0
         self._tasks.cancel_all()
