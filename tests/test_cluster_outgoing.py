@@ -144,6 +144,31 @@ def test_a_value_read_for_a_move_that_stopped_stays(ssd_node):
     assert engine.allocator.used == 0
 
 
+def test_a_value_demoted_while_its_group_is_read_is_counted_as_dropped(ssd_node):
+    engine, tiers, tier = ssd_node
+    store_on_ssd(engine, tier, [b"cold"])
+    engine.put(b"warm", value_of(b"warm"))              # in DRAM when gathered, with a clean SSD copy
+    tier.put_batch([(b"warm", value_of(b"warm"), None)])
+    engine.moves.mark_on_ssd(engine.lookup(b"warm"))
+
+    async def scenario():
+        cluster, moves, links = migrator(engine)
+        fetch = tiers.fetch
+
+        async def demoting_fetch(items):
+            engine.moves.demoted_to_ssd(engine.lookup(b"warm"))      # DRAM pressure, meanwhile
+            return await fetch(items)
+        tiers.fetch = demoting_fetch
+        step_to(cluster, B)
+        await until(lambda: moves.stats.moves == 1)
+        return moves, links
+
+    moves, links = asyncio.run(scenario())
+    assert sent_values(links) == {b"cold": value_of(b"cold")}
+    assert (moves.stats.moved_keys, moves.stats.dropped_keys, moves.stats.dropped_bytes) == (1, 1, SIZE)
+    assert engine.index == {}                           # nothing of a moving slot left behind uncounted
+
+
 def gpu_node(gpu) -> tuple[Engine, TierManager]:
     engine = Engine(4 * MIB, prefault=False)
     return engine, TierManager(engine, TieringConfig(promote_hits=1), gpu=gpu)

@@ -79,7 +79,9 @@ class Gathered:
         order, those still ``wanted``.
 
         Returns (taken, keys lost, bytes lost): lost are values whose read
-        failed (the tier manager drops them). A key overwritten or deleted
+        failed (the tier manager drops them), and values that left host memory
+        while the group was read (demoted under DRAM pressure): dropped here,
+        as the move drops what it does not send. A key overwritten or deleted
         meanwhile is taken as it now is, or not at all; a value read but no
         longer wanted (its slot stopped moving) stays, its staged copy let go.
         """
@@ -94,9 +96,14 @@ class Gathered:
         taken = []
         for key in keys:
             slot = engine.lookup(key)
-            if slot is not None and in_host_memory(engine, slot) and wanted(key):
+            if slot is None or not wanted(key):
+                continue
+            if in_host_memory(engine, slot):
                 staged.discard(slot)
                 taken.append(take(engine, key, slot))
+            else:
+                lost.append(engine.size_of(slot))
+                engine.drop(slot)
         if staged:
             tiers.unstage(list(staged))
         return taken, len(lost), sum(lost)
