@@ -490,6 +490,7 @@ class KVClusterClient:
         return self._client(self.nodes[0]).execute(*args)
 
     def close(self) -> None:
+        self._links.close()             # before the clients go: a link sent later would open a new one
         self._pool.shutdown(wait=False)
         for client in [*self._clients.values(), *self._ask_clients.values()]:
             try:
