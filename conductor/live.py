@@ -210,7 +210,8 @@ class LiveConductor:
             raise LookupError("no prefill or no decode instance is registered")
         store_blocks = self.store.match_prefix(keys) if keys else 0
         with self.lock:
-            return self._place(request_id, keys, input_length, output_length, store_blocks)
+            decision = self._place(request_id, keys, input_length, output_length, store_blocks)
+        return self._located(decision, keys)        # the store's round trip holds up no report
 
     def _place(self, request_id: str, keys: list[str], input_length: int,
                output_length: int, store_blocks: int) -> Decision:
@@ -229,7 +230,7 @@ class LiveConductor:
         if reason is not None:
             self._count_rejection(reason)
             raise Rejected(reason, self._rejection_text(reason, p))
-        fetch_from, fetch_bytes, tiers = self._fetch(p, keys, matches[p.prefill])
+        fetch_from = "" if p.source is None else "store" if p.source == FROM_POOL else self.prefill_ids[p.source]
         self.caches[p.prefill].insert_chain(keys)
         self.queued_s[p.prefill] += p.service_s
         d = self.decodes[j]
@@ -241,16 +242,16 @@ class LiveConductor:
         c.reused_tokens += min(p.reused_blocks * self.hasher.block_tokens, input_length)
         tbt = self.cost.decode_step_s(d.committed_load().batch, d.committed_load().kv_tokens)
         return Decision(request_id, self.prefill_ids[p.prefill], self.decode_ids[j], p,
-                        matches[p.prefill], store_blocks, fetch_from, fetch_bytes, tiers, tbt)
+                        matches[p.prefill], store_blocks, fetch_from, 0, [], tbt)
 
-    def _fetch(self, p: Placement, keys: list[str], local: int) -> tuple[str, int, list[str]]:
-        """Where the missing prefix comes from, and its size and tiers per KV.LOCATE."""
-        if p.source is None:
-            return "", 0, []
-        source = "store" if p.source == FROM_POOL else self.prefill_ids[p.source]
-        located = self.store.locate(keys[local:p.reused_blocks])
+    def _located(self, d: Decision, keys: list[str]) -> Decision:
+        """``d`` with the size and tiers of the prefix it fetches, per KV.LOCATE (outside the lock)."""
+        if not d.fetch_from:
+            return d
+        located = self.store.locate(keys[d.local_blocks:d.placement.reused_blocks])
         found = [loc for loc in located if loc is not None]
-        return source, sum(loc.size for loc in found), sorted({loc.tier for loc in found})
+        return dataclasses.replace(d, fetch_bytes=sum(loc.size for loc in found),
+                                   fetch_tiers=sorted({loc.tier for loc in found}))
 
     def _count_rejection(self, reason: str) -> None:
         if reason == REJECT_TTFT:

@@ -3,10 +3,13 @@ they resume. A hand-driven clock stands in for time; the store is a real `kvstor
 fixture), and the gRPC half runs the conductor's real server with a real gRPC client as the front end."""
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
 from client import BlockHasher, KVClient
+from client.operations import Location
 from conductor.admission import Admission, Slo
 from conductor.costmodel import CostModel
 from conductor.live import DEAD, LIVE, LiveConductor
@@ -75,6 +78,43 @@ def test_an_unreachable_instance_is_dead_at_once_until_its_own_report(conductor)
     assert conductor.status()["p0"] == LIVE
     with pytest.raises(KeyError):
         conductor.mark_unreachable("nobody")
+
+
+class SlowStore:
+    """A store that holds every block of a prompt and answers KV.LOCATE only when ``answer`` is set."""
+
+    def __init__(self) -> None:
+        self.answer, self.asked = threading.Event(), threading.Event()
+
+    def match_prefix(self, keys) -> int:
+        return len(keys)
+
+    def locate(self, keys) -> list[Location]:
+        self.asked.set()
+        self.answer.wait(10.0)
+        return [Location("ssd", 1000) for _ in keys]
+
+
+def test_reports_are_taken_while_the_store_answers_a_locate(clock):
+    store, cost = SlowStore(), CostModel.from_testbed()
+    live = LiveConductor(make_policy("kvcache-centric", cost), Admission("none", Slo(30.0, 0.1)), cost, store,
+                         BlockHasher("liveness", 16), report_timeout_s=TIMEOUT_S, clock=clock)
+    live.register("p0", "prefill", "p0:1")
+    live.register("d0", "decode", "d0:1")
+    decisions = []
+    scheduling = threading.Thread(target=lambda: decisions.append(live.schedule("r", ["k1", "k2"], 32, 8)))
+    scheduling.start()
+    assert store.asked.wait(5.0)
+    reported = threading.Thread(target=live.report, args=("d0", 0.0, 1, 100))
+    reported.start()
+    reported.join(2.0)
+    stalled = reported.is_alive()               # a slow store must not hold up the instances' reports
+    store.answer.set()
+    scheduling.join(5.0)
+    reported.join(5.0)
+    assert not stalled
+    [decision] = decisions
+    assert (decision.fetch_from, decision.fetch_bytes, decision.fetch_tiers) == ("store", 2000, ["ssd"])
 
 
 def test_an_unreachable_report_over_grpc_shows_in_stats(conductor):
