@@ -27,9 +27,10 @@ INITIAL_BUFFER = 16 * 1024
 SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per pass (< BIG_BULK)
 MAX_SPLIT_ARGS = 1024         # arguments of a command the fast path takes; more go the exact way
 _SPLIT_HEADS = {b"*%d" % n: n for n in range(1, MAX_SPLIT_ARGS + 1)}    # canonical array headers only
-_BULK_HEADERS = [b"$%d" % n for n in range(SPLIT_WINDOW)]                # canonical bulk headers by length
+_bulk_header = [b"$%d" % n for n in range(SPLIT_WINDOW)].__getitem__      # length -> its canonical bulk header
 UNIFORM_MAX_ARGS = 16         # argument counts `_uniform_commands` has masks for
 UNIFORM_MIN_COMMANDS = 6      # fewer are cheaper cut one by one
+UNIFORM_MIN_PARTS = 3 * UNIFORM_MIN_COMMANDS     # a split with fewer parts cannot hold that many
 # argc -> which parts of one command are its bulk headers, and which its arguments
 _UNIFORM_MASKS = {argc: ((False,) + (True, False) * argc, (False,) + (False, True) * argc)
                   for argc in range(1, UNIFORM_MAX_ARGS + 1)}
@@ -100,7 +101,7 @@ def _lengths_match(headers: list[bytes], args: list[bytes]) -> bool:
     """Whether each header is exactly the canonical ``$len`` of its argument (no sign,
     no leading zero), for a whole batch in C: the expected headers come from a table
     indexed by length, and the two lists are compared at once."""
-    return headers == list(map(_BULK_HEADERS.__getitem__, map(len, args)))
+    return headers == list(map(_bulk_header, map(len, args)))
 
 
 def _int(buf: bytearray, start: int, stop: int) -> int | None:
@@ -295,12 +296,13 @@ class RequestReader:
         start = self.start
         window = min(self.end, start + SPLIT_WINDOW)
         parts = self.mv[start:window].tobytes().split(b"\r\n")
-        taken = _uniform_commands(parts, out)
+        taken = _uniform_commands(parts, out) if len(parts) > UNIFORM_MIN_PARTS else 0
         if not taken:
             taken, clean = _mixed_commands(parts, out)
             if not clean:
                 self.exact_until = window
-        self.start = start + sum(map(len, parts[:taken])) + 2 * taken
+        if taken:       # what follows the parts taken is short: measure it rather than them
+            self.start = window - len(b"\r\n".join(parts[taken:]))
 
     def _begin_command(self, out: list) -> bool:
         buf, pos, end = self.buf, self.start, self.end
