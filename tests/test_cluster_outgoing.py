@@ -18,7 +18,6 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from kvstore.cluster.migration import Migrator
@@ -31,14 +30,10 @@ from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker
 from tests.test_cluster_migration import ADDRS, A, B, ImportLinks, step_to
+from tests.test_tier_fetch import SIZE, store_on_ssd, value_of
 from tests.test_tier_moves import FakeGPU, until
 
-KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-SIZE = 64 * KIB
-
-
-def value_of(key: bytes) -> bytes:
-    return np.random.default_rng(sum(key)).bytes(SIZE)
+MIB, GIB = 1 << 20, 1 << 30
 
 
 def migrator(engine: Engine, heat=None) -> tuple[ClusterState, Migrator, ImportLinks]:
@@ -60,12 +55,6 @@ def ssd_node(tmp_path):
     yield engine, tiers, tier
     tiers.close()
     engine.close()
-
-
-def store_on_ssd(engine: Engine, tier: SSDTier, keys: list[bytes]) -> None:
-    tier.put_batch([(key, value_of(key), None) for key in keys])
-    for key in keys:
-        engine.add_from_ssd(key, SIZE, None)
 
 
 def sent_values(links: ImportLinks) -> dict[bytes, bytes]:
@@ -174,6 +163,16 @@ def gpu_node(gpu) -> tuple[Engine, TierManager]:
     return engine, TierManager(engine, TieringConfig(promote_hits=1), gpu=gpu)
 
 
+def check_values_on_gpu_move(gpu) -> None:
+    """Three values on ``gpu`` and one in DRAM move, byte for byte, and leave nothing behind."""
+    engine, tiers = gpu_node(gpu)
+    keys = [b"gpu-%d" % i for i in range(3)]
+    moves, links = move_values_on_gpu(engine, keys)
+    assert sent_values(links) == {key: value_of(key) for key in keys + [b"in-dram"]}
+    assert engine.index == {} and gpu.used_bytes == 0 and moves.stats.dropped_keys == 0
+    tiers.close()
+
+
 def move_values_on_gpu(engine: Engine, keys: list[bytes]) -> tuple[Migrator, ImportLinks]:
     async def scenario():
         for key in keys:
@@ -189,13 +188,7 @@ def move_values_on_gpu(engine: Engine, keys: list[bytes]) -> tuple[Migrator, Imp
 
 
 def test_values_on_the_gpu_are_copied_to_host_and_move():
-    gpu = FakeGPU(1 * MIB)
-    engine, tiers = gpu_node(gpu)
-    keys = [b"gpu-%d" % i for i in range(3)]
-    moves, links = move_values_on_gpu(engine, keys)
-    assert sent_values(links) == {key: value_of(key) for key in keys + [b"in-dram"]}
-    assert engine.index == {} and gpu.used_bytes == 0 and moves.stats.dropped_keys == 0
-    tiers.close()
+    check_values_on_gpu_move(FakeGPU(1 * MIB))
 
 
 GPU_USABLE, GPU_REASON = gpu_available()
@@ -205,10 +198,4 @@ GPU_USABLE, GPU_REASON = gpu_available()
 @pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU: {GPU_REASON}")
 def test_values_on_a_real_gpu_are_copied_to_host_and_move():
     from kvstore.tiers.gpu import GPUTier
-    gpu = GPUTier.open(8 * MIB)
-    engine, tiers = gpu_node(gpu)
-    keys = [b"gpu-%d" % i for i in range(3)]
-    moves, links = move_values_on_gpu(engine, keys)
-    assert sent_values(links) == {key: value_of(key) for key in keys + [b"in-dram"]}
-    assert engine.index == {} and gpu.used_bytes == 0 and moves.stats.dropped_keys == 0
-    tiers.close()
+    check_values_on_gpu_move(GPUTier.open(8 * MIB))
