@@ -9,14 +9,7 @@ import time
 import redis
 
 from conftest import start_kvstore
-
-
-def _command(*args) -> bytes:
-    out = b"*%d\r\n" % len(args)
-    for arg in args:
-        arg = arg if isinstance(arg, bytes) else str(arg).encode()
-        out += b"$%d\r\n%s\r\n" % (len(arg), arg)
-    return out
+from test_plain_path import command
 
 
 def _read_until(sock: socket.socket, tail: bytes, timeout: float = 20.0) -> bytes:
@@ -40,10 +33,10 @@ def test_exec_keeps_reply_order_when_queued_writes_wait_for_room(tmp_path):
                            "--ssd-size", "256mb")
     try:
         big = os.urandom(1 << 20)
-        payload = b"".join(_command("SET", f"fill{i}", big) for i in range(12))
-        payload += _command("SET", "small", "x") + _command("MULTI")
-        payload += _command("SET", "t1", big[:900_000]) + _command("SET", "t2", big[:800_000])
-        payload += _command("GET", "small") + _command("EXEC") + _command("PING")
+        payload = b"".join(command("SET", f"fill{i}", big) for i in range(12))
+        payload += command("SET", "small", "x") + command("MULTI")
+        payload += command("SET", "t1", big[:900_000]) + command("SET", "t2", big[:800_000])
+        payload += command("GET", "small") + command("EXEC") + command("PING")
         with socket.create_connection((daemon.host, daemon.port)) as sock:
             sock.sendall(payload)
             replies = _read_until(sock, b"+PONG\r\n")
@@ -58,7 +51,7 @@ def test_client_list_counts_queued_commands(server):
     client = redis.Redis(server.host, server.port)
     assert "multi=-1" in client.execute_command("CLIENT", "LIST").decode()
     with socket.create_connection((server.host, server.port)) as sock:
-        sock.sendall(_command("MULTI") + _command("SET", "a", "1") + _command("GET", "a"))
+        sock.sendall(command("MULTI") + command("SET", "a", "1") + command("GET", "a"))
         assert _read_until(sock, b"+QUEUED\r\n+QUEUED\r\n") == b"+OK\r\n+QUEUED\r\n+QUEUED\r\n"
         lines = client.execute_command("CLIENT", "LIST").decode().splitlines()
         assert sum("multi=2 " in line for line in lines) == 1
