@@ -162,7 +162,8 @@ class Connection:
             log.exception("closing client id=%d after an internal error", self.id)
             self.close()
             return
-        if self._query_bytes() > self.server.config.client_query_buffer_limit:
+        if (reader.end != reader.start or reader.args or reader.big_got) \
+                and self._query_bytes() > self.server.config.client_query_buffer_limit:
             self._close_for_query_limit()
             return
         self.flush()
