@@ -41,17 +41,16 @@ def _cascade(cluster):
          "in their chains, so they are dropped when these go.", keys=(1, -1, 2), spans_slots=True)
 def kv_link(conn, args):
     cascade = _cascade(conn.server.cluster)
-    pairs = len(args) - 1
-    if pairs % 2:
+    parents, children = args[1::2], args[2::2]
+    if len(parents) != len(children):
         raise CommandError(SYNTAX)
-    if pairs // 2 > KV_LINK_MAX:
-        raise CommandError(f"KV.LINK takes at most {KV_LINK_MAX} links, got {pairs // 2}")
-    children = args[2::2]
+    if len(children) > KV_LINK_MAX:
+        raise CommandError(f"KV.LINK takes at most {KV_LINK_MAX} links, got {len(children)}")
     if any(len(child) > LINK_KEY_MAX for child in children):
         raise CommandError(f"a linked child key is longer than {LINK_KEY_MAX} bytes")
     if not all(conn.user.may_access(child, acl.WRITE) for child in children):
         raise CommandError(acl.NOPERM_KEY, "NOPERM")
-    return writer.integer(sum(cascade.link(parent, child) for parent, child in zip(args[1::2], children)))
+    return writer.integer(sum(cascade.link(parent, child) for parent, child in zip(parents, children)))
 
 
 @command(KV_CASCADE, -3, "write fast", "cluster", "Drops blocks whose chain predecessor another node dropped "
