@@ -26,6 +26,8 @@ def kvstore(*args: str) -> subprocess.CompletedProcess:
     (["conductor", "--port", "0", "--cluster", "etcd://127.0.0.1:1/x"], "cannot read cluster"),
     (["gateway"], "--conductor"),
     (["llm", "up", "--prefill", "0", "--model", "tiny"], "at least 1"),
+    (["llm", "up", "--report-timeout", "0", "--model", "tiny"], "--report-timeout must be positive"),
+    (["llm", "up", "--report-timeout", "-1", "--model", "tiny"], "--report-timeout must be positive"),
     (["llm", "down"], "action"),
 ])
 def test_bad_flags_are_one_error_line(args, says):

@@ -163,7 +163,7 @@ def _start_conductor(d: Deployment, args: argparse.Namespace, store: StoreFlags)
     flags = ["conductor", "--port", "0", *store.flags, "--model", namespace_of(args.model),
              "--block-tokens", str(args.block_tokens), "--policy", args.policy, "--rejection", args.rejection,
              "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
-    if args.report_timeout:
+    if args.report_timeout is not None:
         flags += ["--report-timeout", str(args.report_timeout)]
     if args.calibrate:
         flags += ["--calibrate", args.calibrate]
@@ -184,6 +184,8 @@ def _start_workers(d: Deployment, args: argparse.Namespace, store: StoreFlags, c
 def launch(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise UsageError("--prefill and --decode must be at least 1")
+    if args.report_timeout is not None and args.report_timeout <= 0:
+        raise UsageError(f"--report-timeout must be positive, got {args.report_timeout:g}")
     if args.model == SMOLLM2:
         converted_dir()                  # convert once here, not in every worker at the same time
     d = Deployment()
