@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from client import BlockHasher
+from client import BlockHasher, KVError
 from conductor.admission import REJECT_TTFT, Admission
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
@@ -245,10 +245,19 @@ class LiveConductor:
                         matches[p.prefill], store_blocks, fetch_from, 0, [], tbt)
 
     def _located(self, d: Decision, keys: list[str]) -> Decision:
-        """``d`` with the size and tiers of the prefix it fetches, per KV.LOCATE (outside the lock)."""
+        """``d`` with the size and tiers of the prefix it fetches, per KV.LOCATE (outside the lock).
+
+        The request is placed by now (counted, its work added to its
+        instances), so a store that fails here leaves these hints out rather
+        than fail a request the conductor already counts as sent.
+        """
         if not d.fetch_from:
             return d
-        located = self.store.locate(keys[d.local_blocks:d.placement.reused_blocks])
+        try:
+            located = self.store.locate(keys[d.local_blocks:d.placement.reused_blocks])
+        except (KVError, OSError) as exc:
+            log.warning("KV.LOCATE for request %s failed: %s", d.request_id, exc)
+            return d
         found = [loc for loc in located if loc is not None]
         return dataclasses.replace(d, fetch_bytes=sum(loc.size for loc in found),
                                    fetch_tiers=sorted({loc.tier for loc in found}))

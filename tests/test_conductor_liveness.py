@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from client import BlockHasher, KVClient
+from client import BlockHasher, KVClient, KVError
 from client.operations import Location
 from conductor.admission import Admission, Slo
 from conductor.costmodel import CostModel
@@ -95,12 +95,19 @@ class SlowStore:
         return [Location("ssd", 1000) for _ in keys]
 
 
-def test_reports_are_taken_while_the_store_answers_a_locate(clock):
-    store, cost = SlowStore(), CostModel.from_testbed()
+def pulling_from(store, clock: Clock) -> LiveConductor:
+    """A conductor whose placements pull a prefix from ``store`` (one prefill and one decode instance)."""
+    cost = CostModel.from_testbed()
     live = LiveConductor(make_policy("kvcache-centric", cost), Admission("none", Slo(30.0, 0.1)), cost, store,
                          BlockHasher("liveness", 16), report_timeout_s=TIMEOUT_S, clock=clock)
     live.register("p0", "prefill", "p0:1")
     live.register("d0", "decode", "d0:1")
+    return live
+
+
+def test_reports_are_taken_while_the_store_answers_a_locate(clock):
+    store = SlowStore()
+    live = pulling_from(store, clock)
     decisions = []
     scheduling = threading.Thread(target=lambda: decisions.append(live.schedule("r", ["k1", "k2"], 32, 8)))
     scheduling.start()
@@ -115,6 +122,16 @@ def test_reports_are_taken_while_the_store_answers_a_locate(clock):
     assert not stalled
     [decision] = decisions
     assert (decision.fetch_from, decision.fetch_bytes, decision.fetch_tiers) == ("store", 2000, ["ssd"])
+
+
+def test_a_locate_that_fails_leaves_the_placed_request_without_fetch_hints(clock):
+    class FailingStore(SlowStore):
+        def locate(self, keys):
+            raise KVError("the node went away")
+    live = pulling_from(FailingStore(), clock)
+    decision = live.schedule("r", ["k1", "k2"], 32, 8)
+    assert (decision.fetch_from, decision.fetch_bytes, decision.fetch_tiers) == ("store", 0, [])
+    assert live.counters.scheduled == 1
 
 
 def test_an_unreachable_report_over_grpc_shows_in_stats(conductor):
