@@ -1,6 +1,7 @@
 """The live conductor stops scheduling onto an instance whose load reports stop, and takes it back when
 they resume. A hand-driven clock stands in for time; the store is a real `kvstore serve` (the `server`
-fixture), and the gRPC half runs the conductor's real server with a real gRPC client as the front end."""
+fixture), except where a stand-in answers KV.LOCATE late or not at all (reports must not wait on the store),
+and the gRPC half runs the conductor's real server with a real gRPC client as the front end."""
 from __future__ import annotations
 
 import threading
