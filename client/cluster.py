@@ -328,9 +328,11 @@ class KVClusterClient:
         return self._linked(stored, options.get("parent"), key) if last else stored
 
     def _linked(self, stored: Any, parent: Key | None, key: Key) -> Any:
-        """``stored``, after queueing a stored block's chain link for its parent's node when that is
-        another node (client/cluster_links.py: sent in the background, batched per node)."""
-        if stored and parent is not None:
+        """``stored``, after queueing the block's chain link for its parent's node when that is
+        another node (client/cluster_links.py: sent in the background, batched per node). A block
+        cached already is linked too, as a batch put links it: its parent's node may not know the
+        link (the block came without its parent, or the parent came by a slot move)."""
+        if parent is not None:
             addr = self.node_of(parent)
             if addr != self.node_of(key):
                 self._links.add(addr, parent, key)

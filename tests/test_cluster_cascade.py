@@ -349,6 +349,18 @@ def test_single_key_puts_link_their_chain_in_the_background(kv, cluster, how):
     wait_until(lambda: _cached(kv, keys) == [True] * 2 + [False] * 14, 5.0, "the chain's tail to go")
 
 
+def test_a_single_key_put_of_a_block_cached_already_still_links_it(kv, cluster):
+    keys = [b"cached-first-%02d" % i for i in range(16)]
+    for key in keys:
+        kv.put(key, b"v" * 100)                         # cached before its chain was known
+    crossings = sum(kv.node_of(a) != kv.node_of(b) for a, b in zip(keys, keys[1:]))
+    before = sum(_info(cluster, "cluster_cascade_links"))
+    for i, key in enumerate(keys):
+        assert kv.put(key, b"v" * 100, parent=keys[i - 1] if i else None) is False     # there already
+    linked = lambda: sum(_info(cluster, "cluster_cascade_links")) == before + crossings    # noqa: E731
+    wait_until(linked, 5.0, "the links to arrive")
+
+
 def test_a_re_put_chain_is_linked_again_and_nodes_hold_one_link_per_crossing(kv, cluster):
     keys = _chain(kv, "relink", 24)
     crossings = sum(kv.node_of(a) != kv.node_of(b) for a, b in zip(keys, keys[1:]))
