@@ -42,9 +42,10 @@ Ordering. A cascade may reach a node after the client found the hole and
 wrote the chain again. It carries the time of the drop that started it, and a
 node never drops a value committed, or rewritten in place, after that time:
 write times of the last ``FRESH_SECONDS`` (for at most one key per 8 KiB of
-DRAM) answer that question. Clocks of different hosts differ by milliseconds; a cascade that
-loses that race drops a fresh block and the rest of its chain after it, which
-costs misses, never a wrong value, and leaves the chain a prefix.
+DRAM) answer that question. Clocks of different hosts differ by
+milliseconds; a cascade that loses that race drops a fresh block and the
+rest of its chain after it, which costs misses, never a wrong value, and
+leaves the chain a prefix.
 
 Not covered: links do not travel with a slot move, and what a dead node held
 cannot cascade (its links died with it).
