@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 
 from kvstore.cluster.cascade import Cascade
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
-from kvstore.cluster.replication import HotCopies
+from kvstore.cluster.replication import WINDOW, HotCopies
 from kvstore.cluster.simclock import loop_time
 
 log = logging.getLogger("kvstore.cluster")
+
+TICK_LOG_INTERVAL_S = 60.0      # a failing tick step logs its traceback at most this often
 
 
 class ClusterServices:
@@ -42,18 +46,40 @@ class ClusterServices:
         self.moves.attach()
         self.cascade.attach()
         cluster.move_budget = server.config.cluster_move_budget
+        self.tick_failures = 0
+        self._tick_logged_at = -math.inf
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     def _recent_reads(self) -> dict[bytes, int]:
         return self.copies.recent_reads()
 
     async def _tick(self) -> None:
-        """Every heat window: replication's renewals and cooling; settings changed by CONFIG SET."""
+        """Every heat window, for as long as the node runs: a step that fails is logged, and the
+        window after runs them all again (ending here would stop copy renewals, import-guard
+        expiry and peer clean-up for good, silently)."""
         while True:
-            await self.copies.run_once()
-            self.cluster.move_budget = self.server.config.cluster_move_budget
-            self.moves.guard.expire(loop_time())
-            self.peers.keep_only(set(self.cluster.map.nodes.values()) | set(self.cluster.nodes.values()))
+            try:
+                await self._tick_once()
+            except Exception:
+                self._log_tick_failure()
+                await asyncio.sleep(WINDOW)     # a step that fails at once must not spin the loop
+
+    async def _tick_once(self) -> None:
+        """Replication's renewals and cooling (after waiting out the window); settings changed by CONFIG SET."""
+        await self.copies.run_once()
+        self.cluster.move_budget = self.server.config.cluster_move_budget
+        self.moves.guard.expire(loop_time())
+        self.peers.keep_only(set(self.cluster.map.nodes.values()) | set(self.cluster.nodes.values()))
+
+    def _log_tick_failure(self) -> None:
+        """Log with its traceback at most once per TICK_LOG_INTERVAL_S: a step failing every window
+        must not flood the log, but the count of the ones left out is kept."""
+        self.tick_failures += 1
+        now = time.monotonic()
+        if now - self._tick_logged_at < TICK_LOG_INTERVAL_S:
+            return
+        self._tick_logged_at = now
+        log.exception("Cluster tick failed (%d failures so far); ticking on", self.tick_failures)
 
     async def drain(self) -> None:
         """Move this node's slots away before it leaves; a failure here must not stop the leave."""
