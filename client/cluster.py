@@ -88,6 +88,7 @@ class KVClusterClient:
             raise ValueError("name at least one node (host:port)")
         self._client_args = client_args
         self._clients: dict[str, KVClient] = {}
+        self._clients_lock = threading.Lock()
         self._seeds = list(nodes)
         # (node addresses, owner index per slot), replaced whole by `refresh`: an operation reads
         # it once, so a refresh in another thread never mixes two maps.
@@ -144,11 +145,16 @@ class KVClusterClient:
         return addrs[index]
 
     def _client(self, addr: str) -> KVClient:
+        """The one client of node ``addr``, opened on first use. Double-checked under a lock: two
+        threads asking at once must not each open one (the loser's would never be closed)."""
         client = self._clients.get(addr)
         if client is None:
-            host, _, port = addr.rpartition(":")
-            client = self._clients.setdefault(addr, KVClient(host.strip("[]"), int(port), readonly=True,
-                                                             **self._client_args))
+            with self._clients_lock:
+                client = self._clients.get(addr)
+                if client is None:
+                    host, _, port = addr.rpartition(":")
+                    client = KVClient(host.strip("[]"), int(port), readonly=True, **self._client_args)
+                    self._clients[addr] = client
         return client
 
     # ------------------------------------------------------------ routing

@@ -4,7 +4,9 @@ MOVED followed after the map changes."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -144,3 +146,31 @@ def test_reads_of_a_hot_block_spread_over_its_copies():
         assert max(served.values()) - min(served.values()) <= 3, served         # in turn, not at random
         kv.put("hot", b"new", overwrite=True)          # a write removes the copies first
         assert all(kv.get("hot") == b"new" for _ in range(20))
+
+
+def test_threads_asking_for_one_node_at_once_share_one_client(monkeypatch):
+    """No processes: node clients are stand-ins whose opening is slow, so the threads overlap in it."""
+    opened: list[str] = []
+
+    class SlowToOpen:
+        def __init__(self, host: str, port: int, **_):
+            opened.append(f"{host}:{port}")
+            time.sleep(0.05)
+
+        def execute(self, *args):
+            return [[0, 16383, [b"127.0.0.1", 7001]]]          # CLUSTER SLOTS: one node owns all
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("client.cluster.KVClient", SlowToOpen)
+    threads = 8
+    barrier = threading.Barrier(threads)
+    with KVClusterClient(["127.0.0.1:7000"]) as kv:
+        def ask(_):
+            barrier.wait()
+            return kv._client("127.0.0.1:7001")
+        with ThreadPoolExecutor(threads) as pool:
+            clients = list(pool.map(ask, range(threads)))
+    assert len({id(c) for c in clients}) == 1
+    assert opened.count("127.0.0.1:7001") == 1
