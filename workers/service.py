@@ -30,6 +30,8 @@ cpb, cpb_grpc = grpc_codegen.load("conductor")
 
 log = logging.getLogger(__name__)
 REPORT_INTERVAL_S = 0.2
+REPORT_DEADLINE_S = 2.0
+STOP_TIMEOUT_S = REPORT_DEADLINE_S + 1.0
 MAX_PROMPT_IDS = 1 << 20
 
 
@@ -116,15 +118,22 @@ class ConductorLink:
         self.thread.start()
 
     def stop(self) -> None:
+        """End the reports, then close the channel: the report thread is waited for (at most
+        STOP_TIMEOUT_S, one report's deadline and then some), so no report is sent on a closed
+        channel or outlives the worker's shutdown."""
         self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(STOP_TIMEOUT_S)
         self.channel.close()
 
     def _loop(self) -> None:
         while not self.stopped.wait(REPORT_INTERVAL_S):
             queued, batch, kv_tokens = self.load()
+            if self.stopped.is_set():
+                return
             try:
                 self.stub.ReportLoad(cpb.LoadReport(instance_id=self.info.instance_id, queued_prefill_s=queued,
-                                                    batch=batch, kv_tokens=kv_tokens), timeout=2.0)
+                                                    batch=batch, kv_tokens=kv_tokens), timeout=REPORT_DEADLINE_S)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:       # the conductor restarted: register again
                     self._register_quietly()
