@@ -12,6 +12,7 @@ PING (or, for Mooncake, when its holder process says its segment is mounted).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import shutil
@@ -23,16 +24,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-HOST = "127.0.0.1"
+from kvstore.cluster.ports import HOST, free_port, free_ports, port_was_taken
+
+SERVER_START_TRIES = 3      # a server whose port another process took meanwhile starts again on a fresh one
 DEFAULT_KVSTORE_CMD = "{python} -m kvstore serve --port {port} --dram-size {memory}"
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -144,22 +141,32 @@ def ensure_redis_tools() -> str:
 
 def start_redis(group: ProcessGroup, maxmemory: str, name: str = "redis") -> Server:
     """A redis-server with persistence off and the same memory limit the store gets."""
-    port = free_port()
-    argv = [ensure_redis_tools(), "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
-            "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(group.log_dir)]
-    process = group.start(name, argv)
-    wait_for_ping(HOST, port, process)
-    return Server(name, HOST, port, process)
+    redis_server = ensure_redis_tools()
+    return start_server(group, name, lambda port: [
+        redis_server, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+        "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(group.log_dir)])
 
 
 def start_kvstore(group: ProcessGroup, memory: str, cmd_template: str = DEFAULT_KVSTORE_CMD,
                   name: str = "kvstore") -> Server:
     """The store daemon; cmd_template may name another command with {python}, {port}, {memory}."""
-    port = free_port()
-    cmd = cmd_template.format(python=shlex.quote(sys.executable), port=port, memory=memory, dir=group.log_dir)
-    process = group.start(name, shlex.split(cmd))
-    wait_for_ping(HOST, port, process)
-    return Server(name, HOST, port, process)
+    return start_server(group, name, lambda port: shlex.split(cmd_template.format(
+        python=shlex.quote(sys.executable), port=port, memory=memory, dir=group.log_dir)))
+
+
+def start_server(group: ProcessGroup, name: str, argv_for: Callable[[int], list[str]]) -> Server:
+    """Start ``argv_for(port)`` on a free port and wait for its PING; one that finds its port taken by
+    another process meanwhile is started again on a fresh port (SERVER_START_TRIES starts in all)."""
+    for attempt in itertools.count(1):
+        port = free_port()
+        process = group.start(name, argv_for(port))
+        try:
+            wait_for_ping(HOST, port, process)
+            return Server(name, HOST, port, process)
+        except RuntimeError:
+            group.stop(process)
+            if attempt == SERVER_START_TRIES or not port_was_taken(process.log_tail()):
+                raise
 
 
 @dataclass
@@ -191,7 +198,7 @@ def mooncake_master_path() -> str:
 
 def start_mooncake(group: ProcessGroup, segment_bytes: int, timeout: float = 30.0) -> MooncakeCluster:
     """Start mooncake_master and a holder process that mounts segment_bytes of DRAM for the store."""
-    rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    rpc_port, http_port, metrics_port = free_ports(3)
     master = group.start("mooncake-master", [
         mooncake_master_path(), f"--rpc_port={rpc_port}", f"--rpc_address={HOST}",
         "--enable_http_metadata_server=true", f"--http_metadata_server_host={HOST}",

@@ -28,14 +28,16 @@ import time
 from dataclasses import dataclass
 
 from kvstore.cluster.etcd_kv import EtcdKV
-from kvstore.cluster.etcd_server import EtcdError, ThrowawayEtcd, free_port
+from kvstore.cluster.etcd_server import EtcdError, ThrowawayEtcd
 from kvstore.cluster.kv import Unavailable
 from kvstore.cluster.membership import ClusterError
 from kvstore.cluster.netns import HostLab, NetnsUnavailable
+from kvstore.cluster.ports import free_ports, port_was_taken
 from kvstore.cluster.runner import ClusterURL
 from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
 
 START_TIMEOUT = 60.0
+NODE_START_TRIES = 3        # a node whose port another process took meanwhile starts again on a fresh one
 
 
 @dataclass
@@ -109,6 +111,7 @@ class LocalCluster:
         self.etcd_url = args.etcd
         self.log_dir = tempfile.mkdtemp(prefix="kvstore-cluster-")
         self.nodes: list[tuple[str, subprocess.Popen]] = []        # (addr, process)
+        self.node_tries: list[int] = []                             # starts so far, per node
         self.lab: HostLab | None = None
 
     def start(self) -> None:
@@ -121,8 +124,9 @@ class LocalCluster:
             self.etcd_url = self.etcd.url
         host, _, port = self.etcd_url.removeprefix("http://").rstrip("/").rpartition(":")
         self.url = ClusterURL.parse(f"etcd://{host}:{port}/{self.args.name}")
-        for i in range(self.args.nodes):
-            self.nodes.append(self._start_node(i, free_port()))
+        for i, port in enumerate(free_ports(self.args.nodes)):       # distinct: all probed together
+            self.nodes.append(self._start_node(i, port))
+            self.node_tries.append(1)
 
     def _start_node(self, i: int, port: int) -> tuple[str, subprocess.Popen]:
         host, prefix = ("127.0.0.1", []) if self.lab is None else (self.lab.address(i), self.lab.prefix(i))
@@ -145,12 +149,12 @@ class LocalCluster:
 
     def wait_formed(self) -> list[dict]:
         """Block until the map covers every slot with exactly our nodes, none moving; their ids, addresses, pids."""
-        wanted = {addr for addr, _ in self.nodes}
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            for addr, proc in self.nodes:
+            for i, (addr, proc) in enumerate(self.nodes):
                 if proc.poll() is not None:
-                    raise ClusterError(f"node {addr} exited with {proc.returncode}:\n{self._log_tail(addr)}")
+                    self._restart_if_port_taken(i)
+            wanted = {addr for addr, _ in self.nodes}
             snap = self._snapshot()
             if snap is not None and snap.slot_map is not None and snap.slot_map.assigned == SLOTS \
                     and not snap.slot_map.migrating and set(snap.slot_map.nodes.values()) == wanted:
@@ -160,6 +164,19 @@ class LocalCluster:
                 raise ClusterError(f"the cluster did not form within {START_TIMEOUT:.0f} s (logs in {self.log_dir})")
             if self.stopping.wait(0.1):
                 raise ClusterError("interrupted while the cluster was forming")
+
+    def _restart_if_port_taken(self, i: int) -> None:
+        """Node ``i`` exited: when its port was taken by another process after it was picked, start it
+        again on a fresh port (NODE_START_TRIES starts in all); any other exit fails the start."""
+        addr, proc = self.nodes[i]
+        tail = self._log_tail(addr)
+        if not port_was_taken(tail) or self.node_tries[i] >= NODE_START_TRIES:
+            raise ClusterError(f"node {addr} exited with {proc.returncode}:\n{tail}")
+        print(f"node {addr} found its port taken: starting it on another", file=sys.stderr)
+        ours = {int(a.rpartition(":")[2]) for a, _ in self.nodes}
+        port = next(p for p in free_ports(len(ours) + 1) if p not in ours)  # n+1 distinct: one is not ours
+        self.nodes[i] = self._start_node(i, port)
+        self.node_tries[i] += 1
 
     def _snapshot(self) -> Snapshot | None:
         try:

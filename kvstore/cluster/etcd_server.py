@@ -11,24 +11,19 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 
-HOST = "127.0.0.1"
+from kvstore.cluster.ports import HOST, free_ports, port_was_taken
+
+START_TRIES = 3         # a first start whose ports another process took meanwhile tries fresh ones
 
 
 class EtcdError(RuntimeError):
     """etcd is missing or did not come up; the message says why."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 class ThrowawayEtcd:
@@ -42,8 +37,8 @@ class ThrowawayEtcd:
         self.dir = data_dir or tempfile.mkdtemp(prefix="kvstore-etcd-")
         self.name = name
         self.host = host                # a bridge address when the nodes live in network namespaces
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port, self.peer_port = free_ports(2, host)
+        self.started = False
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -51,13 +46,32 @@ class ThrowawayEtcd:
         return f"http://{self.host}:{self.client_port}"
 
     @property
+    def _data_dir(self) -> str:
+        return os.path.join(self.dir, "data")
+
+    @property
     def log_path(self) -> str:
         return os.path.join(self.dir, "etcd.log")
 
     def start(self, timeout: float = 20.0) -> "ThrowawayEtcd":
+        """Start etcd and wait until it is healthy. A first start that finds a port taken tries fresh
+        ones (START_TRIES in all); a restart keeps its ports, which the nodes know it by."""
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                self._start_once(timeout)
+                break
+            except EtcdError:
+                if self.started or attempt == START_TRIES or not port_was_taken(self.log_tail()):
+                    raise
+                self.client_port, self.peer_port = free_ports(2, self.host)
+                shutil.rmtree(self._data_dir, ignore_errors=True)      # nothing of the old ports may stay
+        self.started = True
+        return self
+
+    def _start_once(self, timeout: float) -> None:
         os.makedirs(self.dir, exist_ok=True)
         client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
-        args = [self.exe, "--name", self.name, "--data-dir", os.path.join(self.dir, "data"),
+        args = [self.exe, "--name", self.name, "--data-dir", self._data_dir,
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"{self.name}={peer}", "--unsafe-no-fsync", "--log-level", "warn"]
@@ -66,7 +80,6 @@ class ThrowawayEtcd:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         self._wait_healthy(timeout)
-        return self
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
