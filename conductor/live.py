@@ -15,7 +15,14 @@ Liveness is the same reports' absence: an instance that has not reported for
 then sees only the live instances, so no policy (not even `random`, which
 ignores load) sends it work, and `status` names it; its next report makes it
 live again. A front end that fails to reach an instance says so
-(`mark_unreachable`), which makes it dead at once rather than a timeout later.
+(`mark_unreachable`), which makes it dead at once rather than a timeout later;
+only a report sent after the mark (reports say how old they are) takes it
+back, so one already on its way when the mark came does not make it flap.
+
+Workers restarted with fresh ids (role-pid) register as new instances, so
+the dead ones would pile up: an instance silent for `FORGET_AFTER_TIMEOUTS`
+report timeouts gives its place (its index, with an empty cache record) to
+the next instance of its role that registers, and is forgotten.
 """
 from __future__ import annotations
 
@@ -39,6 +46,12 @@ from conductor.stores import Store
 PREFILL, DECODE = "prefill", "decode"
 LIVE, DEAD = "live", "dead"
 DEFAULT_REPORT_TIMEOUT_S = 2.0
+MAX_PREFILL_INSTANCES = 60
+# An instance silent this many report timeouts is taken for gone for good (its place goes to a newcomer).
+# Far above one timeout, so a worker that is merely slow, paused or cut off for a while keeps its place and
+# the record of what its cache holds, and comes back with its next report; low enough that workers
+# restarted under new ids do not fill the prefill places or grow the decode list without end.
+FORGET_AFTER_TIMEOUTS = 10
 
 log = logging.getLogger(__name__)
 
@@ -136,33 +149,73 @@ class LiveConductor:
         self.caches: list[NodeCache] = []
         self.addresses: dict[str, str] = {}
         self.last_report: dict[str, float] = {}     # instance -> clock() of its last report
+        self.unreachable_at: dict[str, float] = {}  # instance -> clock() when a front end marked it
         self.dead: set[str] = set()                 # as last logged, so each change is logged once
         self.lock = threading.Lock()
 
     def register(self, instance_id: str, role: str, address: str) -> None:
         """Add an instance (or take back one that registers again, e.g. after a restart)."""
         with self.lock:
-            if instance_id not in self.prefill_ids and instance_id not in self.decode_ids:
-                self._add(instance_id, role)
+            if instance_id not in self.last_report:
+                gone = self._longest_silent(role)
+                if gone is None:
+                    self._add(instance_id, role)
+                else:
+                    self._replace(gone, instance_id, role)
             self.addresses[instance_id] = address
+            self.unreachable_at.pop(instance_id, None)
             self._heard_from(instance_id)
+
+    def _longest_silent(self, role: str) -> str | None:
+        """The instance of ``role`` silent longest, if for FORGET_AFTER_TIMEOUTS report timeouts or more."""
+        ids = self.prefill_ids if role == PREFILL else self.decode_ids
+        if not ids:
+            return None
+        quietest = min(ids, key=self.last_report.__getitem__)
+        silent_s = self.clock() - self.last_report[quietest]
+        return quietest if silent_s >= FORGET_AFTER_TIMEOUTS * self.report_timeout_s else None
 
     def _add(self, instance_id: str, role: str) -> None:
         if role == PREFILL:
-            if len(self.prefill_ids) >= 60:
-                raise ValueError("at most 60 prefill instances can be registered")
+            if len(self.prefill_ids) >= MAX_PREFILL_INSTANCES:
+                raise ValueError(f"at most {MAX_PREFILL_INSTANCES} prefill instances can be registered")
             self.prefill_ids.append(instance_id)
             self.queued_s.append(0.0)
-            blocks = max(1, self.cache_tokens_per_node // self.hasher.block_tokens)
-            self.caches.append(NodeCache(len(self.caches), blocks, self.directory))
+            self.caches.append(self._empty_cache(len(self.caches)))
         else:
             self.decode_ids.append(instance_id)
             self.decodes.append(ReportedDecode(self.cost))
 
-    def report(self, instance_id: str, queued_s: float, batch: int, kv_tokens: int) -> None:
+    def _replace(self, gone: str, instance_id: str, role: str) -> None:
+        """``instance_id`` takes the place of ``gone``, which is forgotten: nothing of its load or cache stays."""
+        if role == PREFILL:
+            i = self.prefill_ids.index(gone)
+            for block in self.caches[i].slots:
+                self.directory.discard(block, i)
+            self.prefill_ids[i], self.queued_s[i], self.caches[i] = instance_id, 0.0, self._empty_cache(i)
+        else:
+            j = self.decode_ids.index(gone)
+            self.decode_ids[j], self.decodes[j] = instance_id, ReportedDecode(self.cost)
+        for record in (self.last_report, self.addresses, self.unreachable_at):
+            record.pop(gone, None)
+        self.dead.discard(gone)
+        log.warning("instance %s was silent for %d report timeouts: %s takes its place", gone,
+                    FORGET_AFTER_TIMEOUTS, instance_id)
+
+    def _empty_cache(self, node: int) -> NodeCache:
+        blocks = max(1, self.cache_tokens_per_node // self.hasher.block_tokens)
+        return NodeCache(node, blocks, self.directory)
+
+    def report(self, instance_id: str, queued_s: float, batch: int, kv_tokens: int, age_s: float = 0.0) -> None:
+        """A load report sent ``age_s`` ago. One sent before a front end marked the instance
+        unreachable is old news: it is dropped, and the instance stays out."""
         with self.lock:
             if instance_id not in self.last_report:
                 raise KeyError(instance_id)
+            marked_at = self.unreachable_at.get(instance_id)
+            if marked_at is not None and self.clock() - age_s < marked_at:
+                return
+            self.unreachable_at.pop(instance_id, None)
             self._heard_from(instance_id)
             if instance_id in self.prefill_ids:
                 self.queued_s[self.prefill_ids.index(instance_id)] = queued_s
@@ -171,11 +224,11 @@ class LiveConductor:
                 d.observe(self.clock(), DecodeLoad(batch, float(kv_tokens)))
 
     def mark_unreachable(self, instance_id: str) -> None:
-        """A front end could not reach this instance: no more requests until it reports again."""
+        """A front end could not reach this instance: no more requests until a report sent after now."""
         with self.lock:
             if instance_id not in self.last_report:
                 raise KeyError(instance_id)
-            self.last_report[instance_id] = float("-inf")
+            self.unreachable_at[instance_id] = self.clock()
             self._alive(instance_id)
 
     def status(self) -> dict[str, str]:
@@ -188,9 +241,10 @@ class LiveConductor:
         self._alive(instance_id)
 
     def _alive(self, instance_id: str) -> bool:
-        """Whether the instance reported within report_timeout_s; logs when that changes."""
+        """Whether the instance reported within report_timeout_s and was not marked unreachable since;
+        logs when that changes."""
         silent_s = self.clock() - self.last_report[instance_id]
-        alive = silent_s <= self.report_timeout_s
+        alive = silent_s <= self.report_timeout_s and instance_id not in self.unreachable_at
         if alive and instance_id in self.dead:
             self.dead.discard(instance_id)
             log.warning("instance %s reports again: scheduling onto it", instance_id)

@@ -11,6 +11,8 @@ from the instance: it takes the instance out of scheduling at once.
 """
 from __future__ import annotations
 
+import math
+import time
 from concurrent import futures
 
 import grpc
@@ -72,12 +74,14 @@ class ConductorService(pb_grpc.ConductorServicer):
     def ReportLoad(self, request, context):
         if request.queued_prefill_s < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "queued_prefill_s must be >= 0")
+        if not 0 <= request.sent_unix_s < math.inf:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sent_unix_s must be a time (Unix seconds) or 0")
         try:
             if request.unreachable:
                 self.conductor.mark_unreachable(request.instance_id)
             else:
                 self.conductor.report(request.instance_id, request.queued_prefill_s,
-                                      request.batch, request.kv_tokens)
+                                      request.batch, request.kv_tokens, _age_s(request.sent_unix_s))
         except KeyError:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"instance '{request.instance_id}' is not registered")
@@ -92,6 +96,12 @@ class ConductorService(pb_grpc.ConductorServicer):
             decode_instances=len(live.decode_ids), policy=live.policy.name,
             admission=live.admission.mode,
             dead_instances=sorted(i for i, state in live.status().items() if state == DEAD))
+
+
+def _age_s(sent_unix_s: float) -> float:
+    """How long ago a report was sent, by the sender's clock against ours (0 when it did not say, or
+    when its clock runs ahead)."""
+    return max(0.0, time.time() - sent_unix_s) if sent_unix_s else 0.0
 
 
 def serve(conductor: LiveConductor, host: str, port: int,

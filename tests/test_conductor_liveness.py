@@ -4,7 +4,9 @@ fixture), except where a stand-in answers KV.LOCATE late or not at all (reports 
 and the gRPC half runs the conductor's real server with a real gRPC client as the front end."""
 from __future__ import annotations
 
+import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -13,7 +15,7 @@ from client import BlockHasher, KVClient, KVError
 from client.operations import Location
 from conductor.admission import Admission, Slo
 from conductor.costmodel import CostModel
-from conductor.live import DEAD, LIVE, LiveConductor
+from conductor.live import DEAD, FORGET_AFTER_TIMEOUTS, LIVE, MAX_PREFILL_INSTANCES, LiveConductor
 from conductor.policy import make_policy
 from conductor.service import pb, pb_grpc, serve
 
@@ -81,6 +83,46 @@ def test_an_unreachable_instance_is_dead_at_once_until_its_own_report(conductor)
         conductor.mark_unreachable("nobody")
 
 
+def test_a_report_sent_before_the_unreachable_mark_does_not_take_the_instance_back(conductor, clock):
+    conductor.mark_unreachable("p0")
+    clock.now += 0.5
+    conductor.report("p0", 0.0, 0, 0, age_s=1.0)        # on its way when the mark came
+    assert conductor.status()["p0"] == DEAD
+    assert {p for p, _ in placements(conductor)} == {"p1"}
+    conductor.report("p0", 0.0, 0, 0, age_s=0.2)        # sent after the mark
+    assert conductor.status()["p0"] == LIVE
+
+
+def test_a_long_silent_instance_gives_its_place_and_cache_record_to_a_newcomer(conductor, clock):
+    keys = conductor.block_keys(list(range(64)))
+    while conductor.schedule("r", keys, 64, 8).prefill != "p0":
+        pass
+    assert conductor.directory.prefix_matches(keys, 2)[0] == len(keys)
+    clock.now += FORGET_AFTER_TIMEOUTS * TIMEOUT_S - 1
+    for name in ("p1", "d1"):
+        conductor.report(name, 0.0, 0, 0)
+    conductor.register("p2", "prefill", "p2:1")          # p0 and d0 are not yet silent long enough
+    assert conductor.prefill_ids == ["p0", "p1", "p2"]
+    clock.now += 1
+    conductor.register("p3", "prefill", "p3:1")
+    conductor.register("d2", "decode", "d2:1")
+    assert conductor.prefill_ids == ["p3", "p1", "p2"] and conductor.decode_ids == ["d2", "d1"]
+    assert conductor.status() == {"p1": LIVE, "p2": LIVE, "p3": LIVE, "d1": LIVE, "d2": LIVE}
+    assert conductor.directory.prefix_matches(keys, 3)[0] == 0      # p3 holds nothing of p0's
+    assert "p0" not in conductor.addresses
+    with pytest.raises(KeyError):
+        conductor.report("p0", 0.0, 0, 0)               # a forgotten instance must register again
+
+
+def test_restarted_workers_under_new_ids_never_hit_the_prefill_cap(conductor, clock):
+    for generation in range(3):
+        for i in range(MAX_PREFILL_INSTANCES - 2):            # with p0 and p1: all the places
+            conductor.register(f"prefill-{generation}-{i}", "prefill", "p:1")
+        clock.now += FORGET_AFTER_TIMEOUTS * TIMEOUT_S
+    assert len(conductor.prefill_ids) == MAX_PREFILL_INSTANCES
+    assert len(conductor.status()) == MAX_PREFILL_INSTANCES + 2     # and the two decode instances
+
+
 class SlowStore:
     """A store that holds every block of a prompt and answers KV.LOCATE only when ``answer`` is set."""
 
@@ -135,7 +177,7 @@ def test_a_locate_that_fails_leaves_the_placed_request_without_fetch_hints(clock
     assert live.counters.scheduled == 1
 
 
-def test_an_unreachable_report_over_grpc_shows_in_stats(conductor):
+def test_an_unreachable_report_over_grpc_shows_in_stats(conductor, clock):
     grpc_server, port = serve(conductor, "127.0.0.1", 0)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ConductorStub(channel)
@@ -144,7 +186,13 @@ def test_an_unreachable_report_over_grpc_shows_in_stats(conductor):
         assert list(stub.Stats(pb.StatsRequest()).dead_instances) == ["d1"]
         reply = stub.Schedule(pb.ScheduleRequest(request_id="x", token_ids=list(range(40))))
         assert reply.decode_instance == "d0"
-        stub.ReportLoad(pb.LoadReport(instance_id="d1"))
+        clock.now += 1.0
+        stub.ReportLoad(pb.LoadReport(instance_id="d1", sent_unix_s=time.time() - 5))   # on its way for 5 s
+        assert list(stub.Stats(pb.StatsRequest()).dead_instances) == ["d1"]
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ReportLoad(pb.LoadReport(instance_id="d1", sent_unix_s=math.nan))
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub.ReportLoad(pb.LoadReport(instance_id="d1", sent_unix_s=time.time()))
         assert list(stub.Stats(pb.StatsRequest()).dead_instances) == []
         with pytest.raises(grpc.RpcError) as failed:
             stub.ReportLoad(pb.LoadReport(instance_id="nobody", unreachable=True))

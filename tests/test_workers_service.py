@@ -55,3 +55,16 @@ def test_stop_waits_for_the_report_thread(conductor):
     sent = len(servicer.reports)
     time.sleep(0.3)
     assert len(servicer.reports) == sent == 0       # the report measured while stopping is not sent
+
+
+def test_reports_say_when_they_were_sent(conductor):
+    servicer, address = conductor
+    link = ConductorLink(address, "decode-1", "decode", "127.0.0.1:1", lambda: (0.0, 2, 300))
+    link.start()
+    deadline = time.monotonic() + 10
+    while not servicer.reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    link.stop()
+    report = servicer.reports[0]
+    assert (report.batch, report.kv_tokens) == (2, 300)
+    assert abs(report.sent_unix_s - time.time()) < 10

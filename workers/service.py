@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -133,7 +134,8 @@ class ConductorLink:
                 return
             try:
                 self.stub.ReportLoad(cpb.LoadReport(instance_id=self.info.instance_id, queued_prefill_s=queued,
-                                                    batch=batch, kv_tokens=kv_tokens), timeout=REPORT_DEADLINE_S)
+                                                    batch=batch, kv_tokens=kv_tokens, sent_unix_s=time.time()),
+                                     timeout=REPORT_DEADLINE_S)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:       # the conductor restarted: register again
                     self._register_quietly()
