@@ -3,7 +3,8 @@
 ``up`` starts a throwaway etcd (unless ``--etcd`` names one) and N
 ``kvstore serve --cluster etcd://HOST:PORT/NAME`` nodes on free loopback
 ports (flags after ``--`` go to every node's ``serve``), waits until the
-leader's map covers every slot with all N nodes, and prints one JSON line that scripts and tests read::
+leader's map covers every slot with all N nodes and every node has applied
+it, and prints one JSON line that scripts and tests read::
 
     {"etcd": "http://127.0.0.1:P", "etcd_pid": ..., "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
 
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -101,6 +103,40 @@ def cmd_status(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- up
 
 
+def node_epoch(addr: str) -> int:
+    """The map epoch node ``addr`` has applied (CLUSTER INFO), -1 while it cannot say.
+
+    A map in etcd is not yet a map the nodes serve: each applies it from its
+    watch a moment later, and until then a node answers CLUSTERDOWN or MOVED
+    from the map before. A node that refuses the question (a password, TLS
+    only) cannot be asked, so it counts as applied: etcd's map is all we know.
+    """
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0) as s:
+            s.sendall(b"*2\r\n$7\r\nCLUSTER\r\n$4\r\nINFO\r\n")
+            reply = b""
+            while not reply.endswith(b"\r\n") or (reply[:1] == b"$" and len(reply) < _bulk_end(reply)):
+                chunk = s.recv(65536)
+                if not chunk:
+                    return -1
+                reply += chunk
+    except (OSError, ValueError):
+        return -1
+    if reply[:1] == b"-":
+        return 1 << 62
+    for line in reply.decode("latin-1").splitlines():
+        if line.startswith("cluster_current_epoch:"):
+            return int(line.partition(":")[2])
+    return -1
+
+
+def _bulk_end(reply: bytes) -> int:
+    """Where a RESP bulk string whose header has arrived ends (header, payload, CRLF)."""
+    header, sep, _ = reply.partition(b"\r\n")
+    return len(header) + 2 + int(header[1:]) + 2 if sep else len(reply) + 1
+
+
 class LocalCluster:
     """The etcd (when ours) and node processes `up` started, and how to stop them."""
 
@@ -157,7 +193,8 @@ class LocalCluster:
             wanted = {addr for addr, _ in self.nodes}
             snap = self._snapshot()
             if snap is not None and snap.slot_map is not None and snap.slot_map.assigned == SLOTS \
-                    and not snap.slot_map.migrating and set(snap.slot_map.nodes.values()) == wanted:
+                    and not snap.slot_map.migrating and set(snap.slot_map.nodes.values()) == wanted \
+                    and all(node_epoch(addr) >= snap.slot_map.epoch for addr in wanted):
                 ids = {addr: node_id for node_id, addr in snap.slot_map.nodes.items()}
                 return [{"id": ids[addr], "addr": addr, "pid": proc.pid} for addr, proc in self.nodes]
             if time.monotonic() > deadline:
