@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from conftest import start_kvstore, wait_until
-from test_dispatch import _command, _read_until
+from test_dispatch import _read_until
+from test_plain_path import command as _command
 
 
 def _on_ssd(client: redis.Redis, key: str) -> bool:
