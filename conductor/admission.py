@@ -119,7 +119,7 @@ class Admission:
 
         def chance(hold_s: float, record: bool = False) -> float:
             return decode.fit_chance(now_s, due_s + hold_s, input_length, output_estimate,
-                                     self.slo.tbt_s, least_queue_s, record)
+                                     self.slo.tbt_s, least_queue_s, record, borrow=not hold_s)
 
         hold = next((h for h in self.hold_choices(placement.ttft_s) if chance(h) >= need), None)
         chance(hold or 0.0, record=True)
