@@ -43,9 +43,15 @@ arrival check knows:
     due times a few seconds later (`HOLD_STEPS_S`, doubling, as far as the
     TTFT SLO allows) and admits the request for the first one whose chance
     pays for its prefill; its prefill then starts that much later (its node
-    waits for it, so the queue behind it sees the delay). The request is
+    waits for it, so the queue behind it sees the delay). Only a replay
+    holds, and there a held request's TTFT is known exactly (its node's
+    queue is first come, first served, and its prefill time is the cost
+    model's), so a hold may use all of the SLO's room. The request is
     forecast and scored at the due time it was admitted for (or turned away
-    at), once.
+    at), once. Only that first due time may borrow a chance from its
+    neighbours (`fit_odds`): the check takes the first of several due times
+    that passes, and the more loose chances it tries, the likelier one
+    passes by luck.
   This damps the oscillation and wastes the least prefill.
 
 The decode-stage check stays in every mode but `none`: memory is physical.
@@ -66,7 +72,6 @@ REJECT_DECODE = "decode"
 # few forecasts cover the TTFT SLO's room. A step of 1 s landed held requests in the
 # same crowded batch the forecast had just refused and wasted more prefill.
 HOLD_STEPS_S = (2.0, 4.0, 8.0, 16.0)
-HOLD_MARGIN_S = 2.0     # a hold leaves this much of the TTFT SLO for a slower prefill
 
 
 @dataclass(frozen=True)
@@ -131,11 +136,11 @@ class Admission:
         return None
 
     def hold_choices(self, ttft_s: float) -> tuple[float, ...]:
-        """No hold, then the holds that keep the TTFT `HOLD_MARGIN_S` inside its SLO."""
+        """No hold, then the holds that keep the TTFT (known exactly where a start can be
+        held) within its SLO."""
         if not self.holds:
             return (0.0,)
-        room = self.slo.ttft_s - ttft_s - HOLD_MARGIN_S
-        return (0.0, *(h for h in HOLD_STEPS_S if h <= room))
+        return (0.0, *(h for h in HOLD_STEPS_S if ttft_s + h <= self.slo.ttft_s))
 
     def chance_needed(self, service_s: float) -> float:
         """The least chance of fitting that pays for risking ``service_s`` of prefill."""

@@ -6,7 +6,7 @@ with explicit clock times.
 """
 import pytest
 
-from conductor.admission import HOLD_MARGIN_S, REJECT_DECODE, Admission, Slo
+from conductor.admission import REJECT_DECODE, Admission, Slo
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeView
 from conductor.fit_odds import MIN_SAMPLES
@@ -70,13 +70,13 @@ def test_only_the_unheld_due_time_borrows_a_chance():
 
 
 def test_no_hold_past_the_ttft_slo():
-    # TTFT 20 s of a 30 s SLO: holds up to 30 - 20 - HOLD_MARGIN_S are tried: 2, 4 and 8 s
-    assert HOLD_MARGIN_S == 2.0
+    # TTFT 22 s of a 30 s SLO: the replay's TTFT is exact, so holds up to the 8 s left
+    # are tried (2, 4 and 8 s; 16 s would break the SLO)
     a = Admission("predictive", Slo(30.0, 0.1), holds=True)
     decode = RoomFrom(free_s=100.0)
-    assert a.at_arrival(0.0, placement(ttft_s=20.0), decode, 100, 10.0) == REJECT_DECODE
-    assert decode.asked == [20.0, 22.0, 24.0, 28.0, 20.0]
-    assert a.hold_s == 0.0 and decode.recorded == [20.0]
+    assert a.at_arrival(0.0, placement(ttft_s=22.0), decode, 100, 10.0) == REJECT_DECODE
+    assert decode.asked == [22.0, 24.0, 26.0, 30.0, 22.0]
+    assert a.hold_s == 0.0 and decode.recorded == [22.0]
 
 
 def test_without_holds_only_the_first_due_time_counts():
