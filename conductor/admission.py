@@ -48,10 +48,7 @@ arrival check knows:
     queue is first come, first served, and its prefill time is the cost
     model's), so a hold may use all of the SLO's room. The request is
     forecast and scored at the due time it was admitted for (or turned away
-    at), once. Only that first due time may borrow a chance from its
-    neighbours (`fit_odds`): the check takes the first of several due times
-    that passes, and the more loose chances it tries, the likelier one
-    passes by luck.
+    at), once.
   This damps the oscillation and wastes the least prefill.
 
 The decode-stage check stays in every mode but `none`: memory is physical.
@@ -124,7 +121,7 @@ class Admission:
 
         def chance(hold_s: float, record: bool = False) -> float:
             return decode.fit_chance(now_s, due_s + hold_s, input_length, output_estimate,
-                                     self.slo.tbt_s, least_queue_s, record, borrow=not hold_s)
+                                     self.slo.tbt_s, least_queue_s, record)
 
         hold = next((h for h in self.hold_choices(placement.ttft_s) if chance(h) >= need), None)
         chance(hold or 0.0, record=True)

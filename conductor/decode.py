@@ -70,14 +70,11 @@ class DecodeView(ABC):
         return self.slack(load, input_length, output_estimate, tbt_slo_s) >= 0
 
     def fit_chance(self, now_s: float, at_s: float, input_length: int, output_estimate: float,
-                   tbt_slo_s: float, least_queue_s: float = 0.0, record: bool = True,
-                   borrow: bool = False) -> float:
+                   tbt_slo_s: float, least_queue_s: float = 0.0, record: bool = True) -> float:
         """The chance that a request whose KV arrives at ``at_s`` fits then: the forecast's
         verdict, weighed by how such verdicts turned out lately (`fit_odds`). With
         ``record`` the forecast is filed to be scored at ``at_s`` (once per request: for
-        the due time it is admitted or turned away for). With ``borrow`` a slack band
-        without outcomes of its own may borrow its neighbours' misses, reading the slack as
-        room in memory (what binds on these instances)."""
+        the due time it is admitted or turned away for)."""
         forecast = self.predicted_load(at_s, least_queue_s)
         slack = self.slack(forecast, input_length, output_estimate, tbt_slo_s)
         if self.odds is None:
@@ -85,8 +82,7 @@ class DecodeView(ABC):
         if record:
             self.odds.file(now_s, at_s, slack, forecast.kv_tokens,
                            (input_length, output_estimate, tbt_slo_s))
-        return self.odds.chance(at_s - now_s, slack,
-                                slack * self.capacity_tokens if borrow else None)
+        return self.odds.chance(at_s - now_s, slack)
 
 
 class DecodeInstance(DecodeView):

@@ -20,22 +20,11 @@ against the load really there (without it): would it have fitted? Admitted
 and rejected requests alike are scored, so the odds are not those of the
 requests the forecast let through. The outcomes are kept per horizon band and
 slack band, each a ring of the last `WINDOW`; the chance for a new request is
-the share that fitted in its cell.
+the share that fitted in its cell. A cell with fewer than `MIN_SAMPLES`
+outcomes has not earned an opinion and the forecast is trusted as it is.
 
-A cell with fewer than `MIN_SAMPLES` outcomes has not earned an opinion of
-its own. Trusting the forecast's verdict there turned away, at the start of
-a bursty run, requests the forecast called a per cent or two over while it
-was running several per cent pessimistic at that horizon. So such a cell may
-borrow from its neighbours: each outcome also keeps the forecast's miss
-(actual minus forecast KV), and a request whose slack is s KV tokens would
-have fitted beside a forecast that missed by at most s. The chance is the
-share of the misses in its cell and the slack bands either side of it (the
-same horizon band) that are no larger than its slack: the miss depends on
-how far over the forecast was (forecasts far above the limit are far off but
-harmless), so only near neighbours lend. With fewer than `MIN_SAMPLES` there
-too, the forecast's verdict stands.
-
-The misses are also summed per horizon band for reports.
+The miss of the forecast itself (actual minus forecast KV) is summed per
+horizon band for reports.
 """
 from __future__ import annotations
 
@@ -68,7 +57,6 @@ class FitOdds:
     def __init__(self, window: int = WINDOW):
         shape = (len(HORIZON_EDGES_S) + 1, len(SLACK_EDGES) + 1)
         self._fitted = np.zeros((*shape, window), dtype=bool)
-        self._missed = np.zeros((*shape, window))     # actual - forecast KV, beside each
         self._count = np.zeros(shape, dtype=np.int64)
         self._next = np.zeros(shape, dtype=np.int64)
         self._misses = np.zeros((shape[0], 3))      # n, sum and sum of squares of KV misses
@@ -91,31 +79,24 @@ class FitOdds:
             due_s, _, horizon_s, slack, forecast_kv, request = heapq.heappop(pending)
             fitted, actual_kv = judge(due_s, request)
             band = band_of(horizon_s)
+            self._record(band, bisect_right(SLACK_EDGES, slack), fitted)
             miss = actual_kv - forecast_kv
-            self._record(band, bisect_right(SLACK_EDGES, slack), fitted, miss)
             self._misses[band] += 1, miss, miss * miss
 
-    def _record(self, band: int, cell: int, fitted: bool, miss: float) -> None:
+    def _record(self, band: int, cell: int, fitted: bool) -> None:
         i = self._next[band, cell]
         self._fitted[band, cell, i] = fitted
-        self._missed[band, cell, i] = miss
         self._next[band, cell] = (i + 1) % self._fitted.shape[2]
         self._count[band, cell] = min(self._count[band, cell] + 1, self._fitted.shape[2])
 
-    def chance(self, horizon_s: float, slack: float, room_kv: float | None = None) -> float:
-        """The share of recent requests like this one that fitted. While its cell has too
-        few and ``room_kv`` (the slack in KV tokens) is given, the share of the misses in
-        it and its neighbours that left that much room; else the forecast's own verdict."""
+    def chance(self, horizon_s: float, slack: float) -> float:
+        """The share of recent requests like this one that fitted; the forecast's own
+        verdict (1 or 0) while there are too few."""
         band, cell = band_of(horizon_s), bisect_right(SLACK_EDGES, slack)
         n = self._count[band, cell]
-        if n >= MIN_SAMPLES:
-            return float(self._fitted[band, cell, :n].mean())
-        if room_kv is not None:
-            near = range(max(cell - 1, 0), min(cell + 2, self._count.shape[1]))
-            misses = np.concatenate([self._missed[band, c, :self._count[band, c]] for c in near])
-            if misses.size >= MIN_SAMPLES:
-                return float((misses <= room_kv).mean())
-        return 1.0 if slack >= 0 else 0.0
+        if n < MIN_SAMPLES:
+            return 1.0 if slack >= 0 else 0.0
+        return float(self._fitted[band, cell, :n].mean())
 
     def misses(self) -> np.ndarray:
         """Per horizon band over the whole run: count, sum and sum of squares of

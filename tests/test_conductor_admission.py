@@ -30,7 +30,6 @@ class RoomFrom(DecodeView):
         self.free_s = free_s
         self.asked: list[float] = []
         self.recorded: list[float] = []
-        self.borrowing: list[float] = []
 
     def load(self) -> DecodeLoad:
         return DecodeLoad(0, 0.0)
@@ -41,12 +40,10 @@ class RoomFrom(DecodeView):
         return DecodeLoad(0, 0.0)
 
     def fit_chance(self, now_s, at_s, input_length, output_estimate, tbt_slo_s,
-                   least_queue_s=0.0, record=True, borrow=False) -> float:
+                   least_queue_s=0.0, record=True) -> float:
         self.asked.append(at_s)
         if record:
             self.recorded.append(at_s)
-        if borrow:
-            self.borrowing.append(at_s)
         return 1.0 if at_s >= self.free_s else 0.0
 
 
@@ -57,16 +54,6 @@ def test_a_request_is_held_for_the_first_due_time_that_fits():
     assert a.hold_s == 4.0
     assert decode.asked == [1.0, 3.0, 5.0, 5.0]
     assert decode.recorded == [5.0]                     # scored once, for the time it was held to
-
-
-def test_only_the_unheld_due_time_borrows_a_chance():
-    # A borrowed chance is looser than a band's own, and the check takes the first of
-    # several holds that passes: the more it tries on loose chances, the likelier one
-    # passes by luck. So only the due time the request would have anyway borrows.
-    a = Admission("predictive", Slo(30.0, 0.1), holds=True)
-    decode = RoomFrom(free_s=5.0)
-    assert a.at_arrival(0.0, placement(), decode, 100, 10.0) is None
-    assert decode.borrowing == [1.0]
 
 
 def test_no_hold_past_the_ttft_slo():

@@ -29,33 +29,6 @@ def test_a_pessimistic_forecast_learns_that_such_requests_fit():
     assert odds.chance(1.5, -0.3) == 0.0
 
 
-def test_a_slack_band_without_outcomes_borrows_its_neighbours_misses():
-    # 16 requests told "3 % over" (slack band [-5 %, -2 %)); the KV really there was
-    # 200 tokens more than forecast each time. Its neighbour [-2 %, 0) has no outcomes:
-    # a request there with 250 tokens of room would have fitted beside each of those
-    # misses, one with 100 beside none.
-    odds = scored([False] * MIN_SAMPLES)
-    assert odds.chance(1.5, -0.01) == 0.0                     # no room given: the verdict
-    assert odds.chance(1.5, -0.01, room_kv=250.0) == 1.0
-    assert odds.chance(1.5, -0.01, room_kv=100.0) == 0.0
-    # bands further off, and other horizons, lend nothing: the verdict stands
-    assert odds.chance(1.5, 0.03, room_kv=100.0) == 1.0
-    assert odds.chance(1.5, -0.15, room_kv=250.0) == 0.0
-    assert odds.chance(0.2, -0.01, room_kv=250.0) == 0.0
-
-
-def test_a_pessimistic_forecast_lends_room_to_a_band_without_outcomes():
-    # The forecast ran 400 tokens high (actual - forecast = -400): a request it calls
-    # 300 tokens over, in a band with no outcomes of its own, would have fitted.
-    odds = FitOdds()
-    for i in range(MIN_SAMPLES):
-        odds.file(float(i), float(i) + 1.5, -0.03, 1000.0, ())
-    odds.score_due(1e9, lambda due_s, request: (True, 600.0))
-    assert odds.chance(1.5, -0.01) == 0.0
-    assert odds.chance(1.5, -0.01, room_kv=-300.0) == 1.0
-    assert odds.chance(1.5, -0.01, room_kv=-500.0) == 0.0
-
-
 def test_forecasts_are_scored_only_when_due():
     odds = FitOdds()
     odds.file(0.0, 2.0, -0.03, 1000.0, ())
