@@ -40,12 +40,13 @@ def layer_kv(tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, -keys
 
 
-def save_prompt(c: StoreKVConnector, request: EngineRequest) -> None:
+def save_prompt(c: StoreKVConnector, request: EngineRequest, shift: int = 0) -> None:
+    """Save the prompt's blocks, layer l holding ``layer_kv(tokens, l + shift)``."""
     hit, _ = c.get_num_new_matched_tokens(request, 0)
     c.update_state_after_alloc(request, None, hit)
     c.bind_connector_metadata(c.build_connector_meta(None))
     for layer, name in enumerate(NAMES):
-        c.save_kv_layer(name, layer_kv(len(request.prompt_token_ids), layer), None)
+        c.save_kv_layer(name, layer_kv(len(request.prompt_token_ids), layer + shift), None)
     c.wait_for_save()
     c.clear_connector_metadata()
 
@@ -75,6 +76,33 @@ def test_saved_layers_load_back_exactly(connector):
         want_k, want_v = layer_kv(20, layer)
         assert torch.equal(keys, want_k[:, :, :16]) and torch.equal(values, want_v[:, :, :16])
     assert connector.load_complete("r")
+
+
+def start_load(c: StoreKVConnector, request_id: str, prompt: list[int], tokens: int) -> np.ndarray:
+    """Start loading the prompt's first ``tokens`` tokens; the buffer the load reads into."""
+    c.update_state_after_alloc(EngineRequest(request_id, prompt), None, tokens)
+    c.bind_connector_metadata(c.build_connector_meta())
+    c.start_load_kv()
+    for name in NAMES:
+        c.wait_for_layer_load(name)
+    return c._loads[request_id].buffer
+
+
+def test_a_released_load_buffer_serves_the_next_load_and_loaded_layers_own_their_memory(connector):
+    """A fresh buffer a load made the decode's start wait for the first touch of every page; a kept one
+    is reused, so the layers handed out must be copies that a later load cannot overwrite."""
+    first, second = list(range(700, 708)), list(range(800, 808))     # one block each: the join is a view
+    save_prompt(connector, EngineRequest("w1", first))
+    save_prompt(connector, EngineRequest("w2", second), shift=50)
+    kept = start_load(connector, "r1", first, 8)
+    first_layers = [connector.loaded_layer("r1", name) for name in NAMES]
+    connector.release_load("r1")
+    assert np.shares_memory(start_load(connector, "r2", second, 8), kept)
+    assert torch.equal(connector.loaded_layer("r2", NAMES[0])[0], layer_kv(8, 50)[0])
+    connector.release_load("r2")
+    for layer, (keys, values) in enumerate(first_layers):
+        want_k, want_v = layer_kv(8, layer)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)
 
 
 def test_a_finished_request_waits_for_its_saves(connector):

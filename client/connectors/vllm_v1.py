@@ -47,11 +47,13 @@ import numpy as np
 import torch
 
 from client import BlockHasher, KVClient, KVError, ResponseError
+from client.connectors.read_buffers import ReadBuffers
 
 log = logging.getLogger(__name__)
 
 SCHEDULER, WORKER = "scheduler", "worker"
 LOAD_WAIT_S = 2.0    # longest wait for a layer another writer is still putting
+SPARE_READ_BUFFERS, SPARE_READ_BYTES = 4, 512 << 20     # load buffers kept for the next loads
 
 
 @dataclass(frozen=True)
@@ -93,11 +95,11 @@ class StoreConnectorMetadata:
 class _Load:
     """A request's prefix being read: one buffer for all its blocks and layers, one event per layer."""
 
-    def __init__(self, layout: KVLayout, transfer: RequestTransfer):
+    def __init__(self, layout: KVLayout, transfer: RequestTransfer, buffers: ReadBuffers):
         self.transfer = transfer
         first, last = transfer.load_start // layout.block_tokens, -(-transfer.load_stop // layout.block_tokens)
         self.blocks = range(first, last)
-        self.buffer = np.empty((len(self.blocks), layout.n_layers, *layout.slot_shape), layout.numpy_dtype())
+        self.buffer = buffers.take((len(self.blocks), layout.n_layers, *layout.slot_shape), layout.numpy_dtype())
         self.done = threading.Event()
         self.missing_blocks = 0      # blocks gone from the store (evicted, node lost) when read
         self.error: Exception | None = None
@@ -122,6 +124,7 @@ class StoreKVConnector:
         self._lock = threading.Condition()
         self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
         self._saver.start()
+        self._read_buffers = ReadBuffers(SPARE_READ_BUFFERS, SPARE_READ_BYTES)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -174,7 +177,7 @@ class StoreKVConnector:
         """Start reading every bound request's cached prefix on a background thread."""
         for transfer in self._meta.requests:
             if transfer.load_stop > transfer.load_start:
-                load = _Load(self.layout, transfer)
+                load = _Load(self.layout, transfer, self._read_buffers)
                 self._loads[transfer.request_id] = load
                 threading.Thread(target=self._read, args=(load,), name="kv-loader", daemon=True).start()
 
@@ -198,9 +201,10 @@ class StoreKVConnector:
         offset = load.transfer.load_start - load.blocks.start * self.layout.block_tokens
         tokens = slice(offset, offset + load.transfer.load_stop - load.transfer.load_start)
 
-        def side(i: int) -> torch.Tensor:       # one copy: blocks side by side along the token axis
-            joined = layer[:, i].permute(1, 0, 2, 3).reshape(1, self.layout.kv_heads, -1, self.layout.head_dim)
-            return joined[:, :, tokens]
+        def side(i: int) -> torch.Tensor:       # one copy, out of the buffer: blocks side by side along tokens
+            blocks = layer[:, i].permute(1, 0, 2, 3)                            # (h, blocks, bt, d)
+            joined = torch.empty(blocks.shape, dtype=blocks.dtype).copy_(blocks)
+            return joined.reshape(1, self.layout.kv_heads, -1, self.layout.head_dim)[:, :, tokens]
         return side(0), side(1)
 
     def load_complete(self, request_id: str) -> bool:
@@ -209,7 +213,10 @@ class StoreKVConnector:
         return load is not None and load.done.is_set() and not load.missing_blocks and load.error is None
 
     def release_load(self, request_id: str) -> None:
-        self._loads.pop(request_id, None)
+        """Forget a load whose layers were taken; its buffer serves a later load once no read is left."""
+        load = self._loads.pop(request_id, None)
+        if load is not None and load.done.is_set():
+            self._read_buffers.give_back(load.buffer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any = None,
                       request_id: str | None = None, **kwargs: Any) -> None:
