@@ -74,9 +74,9 @@ def test_decode_overflow_is_rejected_after_prefill(mode):
 def test_predictive_rejects_at_arrival_and_wastes_nothing():
     # At 0.1 B's predicted TTFT is 0.924 + 1.024, so it would reach decode at
     # 2.048, after A's KV (due 1.024): 1,024 + 1,024 + 512 > 2,000. A TTFT SLO
-    # of 10 s leaves room to hold B 2 or 4 s, and A (expected to make the prior's
+    # of 9 s leaves room to hold B 2 or 4 s, and A (expected to make the prior's
     # 512 tokens, 5.12 s) is still there then.
-    summary, _ = run(_overlap_trace(), admission="predictive", slo=Slo(10, 0.1))
+    summary, _ = run(_overlap_trace(), admission="predictive", slo=Slo(9, 0.1))
     assert (summary.rejected_at_arrival, summary.rejected_at_decode) == (1, 0)
     assert summary.wasted_prefill_s == 0
 
