@@ -5,10 +5,10 @@ into its own cache, so the buffer is scratch once the load is released. A new
 buffer for every load was the slowest step of a decode's start: an array that
 large (tens of MiB) is mapped fresh by the allocator each time, and on a
 virtual machine the first touch of each new page can cost tens of
-microseconds (the host backs it only then). Measured with the 1,024-token
+microseconds (likely: the host backs it only then). Measured with the 1,024-token
 hand-off of `loadtest.bench_serving` at load 3-4 on 2 cores: a 5.6 MiB block
 copied in 15-120 ms into a fresh buffer, 0.5-1 ms into a kept one; the first
-decode step 70-170 ms after the prefill ended, against 14-22 ms.
+decode step 70-180 ms after the prefill ended, against 15-22 ms.
 
 At most `max_buffers` buffers and `max_bytes` bytes are kept; a buffer given
 back beyond that is left to the garbage collector, so the memory held is
