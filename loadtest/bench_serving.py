@@ -166,7 +166,8 @@ def cpu_seconds(pid: int) -> float:
 def bench_overlap(rig: Rig, store_pid: int, repeats: int) -> list[Figure]:
     """Per repeat: a bare prefill and a storing prefill (wall clock and CPU, nothing else running; which runs
     first alternates, so a load that drifts during a repeat does not favour one), then a storing prefill
-    handed straight to the decode engine (the gap to its first step)."""
+    handed straight to the decode engine: the gap runs from its return, as a serving prefill hands off, with
+    its last layers' puts possibly still on their way (the decode waits for them, as a real one would)."""
     rng = random.Random(31)
     bare, returned, saved, gaps, bare_cpu, stored_cpu = [], [], [], [], [], []
 
