@@ -54,6 +54,7 @@ from loadtest.report import Table, Target, log, machine_info
 from loadtest.sealed import seal, verify
 
 MIB = 1 << 20
+COST_VALUES = 256         # 1 MiB values per SET/GET pass of the cost figure: long enough to outlast a hiccup
 FIGURES = ("striped", "match", "prefix", "cost", "failover", "hotblock", "rebalance")
 SUBJECT, REFERENCE = "kvstore", "reference"      # each row names what the two are
 ERRORS = (OSError, KVError, redis.RedisError, RuntimeError)
@@ -202,11 +203,12 @@ def cluster_cost(table: Table, s: Settings) -> None:
     with ClusterUp(nodes=1, dram_size="1gb") as up, ProcessGroup() as group:
         standalone = start_kvstore(group, "1gb")
         servers = {SUBJECT: up.addrs[0], REFERENCE: (standalone.host, standalone.port)}
-        for _ in range(s.repeats):
-            for column, addr in servers.items():
+        for repeat in range(s.repeats):
+            order = list(servers.items())
+            for column, addr in order if repeat % 2 == 0 else order[::-1]:      # neither always goes first
                 client = redis.Redis(*addr)
-                for op, seconds in _set_get(client, value, 64).items():
-                    rows[op].add(column, 64 * MIB / seconds / 1e9)
+                for op, seconds in _set_get(client, value, COST_VALUES).items():
+                    rows[op].add(column, COST_VALUES * MIB / seconds / 1e9)
 
 
 def _set_get(client: redis.Redis, value: bytes, count: int) -> dict[str, float]:
