@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import redis
 
 from conftest import start_kvstore
-from test_plain_path import command
+from test_plain_path import command, read_until
 
 
 def _read_until(sock: socket.socket, tail: bytes, timeout: float = 20.0) -> bytes:
-    data, deadline = b"", time.monotonic() + timeout
-    while not data.endswith(tail) and time.monotonic() < deadline:
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
-        try:
-            chunk = sock.recv(1 << 16)
-        except socket.timeout:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data
+    return read_until(sock, lambda data: data.endswith(tail), timeout)
 
 
 def test_exec_keeps_reply_order_when_queued_writes_wait_for_room(tmp_path):

@@ -39,8 +39,13 @@ def exchange(daemon, payload: bytes, replies: int, timeout: float = 20.0) -> byt
 
 
 def read_replies(sock: socket.socket, replies: int, timeout: float = 20.0) -> bytes:
+    return read_until(sock, lambda data: count_replies(data) >= replies, timeout)
+
+
+def read_until(sock: socket.socket, done, timeout: float = 20.0) -> bytes:
+    """What ``sock`` sends until ``done(data)`` holds, it closes, or ``timeout`` passes."""
     data, deadline = b"", time.monotonic() + timeout
-    while count_replies(data) < replies and time.monotonic() < deadline:
+    while not done(data) and time.monotonic() < deadline:
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             chunk = sock.recv(1 << 16)
