@@ -32,7 +32,7 @@ from itertools import islice
 from time import perf_counter_ns
 
 from kvstore import acl
-from kvstore.cluster.routing import redirect
+from kvstore.cluster.routing import redirect, redirect_slot
 from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.strings import set_plain
 from kvstore.commands.table import Command, CommandError, lookup
@@ -229,8 +229,11 @@ def _route(conn, cmd: Command, args: list) -> bytes | None:
     def has_key(key: bytes) -> bool:
         return engine.lookup(key) is not None
 
-    for same_slot in keys_by_slot(keys).values() if cmd.spans_slots else (keys,):
-        reply = redirect(cluster, same_slot, conn.asking, has_key)
+    if not cmd.spans_slots:
+        reply = redirect(cluster, keys, conn.asking, has_key)
+        return None if reply is None or _copies_serve(conn, cmd, keys, reply) else reply
+    for slot, same_slot in keys_by_slot(keys).items():
+        reply = redirect_slot(cluster, slot, same_slot, conn.asking, has_key)
         if reply is not None and not _copies_serve(conn, cmd, same_slot, reply):
             return reply
     return None

@@ -42,12 +42,21 @@ def redirect(cluster: ClusterState, keys: list[bytes], asking: bool,
     if not keys:
         return None
     slot = keyslot(keys[0])
-    owner = cluster.owner(slot)
-    if owner is None:
+    if cluster.owner(slot) is None:
         return SLOT_NOT_SERVED
     for key in keys[1:]:
         if keyslot(key) != slot:
             return CROSSSLOT
+    return redirect_slot(cluster, slot, keys, asking, has_key)
+
+
+def redirect_slot(cluster: ClusterState, slot: int, keys: list[bytes], asking: bool,
+                  has_key: Callable[[bytes], bool]) -> bytes | None:
+    """`redirect` for keys already known to share ``slot`` (a command that spans
+    slots groups its keys once and asks per group, hashing each key once)."""
+    owner = cluster.owner(slot)
+    if owner is None:
+        return SLOT_NOT_SERVED
     if not cluster.ok:
         return CLUSTER_DOWN
     target, source = cluster.migrating_to(slot), cluster.importing_from(slot)
