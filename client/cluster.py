@@ -290,7 +290,8 @@ class KVClusterClient:
         return self._hot_entries.get(addr, [])
 
     def _read(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
-        """A read: a hot key's goes to its owner and copies in turn (the owner on failure).
+        """A read: a hot key's goes to its owner and copies in turn, and to the next
+        holder when one fails (a copy gone or a holder dead, the owner included).
 
         In turn rather than at random: with a few readers, random picks often
         leave a holder idle while another has two readers queued (6 readers over
@@ -298,14 +299,20 @@ class KVClusterClient:
         """
         self._poll_hot()
         holders = self._hot.get(_key_bytes(key))
-        if holders:
-            addr = holders[next(self._hot_turn) % len(holders)]
-            if addr != holders[0]:
-                try:
-                    return run(self._client(addr))
-                except (ResponseError, ConnectionError):
-                    pass                      # the copy went or its holder died: the owner answers
-        return self._on_key(key, run)
+        if not holders:
+            return self._on_key(key, run)
+        start = next(self._hot_turn) % len(holders)
+        owner_failed: ConnectionError | None = None
+        for addr in holders[start:] + holders[:start]:
+            try:
+                return self._on_key(key, run) if addr == holders[0] else run(self._client(addr))
+            except ConnectionError as e:      # a dead holder (the owner too): the others answer meanwhile
+                if addr == holders[0]:
+                    owner_failed = e
+            except ResponseError:
+                if addr == holders[0]:
+                    raise                     # a copy's refusal (it went) passes to the next holder
+        raise owner_failed                    # the owner is one of the holders: only its failure gets here
 
     # ------------------------------------------------------------ one key
 

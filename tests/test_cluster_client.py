@@ -174,3 +174,30 @@ def test_threads_asking_for_one_node_at_once_share_one_client(monkeypatch):
             clients = list(pool.map(ask, range(threads)))
     assert len({id(c) for c in clients}) == 1
     assert opened.count("127.0.0.1:7001") == 1
+
+
+def test_a_hot_read_whose_owner_is_dead_is_answered_by_a_copy_in_the_same_call(monkeypatch):
+    """No processes: the owner's stand-in refuses connections, a copy holder's answers. Whatever
+    holder's turn it is, one read returns the copy's value (a dead owner costs no error)."""
+    from client.errors import ConnectionError as KVConnectionError
+
+    class Holder:
+        def __init__(self, host: str, port: int, **_):
+            self.addr = f"{host}:{port}"
+
+        def execute(self, *args):
+            return [[0, 16383, [b"127.0.0.1", 7001]]]          # CLUSTER SLOTS: 7001 owns all
+
+        def get(self, key):
+            if self.addr == "127.0.0.1:7001":
+                raise KVConnectionError("connection refused")
+            return b"from a copy"
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("client.cluster.KVClient", Holder)
+    with KVClusterClient(["127.0.0.1:7000"]) as kv:
+        monkeypatch.setattr(kv, "_poll_hot", lambda: None)
+        kv._hot = {b"hot": ["127.0.0.1:7001", "127.0.0.1:7002"]}
+        assert [kv.get("hot") for _ in range(4)] == [b"from a copy"] * 4
