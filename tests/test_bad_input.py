@@ -262,28 +262,37 @@ def test_limits_before_auth(guarded, payload, error):
 MAXCLIENTS_ERROR = b"-ERR max number of clients reached\r\n"
 
 
+def authenticated(daemon: Daemon) -> RespConnection:
+    """A connection the server accepted: its AUTH answered OK."""
+    conn = RespConnection(daemon)
+    if conn.call("AUTH", PASSWORD) != b"+OK\r\n":
+        conn.close()
+        raise AssertionError("a connection within the client limit was refused")
+    return conn
+
+
+def can_authenticate(daemon: Daemon) -> bool:
+    try:
+        with RespConnection(daemon) as conn:
+            return conn.call("AUTH", PASSWORD) == b"+OK\r\n"
+    except (ConnectionError, OSError):
+        return False
+
+
 def test_maxclients_refuses_the_extra_connection(guarded):
     """Redis answers the connection past the limit with an error and closes it."""
-    time.sleep(0.2)  # let the server notice connections closed by earlier tests
-    held = []
+    held = [authenticated(guarded)]
     try:
-        for _ in range(MAXCLIENTS + 1):
-            conn = RespConnection(guarded)
-            greeting = conn.read_available(len(MAXCLIENTS_ERROR), quiet=0.2)
-            if greeting:
-                break
-            held.append(conn)
-        assert greeting == MAXCLIENTS_ERROR
-        assert conn.closed_by_peer()
-        assert len(held) == MAXCLIENTS
-        assert held[0].call("AUTH", PASSWORD) == b"+OK\r\n"
+        only_client_left(held[0])      # the connections of earlier tests and fixtures are gone
+        held += [authenticated(guarded) for _ in range(MAXCLIENTS - 1)]
+        with RespConnection(guarded) as extra:
+            assert extra.read_available(len(MAXCLIENTS_ERROR), quiet=10) == MAXCLIENTS_ERROR
+            assert extra.closed_by_peer(wait=10)
         assert held[0].call("PING") == b"+PONG\r\n"
     finally:
         for conn in held:
             conn.close()
-    time.sleep(0.2)  # the same grace: polling would need a connection, itself one to count
-    with RespConnection(guarded) as conn:
-        assert conn.call("AUTH", PASSWORD) == b"+OK\r\n"
+    wait_until(lambda: can_authenticate(guarded), what="the closed connections' places to free up")
 
 
 def test_slow_reader_does_not_stall_others(target):
