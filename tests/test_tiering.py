@@ -168,7 +168,8 @@ def test_chains_spill_tail_first_and_read_back(tmp_path):
 
 
 def test_promotion_after_promote_hits_within_the_window(tmp_path):
-    daemon = start_tiered(tmp_path, "--promote-hits", "3", "--promote-window-ms", "500")
+    # A minute's window holds the first three hits however slowly they come.
+    daemon = start_tiered(tmp_path, "--promote-hits", "3", "--promote-window-ms", "60000")
     try:
         r = client(daemon)
         written = spill(r, 48)
@@ -179,6 +180,7 @@ def test_promotion_after_promote_hits_within_the_window(tmp_path):
             assert tiers(r, [cold]) == [expected_tier]
         assert r.info("ssd")["ssd_promotions"] == before + 1
         # Hits further apart than the window never add up to a promotion.
+        assert r.config_set("promote-window-ms", 500)
         for _ in range(3):
             assert digest(r.get(slow)) == written[slow]
             assert tiers(r, [slow]) == ["ssd"]
