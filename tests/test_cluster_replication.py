@@ -9,6 +9,9 @@ connections, as a cluster-aware client does.
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -308,6 +311,30 @@ def make_hot(owner: str, key: bytes, value: bytes) -> list[str]:
     return [a.decode() for k, addrs in conn.execute_command("KV.HOTKEYS")[1] if k == key for a in addrs]
 
 
+@contextmanager
+def kept_hot(owner: str, key: bytes) -> Iterator[None]:
+    """Keep reading ``key`` on its owner while the test looks at its copies.
+
+    A block read less than half the threshold over a heat window cools and
+    its copies go, so on a busy host a test that only looks would race the
+    window's end.
+    """
+    stop = threading.Event()
+
+    def read() -> None:
+        conn = connect(owner)
+        while not stop.wait(0.01):
+            conn.get(key)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reader.join()
+
+
 @pytest.fixture(scope="module")
 def cluster():
     with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "20")) as up:
@@ -321,24 +348,25 @@ def addrs_of(up: ClusterUp) -> list[str]:
 def test_readers_learn_where_copies_are_and_read_them_with_readonly(cluster):
     key, value = b"sys-prompt-0", bytes(range(256)) * 1024
     owner = owner_of(addrs_of(cluster)[0], key)
-    holders = make_hot(owner, key, value)
-    others = sorted(a for a in addrs_of(cluster) if a != owner)
-    assert sorted(holders) == others                    # 3 nodes, 2 copies: both others
-    reader = connect(owner, readonly=True)
-    tier_size_copies = reader.execute_command("KV.LOCATE", key, b"{sys-prompt-0}missing")   # same slot
-    assert tier_size_copies[1] is None and tier_size_copies[0][:2] == [b"dram", len(value)]
-    assert sorted(a.decode() for a in tier_size_copies[0][2]) == others
-    assert connect(owner).execute_command("KV.LOCATE", key) == [[b"dram", len(value)]]     # the old shape
-    version, entries = connect(owner).execute_command("KV.HOTKEYS")
-    assert [k for k, _ in entries] == [key]
-    assert connect(owner).execute_command("KV.HOTKEYS", version) is None                  # unchanged: nil
-    for holder in holders:
-        assert connect(holder, readonly=True).get(key) == value
-        with pytest.raises(redis.exceptions.MovedError):
-            connect(holder).get(key)                    # without READONLY: the owner's
-        with pytest.raises(redis.exceptions.MovedError):
-            connect(holder, readonly=True).set(key, b"x")                                   # never a write
-        assert connect(holder).info("cluster")["cluster_copies_held"] >= 1
+    with kept_hot(owner, key):                         # the copies stay while they are looked at
+        holders = make_hot(owner, key, value)
+        others = sorted(a for a in addrs_of(cluster) if a != owner)
+        assert sorted(holders) == others                    # 3 nodes, 2 copies: both others
+        reader = connect(owner, readonly=True)
+        tier_size_copies = reader.execute_command("KV.LOCATE", key, b"{sys-prompt-0}missing")   # same slot
+        assert tier_size_copies[1] is None and tier_size_copies[0][:2] == [b"dram", len(value)]
+        assert sorted(a.decode() for a in tier_size_copies[0][2]) == others
+        assert connect(owner).execute_command("KV.LOCATE", key) == [[b"dram", len(value)]]     # the old shape
+        version, entries = connect(owner).execute_command("KV.HOTKEYS")
+        assert [k for k, _ in entries] == [key]
+        assert connect(owner).execute_command("KV.HOTKEYS", version) is None                  # unchanged: nil
+        for holder in holders:
+            assert connect(holder, readonly=True).get(key) == value
+            with pytest.raises(redis.exceptions.MovedError):
+                connect(holder).get(key)                    # without READONLY: the owner's
+            with pytest.raises(redis.exceptions.MovedError):
+                connect(holder, readonly=True).set(key, b"x")                                   # never a write
+            assert connect(holder).info("cluster")["cluster_copies_held"] >= 1
 
 
 @pytest.mark.parametrize("change", ["overwrite", "delete"])
