@@ -126,7 +126,9 @@ def test_stats_and_ping_cover_every_node(client):
 
 def test_reads_of_a_hot_block_spread_over_its_copies():
     """Over the wire (a local client's repeated get is a memcpy under a held lease, no request)."""
-    with ClusterUp(nodes=3, extra=("--", "--hot-reads", "20")) as up, \
+    # A low threshold: a block cools after a heat window with less than half of it in reads, and a busy
+    # host may read slowly; 2 a second keeps the copies while the test reads.
+    with ClusterUp(nodes=3, extra=("--", "--hot-reads", "2")) as up, \
             KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
         value = os.urandom(100_000)
         kv.put("hot", value, overwrite=True)
@@ -137,10 +139,11 @@ def test_reads_of_a_hot_block_spread_over_its_copies():
         holders = kv._hot[b"hot"]
         assert holders[0] == owner and len(set(holders)) == 3
         probes = {addr: redis.Redis(*addr.rsplit(":", 1)) for addr in holders}
-        before = {a: p.info("stats")["total_commands_processed"] for a, p in probes.items()}
+        # Hits, not commands: the owner's lease renewals reach the holders as commands, one a heat window.
+        before = {a: p.info("stats")["keyspace_hits"] for a, p in probes.items()}
         for _ in range(60):
             assert kv.get("hot") == value
-        after = {a: p.info("stats")["total_commands_processed"] for a, p in probes.items()}
+        after = {a: p.info("stats")["keyspace_hits"] for a, p in probes.items()}
         served = {a: after[a] - before[a] for a in holders}
         assert all(served[a] > 5 for a in holders if a != owner), served       # copies served reads
         assert max(served.values()) - min(served.values()) <= 3, served         # in turn, not at random
