@@ -389,7 +389,7 @@ def test_copies_are_removed_when_the_block_cools(cluster):
     key = b"briefly-hot"
     owner = owner_of(addrs_of(cluster)[0], key)
     holders = make_hot(owner, key, b"v" * 4096)
-    wait_until(lambda: connect(owner).execute_command("KV.HOTKEYS")[1] == [], 6, "cooling")
+    wait_until(lambda: connect(owner).execute_command("KV.HOTKEYS")[1] == [], 30, "cooling")
     for holder in holders:
         with pytest.raises(redis.exceptions.MovedError):
             connect(holder, readonly=True).get(key)
