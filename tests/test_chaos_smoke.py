@@ -7,6 +7,8 @@ recovery times are printed, not asserted (they are figures, not properties).
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +16,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def chaos_leftovers() -> tuple[int, int]:
-    """Node processes of chaos clusters, and tmpfs mounted for their SSD tiers."""
-    nodes = subprocess.run(["pgrep", "-f", "kvstore serve .*--ssd-dir .*kvstore-chaos-"], capture_output=True, text=True)
-    mounts = Path("/proc/mounts").read_text().count("kvstore-chaos")
-    return len(nodes.stdout.split()), mounts
+def chaos_leftovers(work: Path) -> tuple[int, int]:
+    """Node processes of chaos clusters made under ``work``, and tmpfs mounted for their SSD tiers.
+
+    Only this run's: a chaos run of another test session on the same host is none of its business.
+    """
+    pattern = f"kvstore serve .*--ssd-dir {re.escape(str(work))}/kvstore-chaos-"
+    nodes = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if f" {work}/kvstore-chaos-" in line]
+    return len(nodes.stdout.split()), len(mounts)
 
 
 def test_a_short_chaos_run_serves_no_wrong_byte_and_keeps_every_node_up(tmp_path):
     out = tmp_path / "chaos.json"
-    before = chaos_leftovers()
     done = subprocess.run([sys.executable, "-m", "loadtest.chaos", "--nodes", "2", "--no-netns", "--duration", "2",
                            "--recovery", "2", "--threads", "2", "--faults", "stall,kill", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=100)
+                          cwd=ROOT, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})     # its work folder under tmp_path
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["fault"] for r in rows] == ["a client sends half a value and stalls", "kill -9 a node, restart it"]
@@ -35,4 +41,4 @@ def test_a_short_chaos_run_serves_no_wrong_byte_and_keeps_every_node_up(tmp_path
         assert row["nodes_up"] == 2 and row["owners"] == 2, row
         assert row["ops"] > 0 and row["written"] > 0, row
     assert "| kill -9 a node, restart it |" in done.stdout
-    assert chaos_leftovers() == before
+    assert chaos_leftovers(tmp_path) == (0, 0)
