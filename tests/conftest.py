@@ -53,7 +53,13 @@ class Daemon:
         return self.proc.returncode
 
 
-def wait_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+# How long a test waits for a condition by default: generous, since CI runs the suite on a busy
+# 2-core host where a process start, an etcd round or a disk write can take seconds. A wait that
+# succeeds costs only the time it needs.
+WAIT_S = 30.0
+
+
+def wait_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 2 * WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -68,7 +74,7 @@ def wait_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 20
     raise RuntimeError("server did not answer PING in time")
 
 
-def eventually(predicate, timeout: float = 10.0) -> bool:
+def eventually(predicate, timeout: float = WAIT_S) -> bool:
     """Whether ``predicate()`` became true within ``timeout`` seconds (polled)."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -78,7 +84,7 @@ def eventually(predicate, timeout: float = 10.0) -> bool:
     return True
 
 
-def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+def wait_until(predicate, timeout: float = WAIT_S, what: str = "the condition") -> None:
     if not eventually(predicate, timeout):
         raise AssertionError(f"timed out waiting for {what}")
 

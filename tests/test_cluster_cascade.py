@@ -24,10 +24,9 @@ from kvstore.engine import Engine
 from loadtest.bench_cluster import cascades_settled
 from proto.wire import KV_LINK_MAX
 from tests.cluster_procs import ClusterUp
-from tests.conftest import start_kvstore, wait_until
+from tests.conftest import WAIT_S, start_kvstore, wait_until
 
 A, B = "a" * 40, "b" * 40
-SETTLE_S = 30.0         # how long 3 node processes on a busy 2-core host may take to pass a cascade on
 NODES = {A: "10.0.0.1:7000", B: "10.0.0.2:7000"}
 MiB = 1024 * 1024
 
@@ -320,7 +319,7 @@ def test_dropping_an_early_block_drops_the_rest_of_its_chain_on_every_node(kv, c
         kv.execute("PEXPIRE", keys[5], 1)
         time.sleep(0.01)
         assert kv.get(keys[5]) is None                 # lazily expired: a final drop
-    wait_until(lambda: _cached(kv, keys) == [True] * 5 + [False] * 27, SETTLE_S, "the chain's tail to go")
+    wait_until(lambda: _cached(kv, keys) == [True] * 5 + [False] * 27, what="the chain's tail to go")
 
 
 def test_links_ride_with_puts_through_the_local_arena_too(cluster):
@@ -328,7 +327,7 @@ def test_links_ride_with_puts_through_the_local_arena_too(cluster):
         keys = _chain(kv, "arena", 32, size=256 * 1024)     # each node's part goes through the arena
         assert sum(kv._client(addr).fast_path.stats.writes for addr in kv.nodes) == 3
         kv.delete(keys[3])
-        wait_until(lambda: _cached(kv, keys) == [True] * 3 + [False] * 29, SETTLE_S, "the chain's tail to go")
+        wait_until(lambda: _cached(kv, keys) == [True] * 3 + [False] * 29, what="the chain's tail to go")
 
 
 @pytest.mark.parametrize("how", ["put", "put_layer"])
@@ -345,9 +344,9 @@ def test_single_key_puts_link_their_chain_in_the_background(kv, cluster, how):
                 kv.put_layer(key, layer, np.zeros(8, dtype=np.float32), n_layers=3, parent=parent)
     assert all(_cached(kv, keys))
     linked = lambda: sum(_info(cluster, "cluster_cascade_links")) == before + crossings    # noqa: E731
-    wait_until(linked, SETTLE_S, "the links to arrive")
+    wait_until(linked, what="the links to arrive")
     kv.delete(keys[2])
-    wait_until(lambda: _cached(kv, keys) == [True] * 2 + [False] * 14, SETTLE_S, "the chain's tail to go")
+    wait_until(lambda: _cached(kv, keys) == [True] * 2 + [False] * 14, what="the chain's tail to go")
 
 
 def test_a_single_key_put_of_a_block_cached_already_still_links_it(kv, cluster):
@@ -359,7 +358,7 @@ def test_a_single_key_put_of_a_block_cached_already_still_links_it(kv, cluster):
     for i, key in enumerate(keys):
         assert kv.put(key, b"v" * 100, parent=keys[i - 1] if i else None) is False     # there already
     linked = lambda: sum(_info(cluster, "cluster_cascade_links")) == before + crossings    # noqa: E731
-    wait_until(linked, SETTLE_S, "the links to arrive")
+    wait_until(linked, what="the links to arrive")
 
 
 def test_a_re_put_chain_is_linked_again_and_nodes_hold_one_link_per_crossing(kv, cluster):
@@ -369,7 +368,7 @@ def test_a_re_put_chain_is_linked_again_and_nodes_hold_one_link_per_crossing(kv,
     _chain(kv, "relink", 24)                            # the same chain again: nothing new to record
     assert sum(_info(cluster, "cluster_cascade_links")) == before
     kv.delete(keys[0])
-    wait_until(lambda: not any(_cached(kv, keys)), SETTLE_S, "the whole chain to go")
+    wait_until(lambda: not any(_cached(kv, keys)), what="the whole chain to go")
     assert sum(_info(cluster, "cluster_cascade_links")) == before - crossings
 
 
@@ -406,7 +405,7 @@ def test_chains_written_past_memory_stay_prefixes():
     with ClusterUp(nodes=3, dram_size="4mb") as up, \
             KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
         chains = [_chain(kv, f"full{c:03d}", 16, size=64 * 1024) for c in range(40)]     # ~3.3 x memory
-        assert cascades_settled([redis.Redis(*addr) for addr in up.addrs], SETTLE_S) < SETTLE_S
+        assert cascades_settled([redis.Redis(*addr) for addr in up.addrs], WAIT_S) < WAIT_S
         broken = 0
         for keys in chains:
             cached = _cached(kv, keys)

@@ -86,12 +86,12 @@ def test_a_hot_block_stays_readable_while_its_owner_is_killed():
         reader = HotReader(addrs, key, value, holders)
         reader.start()
         try:
-            wait_until(lambda: reader.reads > 50, 10, "reads before the kill")
+            wait_until(lambda: reader.reads > 50, what="reads before the kill")
             os.kill(pid_of(up, owner), signal.SIGKILL)
-            wait_until(lambda: all(owner_of(a, key) != owner for a in survivors), 4 * NODE_TIMEOUT,
-                       "the dead owner's slots to move")
+            wait_until(lambda: all(owner_of(a, key) != owner for a in survivors),
+                       what="the dead owner's slots to move")
             served = reader.reads
-            wait_until(lambda: reader.reads > served + 50, 10, "reads after the failover")
+            wait_until(lambda: reader.reads > served + 50, what="reads after the failover")
         finally:
             reader.stop.set()
             reader.join()
@@ -116,7 +116,7 @@ def test_the_dead_nodes_slots_take_writes_again_after_its_lease():
             except redis.RedisError:
                 return False
 
-        wait_until(written, 30, "a write to the dead node's slot")
+        wait_until(written, what="a write to the dead node's slot")
         assert reader.get(key) == b"after"
 
 
@@ -137,7 +137,7 @@ def test_a_write_waits_while_an_unreachable_holder_could_still_serve_the_old_val
         assert held_for >= 2.0                          # at least the peer timeout, then the lease's end
         assert connect(owner).info("cluster")["cluster_invalidation_waits"] == 1
         with_copy = connect(frozen, readonly=True)
-        wait_until(lambda: _not_old(with_copy, key), 10, "the thawed holder to give up its copy")
+        wait_until(lambda: _not_old(with_copy, key), what="the thawed holder to give up its copy")
         assert connect(owner_of(addrs[0], key)).get(key) == b"new" * 1000
 
 

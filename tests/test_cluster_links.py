@@ -44,9 +44,9 @@ def test_a_send_that_fails_unexpectedly_loses_its_links_but_not_the_next_ones():
     with ThreadPoolExecutor(2) as pool:
         sender = LinkSender(pool, node.client_of)
         sender.add(ADDR, b"p1", b"c1")
-        wait_until(lambda: idle(sender) and sender.lost == 1, 5.0, "the failed send to end")
+        wait_until(lambda: idle(sender) and sender.lost == 1, what="the failed send to end")
         sender.add(ADDR, b"p2", b"c2")
-        wait_until(lambda: node.links == [(b"p2", b"c2")], 5.0, "the next link to be sent")
+        wait_until(lambda: node.links == [(b"p2", b"c2")], what="the next link to be sent")
 
 
 def test_a_closed_sender_sends_nothing_more():
@@ -66,5 +66,5 @@ def test_a_closed_sender_sends_nothing_more():
         sender.close()
         sender.add(ADDR, b"p3", b"c3")
         gate.set()
-        wait_until(lambda: idle(sender), 5.0, "the sender to stop")
+        wait_until(lambda: idle(sender), what="the sender to stop")
     assert node.links == [(b"p1", b"c1")] and node.opened == 1 and sender.lost == 2

@@ -324,7 +324,7 @@ def test_a_joining_node_receives_the_values_of_its_slots_hottest_first(tmp_path)
                                "--hot-reads", "0")
         try:
             addr = f"127.0.0.1:{joiner.port}"
-            wait_until(lambda: joined(addr, 4), 20, "the join")
+            wait_until(lambda: joined(addr, 4), what="the join")
             mine = [k for k in keys if owner_of(connect(addr), k) == addr]
             assert len(mine) > 30
             got = connect(addr).info("cluster")
@@ -372,7 +372,7 @@ def test_readers_during_a_join_and_a_drain_see_right_values_or_misses_never_erro
         try:
             joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2")
             addr = f"127.0.0.1:{joiner.port}"
-            wait_until(lambda: joined(addr, 4), 20, "the join")
+            wait_until(lambda: joined(addr, 4), what="the join")
             time.sleep(0.5)
             assert joiner.stop(signal.SIGTERM, 20) == 0
         finally:
@@ -396,12 +396,12 @@ def test_a_drained_node_moves_the_values_it_had_demoted_to_ssd(tmp_path):
                                "--dram-size", "2mb", "--ssd-dir", str(tmp_path / "ssd"))
         addr = f"127.0.0.1:{joiner.port}"
         try:
-            wait_until(lambda: joined(addr, 4), 20, "the join")
+            wait_until(lambda: joined(addr, 4), what="the join")
             node = connect(addr)
             mine = [k for k in (b"ssd:%05d" % i for i in range(400)) if owner_of(node, k) == addr][:60]
             for key in mine:
                 node.set(key, value_of(key))
-            wait_until(lambda: node.info("ssd")["ssd_values"] >= len(mine) // 2, 10, "demotion to SSD")
+            wait_until(lambda: node.info("ssd")["ssd_values"] >= len(mine) // 2, what="demotion to SSD")
         except BaseException:
             joiner.stop()
             raise

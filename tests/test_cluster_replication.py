@@ -307,7 +307,7 @@ def make_hot(owner: str, key: bytes, value: bytes) -> list[str]:
             conn.get(key)
         return any(k == key for k, _ in conn.execute_command("KV.HOTKEYS")[1])
 
-    wait_until(copied, 10, "the copies")
+    wait_until(copied, what="the copies")
     return [a.decode() for k, addrs in conn.execute_command("KV.HOTKEYS")[1] if k == key for a in addrs]
 
 
@@ -389,7 +389,7 @@ def test_copies_are_removed_when_the_block_cools(cluster):
     key = b"briefly-hot"
     owner = owner_of(addrs_of(cluster)[0], key)
     holders = make_hot(owner, key, b"v" * 4096)
-    wait_until(lambda: connect(owner).execute_command("KV.HOTKEYS")[1] == [], 30, "cooling")
+    wait_until(lambda: connect(owner).execute_command("KV.HOTKEYS")[1] == [], what="cooling")
     for holder in holders:
         with pytest.raises(redis.exceptions.MovedError):
             connect(holder, readonly=True).get(key)
