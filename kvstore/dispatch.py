@@ -140,10 +140,11 @@ def run_plain(conn) -> None:
     """Run the plain GETs and SETs at the head of ``conn``'s backlog without the generic checks.
 
     A pipelined batch of small GETs and SETs spends more time in the checks
-    of `dispatch` than in the commands. When none of those checks can matter
-    for this connection right now (`_plain_allowed`), a request that is
-    exactly ``GET key`` or ``SET key value`` (no options, no value received
-    into the arena, no parse failure) goes straight to its handler: the same
+    of `dispatch` than in the commands, and so does a single SET of a big
+    value. When none of those checks can matter for this connection right
+    now (`_plain_allowed`), a request that is exactly ``GET key`` or ``SET
+    key value`` (no options, no parse failure; a big value received into the
+    arena is committed where it lies, or given back) goes straight to its handler: the same
     handler, slowlog, reply and SSD acknowledgement wait as `_run` (no
     cluster here, so no copies to wait for), the same error replies. Nothing
     a plain GET or SET does can change what `_plain_allowed` looked at, and no
@@ -159,12 +160,12 @@ def run_plain(conn) -> None:
         while backlog and conn.waiting is None and not conn.close_after_reply:
             args, failure, has_holders = backlog[0]
             plain = _PLAIN.get(args[0])
-            if plain is None or len(args) != plain[1] or failure is not None or has_holders:
+            if plain is None or len(args) != plain[1] or failure is not None:
                 return
             backlog.popleft()
             cmd, handler = plain[0], plain[2]
             try:
-                if tiers is not None and _fetch_first(conn, cmd, args, False):
+                if tiers is not None and _fetch_first(conn, cmd, args, has_holders):
                     return      # counted when it runs, once its value is in DRAM
                 conn.last_command = cmd.name
                 start = perf_counter_ns()
@@ -177,8 +178,10 @@ def run_plain(conn) -> None:
                 if tiers is not None and tiers.has_unacked():
                     _wait_for_ssd(conn, tiers)
             except Exception as exc:
-                if not _failed(conn, cmd, args, exc, False):
+                if not _failed(conn, cmd, args, exc, has_holders):
                     continue
+            if has_holders:
+                release_holders(conn.engine, args)
             done += 1
     finally:
         conn.server.stats.commands += done
@@ -372,6 +375,6 @@ def _unknown_command(args: list) -> str:
 
 
 # Requests `run_plain` takes, by their name as clients send it: (command, the only argument
-# count, the handler for that form: SET's plain form is `set_plain`, its value never an extent).
+# count, the handler for that form: SET's plain form is `set_plain`, without SET's options).
 _PLAIN = {name: (lookup(name), argc, handler) for base, argc, handler in
           ((b"GET", 2, lookup(b"GET").handler), (b"SET", 3, set_plain)) for name in (base, base.lower())}

@@ -75,9 +75,13 @@ def set_(conn, args):
 
 
 def set_plain(conn, args: list) -> bytes:
-    """``SET key value`` with a small value (bytes, never an arena extent): the form
-    kvstore/dispatch.py's plain path runs without SET's option parsing."""
-    conn.engine.put(args[1], args[2])
+    """``SET key value``: the form kvstore/dispatch.py's plain path runs without SET's
+    option parsing (a small value is bytes, a big one an extent the reader filled)."""
+    value = args[2]
+    if type(value) is bytes:
+        conn.engine.put(args[1], value)
+    else:
+        conn.engine.commit(args[1], value)
     return writer.OK
 
 
