@@ -13,6 +13,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from tests.conftest import WAIT_S
 from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 from tests.test_cluster_etcd import member, wait_converged
 
@@ -28,7 +29,7 @@ def test_status_shows_nodes_ranges_epoch_and_coverage(etcd):
     async def scenario():
         states = [member(etcd, f"127.0.0.1:{7001 + i}", name="shop") for i in range(2)]
         await asyncio.gather(*(s.start() for s in states))
-        await wait_converged(states, 5)
+        await wait_converged(states, WAIT_S)
         done = kvstore("cluster", "status", f"etcd://127.0.0.1:{etcd.client_port}/shop")
         for s in states:
             await s.stop()

@@ -16,7 +16,7 @@ from kvstore.cluster.membership import ClusterError, EtcdMembership
 from kvstore.cluster.node import ClusterState, new_node_id
 from kvstore.cluster.runner import start_cluster
 from kvstore.cluster.slots import SLOTS, SlotMap
-from tests.conftest import free_port
+from tests.conftest import WAIT_S, free_port
 from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 
 NODE_TIMEOUT = 2
@@ -46,6 +46,13 @@ async def wait_converged(states: list[ClusterState], limit: float, ids: set[str]
     return time.monotonic() - start
 
 
+async def until(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
 async def stored_map(etcd, name: str = "t") -> SlotMap:
     kv = EtcdKV("127.0.0.1", etcd.client_port)
     try:
@@ -59,7 +66,7 @@ def test_three_members_elect_one_leader_and_apply_the_written_map(etcd):
     async def scenario():
         states = [member(etcd, f"127.0.0.1:{7001 + i}") for i in range(3)]
         await asyncio.gather(*(s.start() for s in states))
-        await wait_converged(states, 5)
+        await wait_converged(states, WAIT_S)
         in_etcd = await stored_map(etcd)
         assert all(s.map.same_as(in_etcd) for s in states)
         assert sorted(in_etcd.counts.values()) == [5461, 5461, 5462]
@@ -94,7 +101,7 @@ def test_a_member_killed_with_sigkill_loses_its_slots_within_the_node_timeout(et
         async def scenario():
             states = [member(etcd, f"127.0.0.1:{7001 + i}") for i in range(2)]
             await asyncio.gather(*(s.start() for s in states))
-            await wait_converged(states, 5, {s.my_id for s in states} | {victim_id})
+            await wait_converged(states, WAIT_S, {s.my_id for s in states} | {victim_id})
             assert all(s.map.counts[victim_id] > 5000 for s in states)
             child.send_signal(signal.SIGKILL)
             took = await wait_converged(states, NODE_TIMEOUT + 4)
@@ -111,18 +118,18 @@ def test_members_keep_their_map_while_etcd_is_down_and_resume_watching_after(etc
     async def scenario():
         states = [member(etcd, f"127.0.0.1:{7001 + i}") for i in range(3)]
         await asyncio.gather(*(s.start() for s in states))
-        await wait_converged(states, 5)
+        await wait_converged(states, WAIT_S)
         before = states[0].map
         mine_before = [s.mine for s in states]
         etcd.stop()
-        await asyncio.sleep(NODE_TIMEOUT + 1)
-        assert not any(s.membership.reachable for s in states)
+        await asyncio.sleep(NODE_TIMEOUT + 1)                   # past every lease
+        await until(lambda: not any(s.membership.reachable for s in states), "every member to miss etcd")
         assert all(s.map is before or s.map.same_as(before) for s in states)
         assert [s.mine for s in states] == mine_before          # still serving the same slots
         etcd.start()
         states.append(member(etcd, "127.0.0.1:7004"))
         await states[-1].start()
-        await wait_converged(states, 5)                          # the old members saw the newcomer
+        await wait_converged(states, WAIT_S)                     # the old members saw the newcomer
         assert all(s.membership.reachable for s in states)
         assert states[0].map.epoch > before.epoch
         for s in states:
@@ -160,7 +167,7 @@ def test_start_cluster_runs_in_a_plain_event_loop_and_a_clean_stop_deregisters(e
     async def scenario():
         url = f"etcd://127.0.0.1:{etcd.client_port}/plain"
         state = await start_cluster(url, "127.0.0.1:7001", NODE_TIMEOUT)
-        await wait_converged([state], 5)
+        await wait_converged([state], WAIT_S)
         assert state.is_mine(0) and state.map.nodes == {state.my_id: "127.0.0.1:7001"}
         await state.stop()
         kv = EtcdKV("127.0.0.1", etcd.client_port)
