@@ -8,12 +8,14 @@ What is checked, each time against the exact parser alone on the same bytes:
   a newline or a ``$`` inside, a length one off) anywhere in a batch;
 - a value holding CRLF or a lone LF in the middle of a batch;
 - array headers that are not canonical (``*03``, ``*+3``) or past the split's limit;
-- a window whose check fails is split once, not once per command behind it.
+- a window whose check fails is split once, not once per command behind it;
+- a command that opens with a bulk too long for the window is not split at all.
 """
 from __future__ import annotations
 
 import pytest
 
+from kvstore.protocol import reader as reader_module
 from kvstore.protocol.reader import MAX_SPLIT_ARGS, RequestReader
 from test_protocol_reader import PIPELINE, outcome, parse_all
 from test_redis_compat import encode_command
@@ -48,3 +50,20 @@ def test_a_window_whose_check_fails_is_split_once(monkeypatch):
     cmds = [[b"SET", b"k%d" % i, b"a\r\nb" if i == 0 else b"v"] for i in range(30)]
     assert parse_all(b"".join(encode_command(*c) for c in cmds)) == cmds
     assert len(splits) == 1
+
+
+def test_a_command_opening_with_a_long_bulk_is_left_to_the_exact_parser(monkeypatch):
+    cuts = []
+    real = reader_module._mixed_commands
+    monkeypatch.setattr(reader_module, "_mixed_commands", lambda parts, out: cuts.append(1) or real(parts, out))
+    big = encode_command("SET", "k", "v" * 40_000)
+    assert parse_all(big) == [[b"SET", b"k", b"v" * 40_000]]
+    assert cuts == [], "no split of the value's bytes"
+
+
+@pytest.mark.parametrize("stream", [encode_command("SET", "k", "v" * 10_000) + PIPELINE,
+                                    PIPELINE + encode_command("SET", "k", "v" * 40_000) + PIPELINE,
+                                    encode_command("SET", "$12345", "v") + PIPELINE,
+                                    encode_command("SET", "k", "$99999") + PIPELINE])
+def test_long_bulks_and_look_alikes_parse_as_the_exact_parser_parses(stream, monkeypatch):
+    assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)

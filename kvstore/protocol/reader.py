@@ -15,6 +15,7 @@ a ``ProtocolError`` means: reply with it, then close the connection.
 """
 from __future__ import annotations
 
+import re
 from itertools import compress, cycle, repeat
 from typing import Any, Callable
 
@@ -26,6 +27,10 @@ UNAUTH_BULK = 16384
 INITIAL_BUFFER = 16 * 1024
 SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per pass (< BIG_BULK)
 MAX_SPLIT_ARGS = 1024         # arguments of a command the fast path takes; more go the exact way
+# A bulk header of 10000 bytes or more near the start: that command is longer than the window, so the
+# split could not take it; the exact parser reads it without the split's pass over its value's bytes.
+_LONG_BULK_HEAD = re.compile(rb"\$[0-9]{5}").search
+LONG_BULK_LOOKAHEAD = 128
 _SPLIT_HEADS = {b"*%d" % n: n for n in range(1, MAX_SPLIT_ARGS + 1)}    # canonical array headers only
 _bulk_header = [b"$%d" % n for n in range(SPLIT_WINDOW)].__getitem__      # length -> its canonical bulk header
 UNIFORM_MAX_ARGS = 16         # argument counts `_uniform_commands` has masks for
@@ -287,6 +292,9 @@ class RequestReader:
         long run of commands of one shape at once (`_uniform_commands`), else
         command by command (`_mixed_commands`).
 
+        A command that opens with a bulk too long for the window (a SET of a
+        big value) is left to the exact parser before any split.
+
         Anything unusual (a value holding CRLF, a big bulk, a malformed header,
         more than ``MAX_SPLIT_ARGS`` arguments, an incomplete command) is left
         to the exact parser, so both paths accept and reject exactly the same
@@ -294,6 +302,8 @@ class RequestReader:
         so bad bytes cost one wasted split, not one per command behind them.
         """
         start = self.start
+        if _LONG_BULK_HEAD(self.buf, start, start + LONG_BULK_LOOKAHEAD):
+            return
         window = min(self.end, start + SPLIT_WINDOW)
         parts = self.mv[start:window].tobytes().split(b"\r\n")
         taken = _uniform_commands(parts, out) if len(parts) > UNIFORM_MIN_PARTS else 0
