@@ -9,7 +9,8 @@ targets are set on (issue 2):
 
 - large:    redis-benchmark SET/GET of 64 KiB, 1 MiB, 4 MiB values   ratio >= 1.0
 - redis-py: one redis-py client, SET then GET loops of the same sizes ratio >= 1.0
-            (plus Mooncake Store's put/get over TCP as a third column when its
+            (and the server's CPU time per SET and per GET, all threads; plus
+            Mooncake Store's put/get over TCP as a third column when its
             CPU-only wheel is installed: the anchor to beat)
 - small:    redis-benchmark 100-byte SET/GET, -c 50, -P 1 and -P 16   >= 0.9 and >= 0.3
             (and the server's CPU time per command over each run, all threads)
@@ -144,7 +145,8 @@ def server_cpu_ns(server: Server) -> int:
 # --- redis-py and Mooncake: one client, a SET loop then a GET loop ---------------------------------
 
 def redispy_set_get(server: Server, size: int, iterations: int) -> list[float]:
-    """GB/s of `iterations` SETs of one value, then as many GETs of it, from one redis-py client."""
+    """GB/s of `iterations` SETs of one value, then as many GETs of it, from one redis-py client;
+    then the server's CPU time per SET and per GET (µs), which the host's load disturbs far less."""
     value = os.urandom(size)
     client = redis.Redis(host=server.host, port=server.port, socket_timeout=60)
     try:
@@ -152,21 +154,22 @@ def redispy_set_get(server: Server, size: int, iterations: int) -> list[float]:
         for _ in range(WARMUP_ROUNDS):
             client.set(key, value)
             client.get(key)
-        started = time.perf_counter()
+        cpu_before, started = server_cpu_ns(server), time.perf_counter()
         for _ in range(iterations):
             client.set(key, value)
-        set_seconds = time.perf_counter() - started
-        started = time.perf_counter()
+        set_seconds, set_cpu = time.perf_counter() - started, server_cpu_ns(server) - cpu_before
+        cpu_before, started = server_cpu_ns(server), time.perf_counter()
         for _ in range(iterations):
             got = client.get(key)
-        get_seconds = time.perf_counter() - started
+        get_seconds, get_cpu = time.perf_counter() - started, server_cpu_ns(server) - cpu_before
         if got != value:
             raise RuntimeError(f"GET returned {len(got or b'')} bytes that differ from the {size} stored")
         client.delete(key)
     finally:
         client.close()
     volume = size * iterations
-    return [volume / set_seconds / GB, volume / get_seconds / GB]
+    return [volume / set_seconds / GB, volume / get_seconds / GB,
+            set_cpu / iterations / 1000, get_cpu / iterations / 1000]
 
 
 class MooncakeClient:
@@ -245,6 +248,7 @@ def bench_redispy(table: Table, servers: dict[str, Server], settings: Settings, 
     try:
         for size in settings.sizes:
             rows = [table.row(f"redis-py {op} {size_label(size)}", "GB/s", Target(1.0)) for op in ("SET", "GET")]
+            rows += [table.row(f"server CPU per redis-py {op} {size_label(size)}", "us") for op in ("SET", "GET")]
             iterations = max(settings.redispy_bytes // size, 1)
             log(f"redis-py SET/GET {size_label(size)} x {iterations}")
             for name, target in turns(columns, settings.repeats):
