@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
+from kvstore.connection import COPIED_REPLIES
 from kvstore.tiers.ssd import SSDTier
 from proto import wire
 
@@ -341,16 +342,20 @@ def test_pinned_values_are_evicted_last_and_pins_expire(tmp_path):
         daemon.stop()
 
 
-def hold_by_reading(daemon: Daemon, key: bytes) -> socket.socket:
-    """A Unix-socket client that asks for a big value and never reads the reply.
+HELD_GETS = COPIED_REPLIES // MIB + 1      # GETs of a 1 MiB value that one client leaves unread
 
-    The reply is sent from the arena under a hold; the socket buffer takes
-    only part of it, so the hold lasts as long as this client does.
+
+def hold_by_reading(daemon: Daemon, key: bytes) -> socket.socket:
+    """A Unix-socket client that asks for a 1 MiB value HELD_GETS times and never reads the replies.
+
+    The first replies are copied into the reply buffer (while up to COPIED_REPLIES
+    are queued), the last one is sent from the arena under a hold; the socket
+    buffer takes only part of the replies, so the hold lasts as long as this client does.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(daemon.unix_socket)
-    sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key))
+    sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key) * HELD_GETS)
     return sock
 
 
@@ -364,8 +369,10 @@ def test_store_full_of_held_values_answers_oom_instead_of_stalling(tmp_path, ssd
         keys = list(write_values(r, range(8), MIB))
         if not ssd:
             assert r.info("memory")["used_memory"] == 8 * MIB
+        hits = r.info("stats")["keyspace_hits"]
         holders = [hold_by_reading(daemon, key) for key in keys]
-        time.sleep(0.5)                                   # the GETs are running, the replies stuck
+        wait_until(lambda: r.info("stats")["keyspace_hits"] == hits + len(keys) * HELD_GETS,
+                   what="every GET to run, its reply stuck")
         if ssd:
             # Values that were demoted come back staged under the readers' holds: the
             # newcomer finds room (in DRAM or by demotion) or gets -OOM, but never waits.
