@@ -29,8 +29,10 @@ SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per p
 MAX_SPLIT_ARGS = 1024         # arguments of a command the fast path takes; more go the exact way
 # A bulk header of 10000 bytes or more near the start: that command is longer than the window, so the
 # split could not take it; the exact parser reads it without the split's pass over its value's bytes.
+# Looked for only when more than SHORT_SPLIT bytes wait: a split of fewer costs less than the look.
 _LONG_BULK_HEAD = re.compile(rb"\$[0-9]{5}").search
 LONG_BULK_LOOKAHEAD = 128
+SHORT_SPLIT = 1024
 _SPLIT_HEADS = {b"*%d" % n: n for n in range(1, MAX_SPLIT_ARGS + 1)}    # canonical array headers only
 _bulk_header = [b"$%d" % n for n in range(SPLIT_WINDOW)].__getitem__      # length -> its canonical bulk header
 UNIFORM_MAX_ARGS = 16         # argument counts `_uniform_commands` has masks for
@@ -302,7 +304,7 @@ class RequestReader:
         so bad bytes cost one wasted split, not one per command behind them.
         """
         start = self.start
-        if _LONG_BULK_HEAD(self.buf, start, start + LONG_BULK_LOOKAHEAD):
+        if self.end - start > SHORT_SPLIT and _LONG_BULK_HEAD(self.buf, start, start + LONG_BULK_LOOKAHEAD):
             return
         window = min(self.end, start + SPLIT_WINDOW)
         parts = self.mv[start:window].tobytes().split(b"\r\n")
