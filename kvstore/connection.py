@@ -140,10 +140,10 @@ class Connection:
         if self._receive() is None:
             return
         self.last_active = time.monotonic()
-        receiving_big = reader.big is not None
+        big_in_progress = reader.big is not None
         if not self._run_safely():
             return
-        if reader.big is not None and not receiving_big and self._receive_big() is None:
+        if reader.big is not None and not big_in_progress and not self._receive_big():
             return
         if (reader.end != reader.start or reader.args or reader.big_got) \
                 and self._query_bytes() > self.server.config.client_query_buffer_limit:
@@ -180,17 +180,17 @@ class Connection:
             return None
         return got
 
-    def _receive_big(self) -> int | None:
+    def _receive_big(self) -> bool:
         """The parse just began a big bulk (a SET's value): a client writes the value right
         behind its header, so it is usually in the socket already and is read now, with
         the command run in this same turn, instead of after another wait for the socket
-        (a loop turn of the interpreter). None when the client is gone."""
-        if self.waiting is not None or self.closed or not self.reading:
-            return 0
+        (a loop turn of the interpreter). False when the client is gone."""
+        if self.waiting is not None or not self.reading:
+            return True
         got = self._receive()
-        if got and not self._run_safely():
-            return None
-        return got
+        if got is None:
+            return False
+        return not got or self._run_safely()
 
     def _run_safely(self) -> bool:
         """Run what was parsed; False when that cost the client its connection."""
