@@ -38,10 +38,12 @@ SET (a big value):
   protocol/reader.py parses the request and, at the value's bulk header, asks
   dispatch.value_destination for a place: engine.reserve carves an extent of the
   arena (allocator.py, arena.py), so the socket receives the value straight into
-  it (recv_into); dispatch.dispatch looks the command up once in
+  it (recv_into, in the same loop turn when the value is already there);
+  dispatch.dispatch looks the command up once in
   commands/table.py, checks arity, auth and ACL (acl.py), the cluster's slot map
-  (cluster/routing.py), queues it inside MULTI, and runs commands/strings.set_,
-  which commits the extent (commands/args.store -> engine.commit): the index
+  (cluster/routing.py), queues it inside MULTI, and runs commands/strings.set_
+  (a plain ``SET key value`` skips those checks when none can matter:
+  dispatch.run_plain), which commits the extent (commands/args.store -> engine.commit): the index
   entry, its columns (slots.py), the eviction policy's lists (eviction.py) and the
   tier manager's listener (tiering.py) learn of it; "+OK" goes to the
   connection's reply buffer and out with one send.
@@ -49,9 +51,10 @@ GET:
   dispatch asks the tier manager whether the value must first come up from SSD
   or GPU (the client waits, its later commands queued, while a worker thread
   copies it into DRAM); commands/strings.get finds the entry (engine.get_slot,
-  which refreshes recency) and connection.write_value queues a small value as a
-  copy, a big one as a memoryview of the arena under a hold, released when the
-  kernel has taken its last byte (sendmsg).
+  which refreshes recency) and connection.write_value copies the value into the
+  reply buffer while a few MiB are queued for the client, else queues a
+  memoryview of the arena under a hold, released when the kernel has taken its
+  last byte (sendmsg).
 A local client skips both copies: it maps the arena (KV.ARENA, fd passed over
 the Unix socket), finds the value in the shared index and copies it with no
 round trip (shared_index.py), or else copies under a lease (commands/fastpath.py,
