@@ -12,7 +12,8 @@ absurd geometries, and the arena token of the node under test (so fast-path
 commands get past their token check and meet huge sizes and stale ids).
 
 Requests that would take the node down on purpose (SHUTDOWN) always carry
-ABORT; CONFIG SET names only settings that cannot lock the fuzzer out or
+ABORT; CLIENT PAUSE pauses for at most 50 ms (a long pause stalls the checks
+between batches, as it would in Redis); CONFIG SET names only settings that cannot lock the fuzzer out or
 flood the log (not requirepass, buffer limits, maxclients or loglevel); ACL
 rules are given only to users of the fuzzer's own (fuzz1, fuzz2), so the
 default user keeps working.
@@ -43,6 +44,7 @@ ACL_RULES = [b"on", b"off", b"nopass", b">pw", b"<pw", b"~*", b"~k*", b"%R~block
 CONFIG_NAMES = [b"maxmemory-policy", b"high-watermark", b"low-watermark", b"promote-hits", b"promote-window-ms",
                 b"ssd-write-policy", b"protected-mode", b"dram-size", b"bind", b"save", b"appendonly", b"nosuch",
                 b"maxmemory-samples"]
+PAUSE_ARGUMENTS = [b"0", b"1", b"50", b"-1", b"", b"1.5", b"abc", b"ALL", b"WRITE", b"all", b"nosuch"]
 TOKEN_FIRST = {"kv.lease", "kv.reserve", "kv.leasegpu", "kv.leaselayers", "kv.layerdone"}  # the arena token
 BIG_VALUES = [b"v" * 40_000, b"v" * 40_000, b"v" * 40_000, b"w" * (1 << 20)]
 
@@ -163,6 +165,8 @@ def _special_arguments(cmd: Command, args: list[bytes]) -> st.SearchStrategy[byt
         return st.one_of(st.sampled_from(USERS), st.sampled_from(ACL_RULES))
     if cmd.name == "config" and sub == b"set":
         return st.one_of(st.sampled_from(CONFIG_NAMES), integers(), st.sampled_from([b"yes", b"no", b"noeviction"]))
+    if cmd.name == "client" and sub == b"pause":
+        return st.sampled_from(PAUSE_ARGUMENTS)
     if cmd.name in ("auth", "hello"):
         return st.sampled_from([*USERS, b"pw", b"x", b"3", b"2", b"AUTH", b"SETNAME", b"nobody"])
     return None
