@@ -21,19 +21,9 @@ from kvstore import connection
 from kvstore.config import Config
 from kvstore.connection import COPIED_REPLIES, Connection
 from kvstore.server import Server
+from loadtest.wire_steps import HandDrivenLoop
 
 VALUE_SIZE = 64 * 1024
-
-
-class HandDrivenLoop:
-    """The loop calls the connection makes; events are delivered by the test instead."""
-
-    def add_reader(self, *args) -> None: ...
-    def remove_reader(self, *args) -> None: ...
-    def add_writer(self, *args) -> None: ...
-    def remove_writer(self, *args) -> None: ...
-    def call_soon(self, *args) -> None: ...
-    def call_later(self, *args) -> None: ...
 
 
 class Pair:
