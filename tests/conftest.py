@@ -6,6 +6,7 @@ a temporary folder, waits until it answers PING, and stops it with SIGTERM.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -87,6 +88,14 @@ def eventually(predicate, timeout: float = WAIT_S) -> bool:
 def wait_until(predicate, timeout: float = WAIT_S, what: str = "the condition") -> None:
     if not eventually(predicate, timeout):
         raise AssertionError(f"timed out waiting for {what}")
+
+
+async def until(predicate, timeout: float = WAIT_S, what: str = "the condition") -> None:
+    """`wait_until` inside a running event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
 
 
 def start_kvstore(tmp_path, *extra: str, password: str | None = None,

@@ -16,7 +16,7 @@ from kvstore.cluster.membership import ClusterError, EtcdMembership
 from kvstore.cluster.node import ClusterState, new_node_id
 from kvstore.cluster.runner import start_cluster
 from kvstore.cluster.slots import SLOTS, SlotMap
-from tests.conftest import WAIT_S, free_port
+from tests.conftest import WAIT_S, free_port, until
 from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 
 NODE_TIMEOUT = 2
@@ -44,13 +44,6 @@ async def wait_converged(states: list[ClusterState], limit: float, ids: set[str]
                                  f"leaders {[s.is_leader for s in states]}")
         await asyncio.sleep(0.02)
     return time.monotonic() - start
-
-
-async def until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def stored_map(etcd, name: str = "t") -> SlotMap:
@@ -123,7 +116,7 @@ def test_members_keep_their_map_while_etcd_is_down_and_resume_watching_after(etc
         mine_before = [s.mine for s in states]
         etcd.stop()
         await asyncio.sleep(NODE_TIMEOUT + 1)                   # past every lease
-        await until(lambda: not any(s.membership.reachable for s in states), "every member to miss etcd")
+        await until(lambda: not any(s.membership.reachable for s in states), what="every member to miss etcd")
         assert all(s.map is before or s.map.same_as(before) for s in states)
         assert [s.mine for s in states] == mine_before          # still serving the same slots
         etcd.start()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from kvstore.allocator import BuddyAllocator
 from kvstore.engine import Engine
 from kvstore.slots import GPU, ON_SSD
 from kvstore.tiering import TieringConfig, TierManager
+from tests.conftest import until
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZE = 64 * KIB
@@ -71,13 +71,6 @@ class FakeGPU:
 
 def value_of(key: bytes) -> bytes:
     return np.random.default_rng(sum(key)).bytes(SIZE)
-
-
-async def until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
 
 
 async def node_with_values_on_gpu(keys: list[bytes], gpu_capacity: int) -> tuple[Engine, TierManager, FakeGPU]:

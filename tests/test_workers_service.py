@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from proto import grpc_codegen
+from tests.conftest import wait_until
 from workers.service import ConductorLink
 
 cpb, cpb_grpc = grpc_codegen.load("conductor")
@@ -61,9 +62,7 @@ def test_reports_say_when_they_were_sent(conductor):
     servicer, address = conductor
     link = ConductorLink(address, "decode-1", "decode", "127.0.0.1:1", lambda: (0.0, 2, 300))
     link.start()
-    deadline = time.monotonic() + 10
-    while not servicer.reports and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: servicer.reports, what="a load report")
     link.stop()
     report = servicer.reports[0]
     assert (report.batch, report.kv_tokens) == (2, 300)
