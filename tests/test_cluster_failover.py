@@ -18,6 +18,7 @@ import time
 import numpy as np
 import redis
 
+from kvstore.cluster.replication import WINDOW, lease_seconds
 from kvstore.cluster.slots import keyslot
 from tests.cluster_client import SlotReader, connect
 from tests.cluster_procs import ClusterUp
@@ -46,7 +47,7 @@ class HotReader(threading.Thread):
         self.key, self.value, self.holders = key, value, holders
         self.stop = threading.Event()
         self.reads = self.retried = self.misses = self.wrong_bytes = 0
-        self.failed: list[str] = []         # errors that one retry did not absorb
+        self.failed: list[tuple[float, str]] = []     # (monotonic time, errors) one retry did not absorb
 
     def run(self) -> None:
         turn = 0
@@ -61,7 +62,7 @@ class HotReader(threading.Thread):
                 try:
                     value = self.reader.get(self.key, copy, readonly=True)
                 except redis.RedisError as second:
-                    self.failed.append(f"{first!r} then {second!r}")
+                    self.failed.append((time.monotonic(), f"{first!r} then {second!r}"))
                     continue
             self.check(value)
 
@@ -88,14 +89,21 @@ def test_a_hot_block_stays_readable_while_its_owner_is_killed():
         try:
             wait_until(lambda: reader.reads > 50, what="reads before the kill")
             os.kill(pid_of(up, owner), signal.SIGKILL)
+            killed_at = time.monotonic()
             wait_until(lambda: all(owner_of(a, key) != owner for a in survivors),
                        what="the dead owner's slots to move")
+            moved_at = time.monotonic()
             served = reader.reads
             wait_until(lambda: reader.reads > served + 50, what="reads after the failover")
         finally:
             reader.stop.set()
             reader.join()
-        assert reader.failed == [] and reader.wrong_bytes == 0 and reader.misses == 0
+        # The copies serve until their lease lapses (renewed every heat window by the owner, now
+        # dead); a failover slower than that (a busy host, etcd held up) leaves reads failing
+        # from then until the new map, as it must: a copy is never served past its lease.
+        lapse = killed_at + lease_seconds(NODE_TIMEOUT) - WINDOW
+        unexplained = [text for at, text in reader.failed if not lapse <= at <= moved_at]
+        assert unexplained == [] and reader.wrong_bytes == 0 and reader.misses == 0
         assert reader.retried >= 1                      # the kill was felt, and absorbed
         new_owner = owner_of(survivors[0], key)
         assert new_owner in survivors and connect(new_owner).get(key) == value
