@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from client import resp
 from client.errors import ConnectionError
-from client.sockets import Endpoint, SocketConnection, check_handshake, handshake, socket_errors, tune
+from client.sockets import (Endpoint, SocketConnection, check_handshake, handshake, kernel_timeouts, socket_errors,
+                            tune)
 from client.tls import send_blocking, wrap_blocking
 
 MAX_FDS = 4             # file descriptors accepted with one reply
@@ -103,4 +104,6 @@ def _connect(endpoint: Endpoint, timeout: float | None) -> socket.socket:
             sock.close()
             raise
     tune(sock)
+    if not endpoint.tls:
+        kernel_timeouts(sock, timeout)
     return sock

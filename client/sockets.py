@@ -18,6 +18,7 @@ import builtins
 import select
 import socket
 import ssl
+import struct
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,23 @@ def tune(sock: socket.socket) -> None:
     """Socket options for request/reply traffic: no Nagle delay on small commands."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def kernel_timeouts(sock: socket.socket, timeout: float | None) -> None:
+    """Bound a blocking socket's waits in the kernel (SO_RCVTIMEO, SO_SNDTIMEO) instead of
+    with Python's socket timeout.
+
+    With a Python timeout every wait is a failed non-blocking call, a poll() and the call
+    again: about 30 us more a round trip on a Unix socket on these machines (measured with
+    a bare PING loop), which is a tenth of a 1 MiB put. A wait that runs out raises
+    BlockingIOError, which `socket_errors` reports as the SDK's TimeoutError.
+    """
+    sock.settimeout(None)
+    seconds = 0.0 if timeout is None else max(timeout, 1e-6)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 class PeerWatch:
@@ -128,7 +146,7 @@ def socket_errors(doing: str) -> Iterator[None]:
         yield
     except KVError:
         raise
-    except builtins.TimeoutError as exc:
+    except (builtins.TimeoutError, BlockingIOError) as exc:
         raise TimeoutError(f"{doing}: no answer in time") from exc
     except OSError as exc:
         raise ConnectionError(f"{doing}: {exc}") from exc

@@ -370,6 +370,22 @@ def test_timeout_against_a_server_that_never_answers():
                 kv.get_into("k", bytearray(10))
 
 
+def test_timeout_over_a_unix_socket_and_a_send_that_cannot_finish(tmp_path):
+    """The sync client bounds its waits in the kernel (SO_RCVTIMEO/SO_SNDTIMEO): a reply that
+    never comes and a send the peer never drains both end as the SDK's TimeoutError."""
+    path = str(tmp_path / "silent.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(8)
+        with KVClient(unix_socket=path, timeout=0.2, fast_path="off") as kv:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                kv.ping()
+            assert time.monotonic() - started < 2
+            with pytest.raises(TimeoutError):
+                kv.put("k", bytes(64 << 20))
+
+
 def test_connection_refused_is_a_connection_error():
     with KVClient(port=free_port(), retries=1) as kv:
         with pytest.raises(ConnectionError) as raised:
