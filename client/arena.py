@@ -7,6 +7,9 @@ the shared index) arrive with the KV.ARENA reply; over TCP the client opens
 arena proves the mapping is that node's, so a node on another host (where
 the pid means nothing) is detected and the wire is used instead.
 
+A node with an SSD tier also names its RocksDB directory, which the client
+reads as a follower for values published on SSD alone (client/ssd_reads.py).
+
 The validity words and the index are mapped read-only: the node alone writes
 them. A lease's word holds the lease's tag while the lease is live; a copy
 made under the lease is whole when the word, read *after* the copy, still
@@ -27,6 +30,7 @@ from client.connection import Connection
 from client.errors import FastPathUnavailable, KVError
 from client.shared_index import SharedIndexView
 from client.sockets import Endpoint
+from client.ssd_reads import SSDReads
 from proto import fastpath as fp
 
 
@@ -59,6 +63,7 @@ class Arena:
                  index: SharedIndexView, conn: Connection):
         self.token = token
         self.index = index
+        self.ssd: SSDReads | None = None     # the node's SSD tier read here (client/ssd_reads.py), if any
         self._conn = conn
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -98,6 +103,8 @@ class Arena:
     def close(self) -> None:
         """Close the mapping's connection; the memory goes with the last reference."""
         self._conn.close()
+        if self.ssd is not None:
+            self.ssd.close()
 
 
 def attach(endpoint: Endpoint, password: str | None, timeout: float | None) -> Arena:
@@ -120,7 +127,7 @@ def _map(conn: Connection, endpoint: Endpoint) -> Arena:
             raise FastPathUnavailable(f"{endpoint} has no fast path: {reply}")
         try:
             (size, pid, fd_number, token_offset, token, _, words_fd_number, n_words,
-             index_fd_number, buckets) = reply
+             index_fd_number, buckets, ssd_dir) = reply
         except (TypeError, ValueError):
             raise FastPathUnavailable(f"{endpoint} answered {fp.KV_ARENA} with {reply!r:.80}") from None
         if not fds:
@@ -135,7 +142,16 @@ def _map(conn: Connection, endpoint: Endpoint) -> Arena:
             os.close(fd)
     if bytes(arena.view(token_offset, len(token))) != bytes(token):
         raise FastPathUnavailable(f"{endpoint} is not on this host (its arena token does not match)")
+    if ssd_dir:
+        arena.ssd = _follow(bytes(ssd_dir).decode())
     return arena
+
+
+def _follow(ssd_dir: str) -> SSDReads:
+    """A reader of the node's SSD tier, opened now (or failed: then every SSD value is asked for)."""
+    reads = SSDReads(ssd_dir)
+    reads.open()
+    return reads
 
 
 def _open_proc_fd(pid: int, fd_number: int, endpoint: Endpoint) -> int:

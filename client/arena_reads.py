@@ -164,12 +164,31 @@ def from_index(fast: FastPath, arena: Arena, key: Key, view: memoryview | None) 
     if found is None:
         return None
     at, seq, offset, size = found
+    if offset & fp.INDEX_ON_SSD:
+        return _from_ssd(fast, arena, key, view, found)
     if offset + size <= arena.size:
         result = _copy(arena, key, view, offset, size)
         if index.unchanged(at, seq):
             return result
     fast.stats.index_races += 1
     return None
+
+
+def _from_ssd(fast: FastPath, arena: Arena, key: Key, view: memoryview | None,
+              found: tuple[int, int, int, int]) -> Any:
+    """`from_index` for a value the index shows on SSD alone: read from the node's RocksDB
+    files here (client/ssd_reads.py), then the same check of the bucket."""
+    at, seq, offset, size = found
+    if arena.ssd is None or (view is not None and size > view.nbytes):
+        return None                                # the node says how large it is, or reads it
+    payload = arena.ssd.read(cache_key(key), size, offset & fp.INDEX_TAG_MASK)
+    if payload is None or not arena.index.unchanged(at, seq):
+        return None
+    fast.stats.ssd_reads += 1
+    if view is None:
+        return bytearray(payload)
+    view[:size] = payload
+    return size
 
 
 def _copy_bound(fast: FastPath, local: LocalRead) -> int:

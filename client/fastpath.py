@@ -73,6 +73,7 @@ class FastPathStats:
     cached_reads: int = 0        # values copied under a lease held from an earlier get
     index_reads: int = 0         # values found in the shared index and copied with no round trip
     index_races: int = 0         # ... found, but changed under the copy (then leased instead)
+    ssd_reads: int = 0           # ... of those, values on SSD alone read from the node's RocksDB files here
     pooled_writes: int = 0       # values copied into a spare reserved by an earlier put
     releases_deferred: int = 0
     lease_retries: int = 0

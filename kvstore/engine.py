@@ -427,11 +427,14 @@ class Engine:
 
     # ----------------------------------------------------------- tiers
 
-    def add_from_ssd(self, key: bytes, size: int, parent: bytes | None) -> None:
-        """Index a value found on SSD at start-up (a newer value in DRAM wins)."""
+    def add_from_ssd(self, key: bytes, size: int, parent: bytes | None, tag: int = 0) -> None:
+        """Index a value found on SSD at start-up (a newer value in DRAM wins); ``tag`` as
+        `TierMoves.mark_on_ssd` takes it."""
         if key in self.index:
             return
-        self.index[key] = self.slots.add(key, size, SSD, ON_SSD, 0, self._parent_slot(key, parent))
+        slot = self.index[key] = self.slots.add(key, size, SSD, ON_SSD, 0, self._parent_slot(key, parent))
+        self.moves.mark_on_ssd(slot, tag)
+        self.moves.settled(slot)
 
     def coldest(self, tier: int) -> int | None:
         """The next value to move out of ``tier``: never a held one, and never a

@@ -53,19 +53,33 @@ see client/shared_index.py. And the node does not see the reads it did not
 serve: the client reports them with KV.TOUCH (hits, recency and heat, as a
 get would count them) with its next request, or every few hundred reads.
 
-Cost to the node: nothing until the first local client maps the arena
-(`activate`); then a hash and a bucket write per commit, a dict lookup per
-read hit (a value that came back to DRAM, or was committed before the first
-mapping, is published on its next hit), and one bucket write per value let
-go.
+Values on SSD alone are published too, with `INDEX_ON_SSD` and a tag in
+place of the offset: the low 63 bits of the xxh3 of the value's RocksDB
+payload, as written (the tier manager hands it over when a write lands, a
+restart reads it from the record's header; a compressed payload has none and
+is not published). A local client reads that payload from the node's RocksDB
+files itself and trusts it only when it hashes to the tag
+(client/ssd_reads.py), so an older record of the key can never pass. The same
+retraction rules hold: the bucket empties before the value is deleted,
+overwritten, expired, evicted or moved, and when it comes back to DRAM it is
+published at its new place. Tags are kept from the start, for at most as
+many values as the table has buckets (a restart indexes the SSD tier before
+any client maps the arena), and published when the table is made.
+
+Cost to the node: until the first local client maps the arena, a dict
+lookup per drop and overwrite (and a dict entry per tagged SSD value); then a
+hash and a bucket write per commit and per move home, a dict lookup per read
+hit (a value committed before the first mapping is published on its next
+hit), and one bucket write per value let go.
 """
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 from dataclasses import dataclass
 
-from kvstore.slots import DRAM
+from kvstore.slots import DRAM, SSD
 from proto import fastpath as fp
 
 _SEQ, _HASH, _OFFSET, _SIZE = fp.INDEX_SEQ, fp.INDEX_HASH, fp.INDEX_OFFSET, fp.INDEX_SIZE
@@ -74,6 +88,7 @@ _WORDS, _BYTES, _KEY_AT = fp.INDEX_BUCKET_WORDS, fp.INDEX_BUCKET_BYTES, fp.INDEX
 MIN_BUCKETS = 4096
 MAX_BUCKETS = 1 << 18                # 32 MiB of table at most
 ARENA_BYTES_PER_BUCKET = 16 * 1024   # a bucket per 16 KiB of arena: room for small values too
+PUBLISH_CHUNK = 1024                 # SSD values published a loop turn when the table is made
 
 
 def buckets_for(arena_size: int) -> int:
@@ -98,6 +113,12 @@ class SharedIndex:
         self.fd = -1
         self.buckets = 0
         self._bucket_of: dict[int, int] = {}     # engine slot -> its bucket
+        self._ssd_tags: dict[int, int] = {}      # engine slot -> the tag of its SSD copy (bounded)
+        self._tags_max = buckets_for(engine.arena.size)
+        engine.moves.on_ssd_listeners.append(self._on_ssd)       # tags are kept before activation too:
+        engine.drop_listeners.append(self._on_drop)              # a restart loads the SSD tier first
+        engine.overwrite_listeners.append(self._on_rewrite)
+        engine.expire_listeners.append(self._on_rewrite)
 
     @property
     def active(self) -> bool:
@@ -120,10 +141,9 @@ class SharedIndex:
         self._set_mask = self.buckets // fp.INDEX_WAYS - 1
         engine.commit_listeners.append(self._on_commit)
         engine.hit_listeners.append(self._on_hit)
-        engine.drop_listeners.append(self._on_drop)
-        engine.overwrite_listeners.append(self._on_rewrite)
-        engine.expire_listeners.append(self._on_rewrite)
         engine.moves.leave_listeners.append(self.retract)
+        engine.moves.settled_listeners.append(self._on_settled)
+        self._publish_on_ssd(list(self._ssd_tags))
 
     def info(self) -> dict[str, int]:
         """Counters for KV.LEASES."""
@@ -140,20 +160,53 @@ class SharedIndex:
 
     def _on_drop(self, slot: int, key: bytes) -> None:
         self.retract(slot)
+        self._ssd_tags.pop(slot, None)
 
     def _on_rewrite(self, key: bytes) -> None:
-        """The value of ``key`` is about to be rewritten in place, or got an expiry time."""
+        """The value of ``key`` is about to be rewritten in place (its SSD copy is then stale),
+        or got an expiry time."""
         slot = self.engine.index.get(key)
         if slot is not None:
             self.retract(slot)
+            self._ssd_tags.pop(slot, None)
+
+    def _on_ssd(self, slot: int, tag: int) -> None:
+        """A copy of ``slot``'s value is on SSD under ``tag``: kept (while there is room for
+        as many tags as the table has buckets) to publish once the value lives there alone."""
+        if tag and (slot in self._ssd_tags or len(self._ssd_tags) < self._tags_max):
+            self._ssd_tags[slot] = tag
+        else:
+            self._ssd_tags.pop(slot, None)
+
+    def _on_settled(self, slot: int) -> None:
+        """The value moved home (to SSD alone, or back to DRAM): publish where it is now."""
+        self.retract(slot)
+        self._publish(slot, self.engine.key_of(slot))
+
+    def _publish_on_ssd(self, slots: list[int]) -> None:
+        """Publish values already on SSD alone when the table is made (a restart indexes the
+        SSD tier before any client maps the arena), ``PUBLISH_CHUNK`` a loop turn."""
+        engine = self.engine
+        for slot in slots[:PUBLISH_CHUNK]:
+            if slot in self._ssd_tags and slot not in self._bucket_of and engine.slots.tier[slot] == SSD:
+                self._publish(slot, engine.key_of(slot))
+        if len(slots) > PUBLISH_CHUNK:
+            asyncio.get_running_loop().call_soon(self._publish_on_ssd, slots[PUBLISH_CHUNK:])
 
     # ------------------------------------------------------------ buckets
 
     def _publish(self, slot: int, key: bytes) -> None:
-        """Publish the DRAM value of ``slot`` if the table can take it (else clients ask the node)."""
+        """Publish the value of ``slot`` if the table can take it (else clients ask the node):
+        where it is in the arena, or for a value on SSD alone the tag of its payload."""
         engine, slots = self.engine, self.engine.slots
-        if len(key) > fp.INDEX_KEY_MAX or slots.tier[slot] != DRAM or key in engine.expires \
-                or (slots.heap_copies and slot in slots.heap_copies):
+        if len(key) > fp.INDEX_KEY_MAX or key in engine.expires:
+            return
+        tier = slots.tier[slot]
+        if tier == DRAM and not (slots.heap_copies and slot in slots.heap_copies):
+            offset = slots.dram_offset(slot)
+        elif tier == SSD and slot in self._ssd_tags:
+            offset = fp.INDEX_ON_SSD | self._ssd_tags[slot]
+        else:
             return
         digest = fp.index_hash(key)
         first = (digest & self._set_mask) * fp.INDEX_WAYS
@@ -163,7 +216,7 @@ class SharedIndex:
             return
         self._taken[bucket] = 1
         self._bucket_of[slot] = bucket
-        self._write(bucket, digest, slots.dram_offset(slot), slots.size[slot], key)
+        self._write(bucket, digest, offset, slots.size[slot], key)
         self.stats.index_published += 1
 
     def retract(self, slot: int) -> None:

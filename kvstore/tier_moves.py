@@ -25,11 +25,16 @@ class TierMoves:
         self.slots = slots
         self.free_dram = free_dram
         self.leave_listeners: list[Callable[[int], None]] = []   # fn(slot) before its DRAM home is let go
+        self.on_ssd_listeners: list[Callable[[int, int], None]] = []   # fn(slot, tag): a copy is on SSD
+        self.settled_listeners: list[Callable[[int], None]] = []  # fn(slot): its home is now DRAM or SSD
         self.heap_bytes = 0          # bytes of the copies staged outside the arena now
 
-    def mark_on_ssd(self, slot: int) -> None:
-        """A verified copy of the DRAM value is now on SSD."""
+    def mark_on_ssd(self, slot: int, tag: int = 0) -> None:
+        """A verified copy of the value is now on SSD; ``tag`` is what the shared index may
+        publish it under once it lives there alone (0: it may not, proto/fastpath.py)."""
         self.slots.set_flags(slot, self.slots.flags[slot] | ON_SSD)
+        for listener in self.on_ssd_listeners:
+            listener(slot, tag)
 
     def demoted_to_ssd(self, slot: int) -> None:
         """The value is safely on SSD: let its DRAM copy go."""
@@ -37,6 +42,7 @@ class TierMoves:
         self._leave_dram(slot)
         self.free_dram(slots.dram_offset(slot), slots.size[slot])
         slots.set_tier(slot, SSD, ON_SSD)
+        self.settled(slot)
 
     def moved_to_gpu(self, slot: int) -> None:
         """A hot DRAM value now lives in the GPU arena (its offset is the tier manager's)."""
@@ -62,6 +68,12 @@ class TierMoves:
         old_tier = slots.tier[slot]
         slots.set_dram_offset(slot, extent.offset)
         slots.set_tier(slot, DRAM, ON_SSD if old_tier == SSD else slots.flags[slot] & ON_SSD)
+        self.settled(slot)
+
+    def settled(self, slot: int) -> None:
+        """The value's home is now DRAM, or SSD alone (a demotion, a promotion, a restart)."""
+        for listener in self.settled_listeners:
+            listener(slot)
 
     def stage(self, slot: int, extent: Extent) -> None:
         """Give an SSD/GPU value a temporary DRAM copy (freed by ``unstage``)."""

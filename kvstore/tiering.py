@@ -364,7 +364,7 @@ class TierManager:
             self._ssd_failed(key, error)
             return
         if same:
-            engine.moves.mark_on_ssd(slot)
+            engine.moves.mark_on_ssd(slot, future.result().index_tag)
             self._stalled = False
             if demote:
                 engine.moves.demoted_to_ssd(slot)
@@ -556,7 +556,7 @@ class TierManager:
             records = await loop.run_in_executor(None, lambda: list(self.ssd.scan_index()))
             for i in range(0, len(records), LOAD_CHUNK):
                 for rec in records[i:i + LOAD_CHUNK]:
-                    self.engine.add_from_ssd(rec.key, rec.value_size, rec.parent)
+                    self.engine.add_from_ssd(rec.key, rec.value_size, rec.parent, rec.tag)
                 await asyncio.sleep(0)
             self.recovered = len(records)
         except TierError as exc:

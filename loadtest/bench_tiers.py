@@ -536,11 +536,17 @@ def hit_ratio_table(trace: Path, settings: Settings) -> Table:
 # ------------------------------------------------------------------ main
 
 
-def run(settings: Settings, root: str, trace: Path) -> list[Table]:
+TABLES = ("ssd", "latency", "dram-hit", "restart", "hit-ratio")
+
+
+def run(settings: Settings, root: str, trace: Path, only: list[str] | None = None) -> list[Table]:
+    makers = {"ssd": lambda group: ssd_table(group, root, settings),
+              "latency": lambda group: latency_table(group, root, settings),
+              "dram-hit": lambda group: dram_hit_table(group, root, settings),
+              "restart": lambda group: restart_table(group, root, settings),
+              "hit-ratio": lambda group: hit_ratio_table(trace, settings)}
     with ProcessGroup() as group:
-        return [ssd_table(group, root, settings), latency_table(group, root, settings),
-                dram_hit_table(group, root, settings), restart_table(group, root, settings),
-                hit_ratio_table(trace, settings)]
+        return [makers[name](group) for name in TABLES if not only or name in only]
 
 
 def main() -> None:
@@ -551,12 +557,13 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake trace (JSONL with hash_ids)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument("--json", metavar="FILE", help="write every sample as JSON")
+    parser.add_argument("--only", action="append", choices=TABLES, help="run only this table (repeatable)")
     args = parser.parse_args()
     settings = Settings().quick() if args.quick else Settings()
     if args.repeats:
         settings = replace(settings, repeats=args.repeats)
     machine = machine_info()        # the load average at start, beside the figures
-    tables = run(settings, args.dir, args.trace)
+    tables = run(settings, args.dir, args.trace, args.only)
     for table in tables:
         print(table.render_markdown(machine) if args.markdown else table.render_text(machine), end="\n\n")
     if args.json:

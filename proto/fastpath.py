@@ -43,11 +43,23 @@ INDEX_SEQ, INDEX_HASH, INDEX_OFFSET, INDEX_SIZE = 0, 1, 2, 3   # word 3: value s
 INDEX_KEY_AT = 32                # the key's bytes start here in the bucket
 INDEX_KEY_MAX = INDEX_BUCKET_BYTES - INDEX_KEY_AT              # longer keys are never published
 INDEX_SEED = 0x6B7673696E646578  # b"kvsindex"
+# A value only on SSD is published with INDEX_ON_SSD set in its offset word and, below it, its
+# tag: the low 63 bits of the xxh3-64 of its uncompressed RocksDB payload. A local client reads
+# the payload from the SSD directory KV.ARENA names (RocksDB's column family SSD_VALUE_CF) and
+# trusts it only if it hashes to the tag.
+INDEX_ON_SSD = 1 << 63
+INDEX_TAG_MASK = INDEX_ON_SSD - 1
+SSD_VALUE_CF = "value"
 
 
 def index_hash(key: bytes) -> int:
     """The 64-bit hash that places ``key`` in the shared index; never 0 (an empty bucket)."""
     return xxhash.xxh3_64_intdigest(key, INDEX_SEED) or 1
+
+
+def ssd_tag(payload) -> int:
+    """The tag of a plain SSD payload (0: the value cannot be published)."""
+    return xxhash.xxh3_64_intdigest(payload) & INDEX_TAG_MASK
 
 # The header that opens every tensor value and layer-wise block (128 bytes, little-endian):
 #   magic "KVT1", u32 n_layers, u64 bytes per layer, 16-byte dtype name (NUL padded),

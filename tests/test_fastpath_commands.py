@@ -54,7 +54,8 @@ def test_lease_of_a_value_staged_on_the_heap_is_refused_and_holds_nothing(tmp_pa
 
 def test_touch_counts_reads_served_elsewhere_as_hits_and_arena_passes_the_index(tmp_path):
     """KV.TOUCH: the hits a local client's reads from the shared index stand for, and how many
-    of the keys exist; KV.ARENA names the shared index (its fd and size), made at the first."""
+    of the keys exist; KV.ARENA names the shared index (its fd and size), made at the first, and
+    the SSD tier's directory when there is one."""
     daemon = start_kvstore(tmp_path)
     try:
         client = redis.Redis(daemon.host, daemon.port)
@@ -65,7 +66,8 @@ def test_touch_counts_reads_served_elsewhere_as_hits_and_arena_passes_the_index(
         after = _fields(client.execute_command("KV.STATS"))
         assert (after[b"hits"], after[b"misses"]) == (before[b"hits"] + 3, before[b"misses"] + 1)
         reply = client.execute_command("KV.ARENA")
-        assert len(reply) == 10 and reply[9] >= 4096 and reply[9] & (reply[9] - 1) == 0
+        assert len(reply) == 11 and reply[9] >= 4096 and reply[9] & (reply[9] - 1) == 0
+        assert reply[10] == b""                            # no SSD tier for a local client to read
         assert _fields(client.execute_command("KV.LEASES"))[b"index_buckets"] == reply[9]
         client.set("c", b"3")                              # published from the first mapping on
         assert _fields(client.execute_command("KV.LEASES"))[b"index_entries"] == 1

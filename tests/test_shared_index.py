@@ -6,7 +6,8 @@ What is checked: a committed DRAM value is published where the engine has it, an
 way a value's bytes can change or go empties its bucket *before* that happens (delete,
 overwrite elsewhere and in place, expiry set, eviction, flush, demotion to SSD, a move to
 the GPU tier: a listener added after the index's sees the bucket already changed); a value
-back in DRAM is published on its next hit; keys are compared exactly (two keys with one
+back in DRAM is published again at once; a value on SSD alone is published with the tag
+of its payload (kept before activation, bounded, never outliving the value); keys are compared exactly (two keys with one
 hash stay apart; a full set or a long key is a miss, never a wrong value); a bucket being
 written is a miss; nothing is published before activation.
 """
@@ -118,18 +119,101 @@ def test_demotion_and_a_move_to_the_gpu_retract_before_the_extent_is_freed(node)
     assert view.find(b"ssd") is None and view.find(b"gpu") is None
 
 
-def test_a_value_back_in_dram_is_published_on_its_next_hit(node):
+def test_a_value_back_in_dram_is_published_where_it_now_is(node):
     engine, _, view = node
     engine.put(b"k", value(4))
     slot = engine.index[b"k"]
     engine.moves.mark_on_ssd(slot)
     engine.moves.demoted_to_ssd(slot)
+    assert view.find(b"k") is None                        # on SSD with no tag: not published
     extent = engine.reserve(64 * KiB)
     extent.view[:] = value(4)
-    engine.moves.home_in_dram(slot, extent)               # promoted: no commit, no listener
-    assert view.find(b"k") is None
-    engine.get_slot(b"k")
+    engine.moves.home_in_dram(slot, extent)               # promoted: no commit
     assert read(engine, view, b"k") == value(4)
+
+
+def ssd_entry(view: SharedIndexView, key: bytes) -> tuple[int, int] | None:
+    """(tag, size) of ``key`` when the index shows it on SSD alone."""
+    found = view.find(key)
+    if found is None or not found[2] & fp.INDEX_ON_SSD:
+        return None
+    return found[2] & fp.INDEX_TAG_MASK, found[3]
+
+
+def demote_with_tag(engine: Engine, key: bytes) -> int:
+    """Demote ``key`` as the tier manager does after writing its plain payload: its tag."""
+    slot = engine.index[key]
+    tag = fp.ssd_tag(bytes(engine.view(slot)))
+    engine.moves.mark_on_ssd(slot, tag)
+    engine.moves.demoted_to_ssd(slot)
+    return tag
+
+
+def test_a_value_on_ssd_alone_is_published_with_its_tag_until_it_changes(node):
+    engine, _, view = node
+    for key in (b"a", b"b", b"c", b"d"):
+        engine.put(key, value(5))
+    tags = {key: demote_with_tag(engine, key) for key in (b"a", b"b", b"c", b"d")}
+    assert all(ssd_entry(view, key) == (tags[key], 64 * KiB) for key in tags)
+    found = view.find(b"a")
+    engine.delete(b"a")
+    assert view.find(b"a") is None and not view.unchanged(found[0], found[1])
+    engine.put(b"b", value(6))                            # overwritten: the SSD copy is stale
+    assert read(engine, view, b"b") == value(6)
+    engine.set_expire(b"c", 2**62)
+    assert view.find(b"c") is None
+    extent = engine.reserve(64 * KiB)
+    extent.view[:] = value(5)
+    engine.moves.home_in_dram(engine.index[b"d"], extent)  # promoted: now read from DRAM
+    assert ssd_entry(view, b"d") is None and read(engine, view, b"d") == value(5)
+
+
+def test_a_compressed_copy_is_not_published_and_a_tag_does_not_outlive_its_value(node):
+    engine, _, view = node
+    engine.put(b"k", value(7))
+    slot = engine.index[b"k"]
+    engine.moves.mark_on_ssd(slot, 0)                     # lz4'd on SSD: only the node decodes it
+    engine.moves.demoted_to_ssd(slot)
+    assert view.find(b"k") is None
+    engine.put(b"j", value(8))
+    slot = engine.index[b"j"]
+    engine.moves.mark_on_ssd(slot, 12345)
+    engine.put(b"j", value(9))                            # overwritten: the copy on SSD is stale
+    engine.put(b"new", value(10))                         # takes the freed slot id
+    assert engine.index[b"new"] == slot
+    engine.moves.mark_on_ssd(slot)
+    engine.moves.demoted_to_ssd(slot)
+    assert view.find(b"new") is None                      # the old value's tag went with it
+
+
+def test_values_loaded_from_ssd_before_the_first_mapping_are_published_when_it_is_made():
+    engine = Engine(4 * MiB, prefault=False)
+    try:
+        index = SharedIndex(engine)
+        for i in range(3):
+            engine.add_from_ssd(b"k%d" % i, 1000 + i, None, tag=100 + i)
+        engine.add_from_ssd(b"plain", 10, None)           # no tag: asked of the node
+        index.activate()
+        view = SharedIndexView(index.fd, index.buckets)
+        assert [ssd_entry(view, b"k%d" % i) for i in range(3)] == [(100 + i, 1000 + i) for i in range(3)]
+        assert view.find(b"plain") is None
+    finally:
+        engine.close()
+
+
+def test_tags_are_kept_for_at_most_as_many_values_as_the_table_has_buckets():
+    engine = Engine(1 * MiB, prefault=False)
+    try:
+        index = SharedIndex(engine)
+        most = buckets_for(engine.arena.size)
+        for i in range(most + 10):
+            engine.add_from_ssd(b"k%d" % i, 10, None, tag=i + 1)
+        assert len(index._ssd_tags) == most
+        engine.delete(b"k0")
+        engine.add_from_ssd(b"again", 10, None, tag=7)
+        assert len(index._ssd_tags) == most and index._ssd_tags[engine.index[b"again"]] == 7
+    finally:
+        engine.close()
 
 
 def test_eviction_retracts_the_evicted_values():

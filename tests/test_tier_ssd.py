@@ -23,8 +23,10 @@ import pytest
 from rocksdict import Options, Rdict
 
 from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
+from kvstore.tiers.record import RecordHeader
 from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker
+from proto import fastpath as fp
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -93,7 +95,8 @@ def test_put_accepts_any_buffer(tier):
 
 
 def test_put_batch_stores_all_and_last_duplicate_wins(tier):
-    sizes = tier.put_batch([(b"a", b"1" * 100, None), (b"b", b"2" * 200, b"a"), (b"a", b"3" * 300, None)])
+    headers = tier.put_batch([(b"a", b"1" * 100, None), (b"b", b"2" * 200, b"a"), (b"a", b"3" * 300, None)])
+    sizes = [header.disk_bytes for header in headers]
     assert len(sizes) == 3
     assert tier.get(b"a") == b"3" * 300 and tier.get(b"b") == b"2" * 200
     assert tier.count == 2
@@ -107,6 +110,8 @@ def test_bf16_values_are_shuffled_and_compressed(tmp_path):
     try:
         assert with_shuffle.put(b"k", value) < 0.95 * len(value)
         assert without.put(b"k", value) > len(value)
+        assert with_shuffle.put_batch([(b"k", value, None)])[0].index_tag == 0   # only the node decodes it
+        assert without.put_batch([(b"k", value, None)])[0].index_tag == fp.ssd_tag(value)
         assert with_shuffle.compression_ratio > 1.05
         assert with_shuffle.get(b"k") == without.get(b"k") == value
     finally:
@@ -128,7 +133,8 @@ def test_values_survive_a_clean_restart(tmp_path):
         records = {r.key: r for r in tier.scan_index()}
         assert tier.accounted.wait(30) and (tier.count, tier.used_bytes) == (49, used)
         assert b"key7" not in records and len(records) == 49
-        assert records[b"key3"] == IndexRecord(b"key3", stored[3], 64 * 1024, b"key2")
+        tag = fp.ssd_tag(value_for(3))          # stored plain (incompressible): published under its tag
+        assert records[b"key3"] == IndexRecord(b"key3", stored[3], 64 * 1024, b"key2", tag)
         assert records[b"key0"].parent is None
         assert all(tier.get(b"key%d" % i) == value_for(i) for i in range(50) if i != 7)
     finally:
@@ -528,8 +534,8 @@ def test_worker_batches_puts_and_reads_off_the_loop(tier):
     async def scenario() -> None:
         worker = SSDWorker(tier)
         try:
-            sizes = await asyncio.gather(*(worker.put(b"w%d" % i, value_for(i, 8192)) for i in range(64)))
-            assert len(sizes) == 64 and all(size > 8192 for size in sizes)
+            headers = await asyncio.gather(*(worker.put(b"w%d" % i, value_for(i, 8192)) for i in range(64)))
+            assert len(headers) == 64 and all(header.disk_bytes > 8192 for header in headers)
             values = await asyncio.gather(*(worker.submit(tier.get, b"w%d" % i) for i in range(64)))
             assert values == [value_for(i, 8192) for i in range(64)]
             assert await worker.submit(tier.delete, b"w0")
@@ -571,7 +577,7 @@ def test_worker_gives_each_put_its_own_error(tmp_path):
     try:
         results = asyncio.run(scenario())
         assert isinstance(results[2], ValueTooLarge)
-        assert all(isinstance(r, int) for i, r in enumerate(results) if i != 2)
+        assert all(isinstance(r, RecordHeader) for i, r in enumerate(results) if i != 2)
         assert tier.count == 5
     finally:
         tier.close()
@@ -587,7 +593,7 @@ def test_worker_keeps_writing_after_a_caller_whose_loop_closed(tier):
         worker.put(b"left", b"x")                   # its loop closes before the put is done
 
     async def put_again() -> int:
-        return await asyncio.wait_for(worker.put(b"after", b"y"), 5)
+        return (await asyncio.wait_for(worker.put(b"after", b"y"), 5)).disk_bytes
 
     try:
         asyncio.run(queue_and_leave())

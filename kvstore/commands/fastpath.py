@@ -87,10 +87,12 @@ def kv_arena(conn, args):
     passed = conn.sock.family == socket.AF_UNIX
     if passed:
         conn.attach_fds([arena.fd, words.fd, index.fd])
+    tiers = conn.server.tiers
+    ssd_dir = os.path.abspath(tiers.ssd.path).encode() if tiers is not None and tiers.ssd is not None else b""
     return writer.array([writer.integer(arena.size), writer.integer(os.getpid()), writer.integer(arena.fd),
                          writer.integer(offset), writer.bulk(token), writer.integer(int(passed)),
                          writer.integer(words.fd), writer.integer(words.count),
-                         writer.integer(index.fd), writer.integer(index.buckets)])
+                         writer.integer(index.fd), writer.integer(index.buckets), writer.bulk(ssd_dir)])
 
 
 def _lease_reads(conn, args: list) -> list[bytes]:

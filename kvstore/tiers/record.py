@@ -44,6 +44,7 @@ import numpy as np
 import xxhash
 
 from kvstore.tiers import CorruptValue, TierError
+from proto import fastpath as fp
 
 MAGIC = b"KV"
 VERSION = 1
@@ -107,6 +108,18 @@ class RecordHeader:
     def size(self) -> int:
         """Bytes this header takes on disk."""
         return HEADER.size + len(self.parent or b"")
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the whole record takes on disk."""
+        return self.size + self.stored_size
+
+    @property
+    def index_tag(self) -> int:
+        """The tag the shared index publishes this value under, so a local client can read
+        the payload from RocksDB itself (proto/fastpath.py): 0 for a compressed payload,
+        which only the node decodes."""
+        return self.checksum & fp.INDEX_TAG_MASK if self.flags is Flags.NONE else 0
 
     def verify(self, payload: bytes) -> bool:
         """Whether ``payload`` is exactly the payload this header describes."""

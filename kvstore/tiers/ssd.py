@@ -50,9 +50,10 @@ from rocksdict import (BlockBasedOptions, ChecksumType, DBCompressionType, Optio
 
 from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
 from kvstore.tiers.record import RecordHeader, decode, decode_into, encode
+from proto import fastpath as fp
 
 META_CF = "meta"
-VALUE_CF = "value"
+VALUE_CF = fp.SSD_VALUE_CF
 COMPRESSION_MODES = ("auto", "off")
 T = TypeVar("T")
 
@@ -65,10 +66,11 @@ class IndexRecord:
     stored_size: int       # header + payload bytes on disk
     value_size: int        # bytes a reader gets back
     parent: bytes | None
+    tag: int               # what the shared index publishes it under (0: not publishable)
 
     @classmethod
     def of(cls, key: bytes, header: RecordHeader) -> IndexRecord:
-        return cls(key, header.size + header.stored_size, header.value_size, header.parent)
+        return cls(key, header.disk_bytes, header.value_size, header.parent, header.index_tag)
 
 
 class SSDTier:
@@ -148,17 +150,18 @@ class SSDTier:
 
     def put(self, key: bytes, value, parent: bytes | None = None) -> int:
         """Store ``value`` (any contiguous buffer) under ``key``; bytes used on disk."""
-        return self.put_batch([(key, value, parent)])[0]
+        return self.put_batch([(key, value, parent)])[0].disk_bytes
 
-    def put_batch(self, items: Iterable[tuple[bytes, Any, bytes | None]]) -> list[int]:
-        """Store several values atomically (one WriteBatch); bytes used by each."""
+    def put_batch(self, items: Iterable[tuple[bytes, Any, bytes | None]]) -> list[RecordHeader]:
+        """Store several values atomically (one WriteBatch); the header written for each
+        (its bytes on disk, and the tag the shared index publishes it under)."""
         records = [(key, *self._encode(value, parent)) for key, value, parent in items]
         latest = {key: (header, payload) for key, header, payload in records}
         with self._lock:
             self._check_open()
             previous = {key: self._stored_header(key) for key in latest}
-            growth = sum(h.size + h.stored_size for h, _ in latest.values())
-            growth -= sum(h.size + h.stored_size for h in previous.values() if h)
+            growth = sum(h.disk_bytes for h, _ in latest.values())
+            growth -= sum(h.disk_bytes for h in previous.values() if h)
             if self._used + growth > self.capacity_bytes:
                 raise TierFull(f"SSD tier at {self.path} needs {growth} more bytes, "
                                f"{self.free_bytes} of {self.capacity_bytes} are free")
@@ -169,14 +172,14 @@ class SSDTier:
             self._write(batch, "write")
             for key, (header, _) in latest.items():
                 if previous[key]:
-                    self._account(previous[key].size + previous[key].stored_size,
+                    self._account(previous[key].disk_bytes,
                                   previous[key].value_size, -1)
-                self._account(header.size + header.stored_size, header.value_size, +1)
-        return [header.size + header.stored_size for _, header, _ in records]
+                self._account(header.disk_bytes, header.value_size, +1)
+        return [header for _, header, _ in records]
 
     def _encode(self, value, parent: bytes | None) -> tuple[RecordHeader, bytes]:
         header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle)
-        if header.size + header.stored_size > self.capacity_bytes:
+        if header.disk_bytes > self.capacity_bytes:
             raise ValueTooLarge(f"value of {header.value_size} bytes ({header.stored_size} stored) "
                                 f"is larger than the SSD tier's capacity of {self.capacity_bytes}")
         return header, payload
@@ -195,7 +198,7 @@ class SSDTier:
         self._delete_entries(key)
         header = _parse_header(raw)
         if header:
-            self._account(header.size + header.stored_size, header.value_size, -1)
+            self._account(header.disk_bytes, header.value_size, -1)
         return True
 
     def _delete_entries(self, key: bytes) -> None:
@@ -336,7 +339,7 @@ class SSDTier:
             if header is None:
                 damaged.append(key)
                 continue
-            stored += header.size + header.stored_size
+            stored += header.disk_bytes
             value_bytes += header.value_size
             count += 1
         with self._lock:

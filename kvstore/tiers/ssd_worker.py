@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvstore.tiers.record import RecordHeader
 from kvstore.tiers.ssd import SSDTier
 
 T = TypeVar("T")
@@ -43,8 +44,8 @@ class SSDWorker:
         """Run ``fn(*args)`` on a reader thread; await the result."""
         return asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
 
-    def put(self, key: bytes, value, parent: bytes | None = None) -> asyncio.Future[int]:
-        """Queue a put; the future gives the bytes stored or the tier's error."""
+    def put(self, key: bytes, value, parent: bytes | None = None) -> asyncio.Future[RecordHeader]:
+        """Queue a put; the future gives the header written or the tier's error."""
         loop = asyncio.get_running_loop()
         pending = _PendingPut(key, value, parent, loop, loop.create_future())
         self._queue.put(pending)
@@ -82,13 +83,14 @@ class SSDWorker:
 
     def _store(self, batch: list[_PendingPut]) -> None:
         try:
-            sizes = self.tier.put_batch([(p.key, p.value, p.parent) for p in batch])
+            headers = self.tier.put_batch([(p.key, p.value, p.parent) for p in batch])
         except Exception:
             for pending in batch:
-                pending.settle(self.tier.put, pending.key, pending.value, pending.parent)
+                pending.settle(lambda *item: self.tier.put_batch([item])[0], pending.key, pending.value,
+                               pending.parent)
             return
-        for pending, stored in zip(batch, sizes):
-            pending.resolve(stored, None)
+        for pending, header in zip(batch, headers):
+            pending.resolve(header, None)
 
     def close(self) -> None:
         """Finish queued puts and stop the threads (the tier stays open)."""
@@ -107,13 +109,13 @@ class _PendingPut:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
 
-    def settle(self, fn: Callable[..., int], *args: Any) -> None:
+    def settle(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             self.resolve(fn(*args), None)
         except Exception as exc:
             self.resolve(None, exc)
 
-    def resolve(self, result: int | None, error: BaseException | None) -> None:
+    def resolve(self, result: Any, error: BaseException | None) -> None:
         """Hand the outcome to the caller's loop; a loop already closed has no one to tell
         (raising here would end the writer thread, and every later put would wait forever)."""
         try:

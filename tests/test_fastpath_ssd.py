@@ -1,0 +1,117 @@
+"""Values on SSD alone read by a local client from the node's RocksDB files (client/ssd_reads.py),
+against real `kvstore serve` nodes with an SSD tier.
+
+What is checked: a demoted value and a value loaded at a restart are read here with no
+round trip, byte-exact, singly and as a batch; a value overwritten, deleted, or demoted
+again after the client's follower last looked is never read from an old record (the
+new value, or a miss); a compressed record is read through the node; a directory the
+client cannot open leaves every read to the node.
+"""
+from __future__ import annotations
+
+import redis
+from conftest import wait_until
+from test_tiering import KIB, digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
+
+from client import KVClient
+from client.ssd_reads import SSDReads
+from proto import fastpath as fp
+
+SIZE = 256 * KIB
+NO_PROMOTION = ("--promote-hits", "1000000")     # reads reported to the node leave values on SSD
+
+
+def fast_client(daemon) -> KVClient:
+    return KVClient(unix_socket=daemon.unix_socket, fast_path="required", timeout=30)
+
+
+def read_all(kv: KVClient, keys: list[bytes]) -> dict[bytes, str | None]:
+    buffer = bytearray(SIZE)
+    return {key: None if kv.get_into(key, buffer) is None else digest(bytes(buffer)) for key in keys}
+
+
+def test_demoted_values_are_read_here_byte_exact(tmp_path):
+    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        written = spill(r, 48)
+        cold = on_ssd(r, list(written))
+        with fast_client(daemon) as kv:
+            assert read_all(kv, cold) == {key: written[key] for key in cold}
+            assert kv.fast_path.stats.ssd_reads == len(cold) > 0
+            buffers = [bytearray(SIZE) for _ in cold]
+            assert kv.batch_get_into(cold, buffers) == [SIZE] * len(cold)
+            assert [digest(bytes(b)) for b in buffers] == [written[key] for key in cold]
+            assert kv.fast_path.stats.ssd_reads == 2 * len(cold)
+            assert kv.get(cold[0]) == value_of(int(cold[0][1:]))
+    finally:
+        daemon.stop()
+
+
+def test_a_value_changed_after_its_demotion_is_never_read_from_an_old_record(tmp_path):
+    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        written = spill(r, 48)
+        changed, deleted = on_ssd(r, list(written))[:2]
+        with fast_client(daemon) as kv:
+            assert read_all(kv, [changed, deleted]) == {changed: written[changed], deleted: written[deleted]}
+            r.set(changed, value_of(1000))
+            r.delete(deleted)
+            assert read_all(kv, [changed, deleted]) == {changed: digest(value_of(1000)), deleted: None}
+            before = kv.fast_path.stats.ssd_reads
+            for batch in range(200):                    # newer values push the new one to SSD in turn
+                if tiers(r, [changed]) == ["ssd"]:
+                    break
+                write_values(r, range(2000 + 8 * batch, 2008 + 8 * batch))
+            assert tiers(r, [changed]) == ["ssd"]
+            assert read_all(kv, [changed]) == {changed: digest(value_of(1000))}
+            assert kv.fast_path.stats.ssd_reads == before + 1      # the new record, after a catch-up
+    finally:
+        daemon.stop()
+
+
+def test_after_a_restart_a_whole_prefix_is_read_here(tmp_path):
+    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", *NO_PROMOTION, dram="64mb")
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        written = write_values(r, range(24))
+        wait_until(lambda: r.info("ssd")["ssd_records"] == 24, what="every value written through")
+        daemon = restart(daemon, tmp_path)
+        keys = list(written)
+        with fast_client(daemon) as kv:
+            buffers = [bytearray(SIZE) for _ in keys]
+            assert kv.batch_get_into(keys, buffers) == [SIZE] * len(keys)
+            assert [digest(bytes(b)) for b in buffers] == list(written.values())
+            assert kv.fast_path.stats.ssd_reads == len(keys)
+    finally:
+        daemon.stop()
+
+
+def test_compressed_records_are_read_through_the_node(tmp_path):
+    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        for n in range(48):
+            r.set(b"z%02d" % n, bytes([n]) * SIZE)       # lz4 takes these down to almost nothing
+        keys = [b"z%02d" % n for n in range(48)]
+        for _ in range(200):
+            if on_ssd(r, keys):
+                break
+            r.set(b"filler", value_of(1))
+        cold = on_ssd(r, keys)
+        assert cold
+        with fast_client(daemon) as kv:
+            buffer = bytearray(SIZE)
+            for key in cold:
+                assert kv.get_into(key, buffer) == SIZE and buffer == bytes([int(key[1:])]) * SIZE
+            assert kv.fast_path.stats.ssd_reads == 0
+    finally:
+        daemon.stop()
+
+
+def test_a_directory_that_cannot_be_opened_leaves_reads_to_the_node(tmp_path):
+    reads = SSDReads(str(tmp_path / "not-a-rocksdb"))
+    assert reads.read(b"k", 3, fp.ssd_tag(b"abc")) is None
+    assert reads.read(b"k", 3, fp.ssd_tag(b"abc")) is None       # tried once, not again
+    reads.close()
