@@ -22,8 +22,10 @@ copy that passes both was the key's value while it was read. The hash also
 verifies the bytes, as the node's own read would (RocksDB's block checksum is
 skipped, as the node skips it).
 
-A secondary does not see writes still in the primary's memtable, or files
-flushed since it last caught up: a payload it does not find, or finds with
+A secondary sees what the primary's files hold: its SST files, and the
+writes in its WAL, which it replays into a memtable of its own (at most what
+the primary has not flushed yet: up to its write buffers, 64 MiB for values).
+It does not see writes made since it last caught up: a payload it does not find, or finds with
 another tag, makes it catch up (at most every `CATCH_UP_S`, a catch-up reads
 RocksDB's manifest) and read once more. Opening the secondary takes a few
 milliseconds and happens when the client maps the arena; if it fails (the
@@ -39,6 +41,8 @@ import time
 from proto import fastpath as fp
 
 CATCH_UP_S = 0.05        # at most one catch-up with the primary this often
+MAX_OPEN_FILES = 64      # the follower's table files held open (a file the primary compacted
+                         # away since is a failed read: a catch-up, then the node if need be)
 
 
 class SSDReads:
@@ -97,7 +101,7 @@ class SSDReads:
                 from rocksdict import AccessType, Options, Rdict, ReadOptions
                 self._scratch = tempfile.mkdtemp(prefix="kvstore-ssd-follower-")
                 options = Options(raw_mode=True)
-                options.set_max_open_files(-1)      # keeps files the primary deletes readable until caught up
+                options.set_max_open_files(MAX_OPEN_FILES)
                 self._db = Rdict(self.path, options, column_families={
                     name: Options(raw_mode=True) for name in Rdict.list_cf(self.path, Options(raw_mode=True))},
                     access_type=AccessType.secondary(self._scratch))
@@ -128,12 +132,9 @@ class SSDReads:
             self._release()
 
     def _release(self) -> None:
-        db, self._db, self._values = self._db, None, None
-        if db is not None:
-            try:
-                db.close()
-            except Exception:
-                pass
+        """Let the follower go: with its last reference, never under a read still in it (another
+        thread may be inside a get, which holds the column family and so the instance)."""
+        self._db = self._values = self._recent = None
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

@@ -4,11 +4,16 @@ against real `kvstore serve` nodes with an SSD tier.
 What is checked: a demoted value and a value loaded at a restart are read here with no
 round trip, byte-exact, singly and as a batch; a value overwritten, deleted, or demoted
 again after the client's follower last looked is never read from an old record (the
-new value, or a miss); a compressed record is read through the node; a directory the
-client cannot open leaves every read to the node.
+new value, or a miss), nor a torn or older version while readers race overwrites and
+demotions; a client follows a restarted node's tier anew; a compressed record is read
+through the node; a directory the client cannot open leaves every read to the node.
 """
 from __future__ import annotations
 
+import signal
+import threading
+
+import numpy as np
 import redis
 from conftest import wait_until
 from test_tiering import KIB, digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
@@ -115,3 +120,71 @@ def test_a_directory_that_cannot_be_opened_leaves_reads_to_the_node(tmp_path):
     assert reads.read(b"k", 3, fp.ssd_tag(b"abc")) is None
     assert reads.read(b"k", 3, fp.ssd_tag(b"abc")) is None       # tried once, not again
     reads.close()
+
+
+def versioned(key: int, version: int) -> bytes:
+    """Incompressible bytes of one version of one key, the version in the first 8 bytes."""
+    return version.to_bytes(8, "little") + np.random.default_rng(key * 100_000 + version).bytes(SIZE - 8)
+
+
+def test_readers_racing_overwrites_and_demotions_see_whole_current_versions(tmp_path):
+    """Readers on four threads, while another client overwrites the keys (each new version
+    lands in DRAM, then newer writes push it to SSD): every read is one whole version of its
+    key, and no thread sees a key's version go back."""
+    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    keys = [b"r%02d" % n for n in range(16)]
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        for n, key in enumerate(keys):
+            r.set(key, versioned(n, 0))
+        write_values(r, range(40))                       # the keys go to SSD
+        stop, failures, served = threading.Event(), [], [0]
+
+        def reader(kv: KVClient, seed: int) -> None:
+            rng, seen, buffer = np.random.default_rng(seed), {}, bytearray(SIZE)
+            while not stop.is_set():
+                n = int(rng.integers(len(keys)))
+                if kv.get_into(keys[n], buffer) != SIZE:
+                    failures.append((keys[n], "missing"))
+                    continue
+                version = int.from_bytes(buffer[:8], "little")
+                if buffer != versioned(n, version) or version < seen.get(n, 0):
+                    failures.append((keys[n], version, seen.get(n)))
+                seen[n] = version
+
+        with fast_client(daemon) as kv:
+            threads = [threading.Thread(target=reader, args=(kv, seed)) for seed in range(4)]
+            for thread in threads:
+                thread.start()
+            for version in range(1, 6):
+                for n, key in enumerate(keys):
+                    r.set(key, versioned(n, version))
+                write_values(r, range(100 * version, 100 * version + 40))
+            stop.set()
+            for thread in threads:
+                thread.join()
+            served[0] = kv.fast_path.stats.ssd_reads
+        assert not failures, failures[:5]
+        assert served[0] > 0
+    finally:
+        daemon.stop()
+
+
+def test_a_node_killed_and_restarted_is_followed_anew(tmp_path):
+    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", *NO_PROMOTION, dram="64mb")
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        written = write_values(r, range(8))
+        wait_until(lambda: r.info("ssd")["ssd_records"] == 8, what="every value written through")
+        daemon = restart(daemon, tmp_path)
+        keys = list(written)
+        with fast_client(daemon) as kv:
+            assert read_all(kv, keys) == written
+            r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+            r.set(keys[0], value_of(500))
+            wait_until(lambda: r.info("ssd")["ssd_records"] == 8, what="the overwrite written through")
+            daemon = restart(daemon, tmp_path, signal.SIGKILL)
+            assert read_all(kv, keys) == {**written, keys[0]: digest(value_of(500))}
+            assert kv.fast_path.stats.remaps >= 1 and kv.fast_path.stats.ssd_reads >= 2 * len(keys) - 1
+    finally:
+        daemon.stop()
