@@ -41,7 +41,7 @@ from client.errors import BufferTooSmall, LeaseExpired
 from client.fastpath import LEASE_RETRIES, REMAPPED, Detour, FastPath
 from client.lease_cache import HeldLease, cache_key
 from client.operations import Call, LocalRead
-from client.steps import Local, RoundTrip, Steps
+from client.steps import THREAD_COPY_MIN, Local, RoundTrip, Steps
 from proto import fastpath as fp
 
 ASK_NODE = Detour("no held lease or published value serves this get: run the whole operation")
@@ -194,16 +194,20 @@ def _from_ssd(fast: FastPath, arena: Arena, key: Key, view: memoryview | None,
 def _copy_bound(fast: FastPath, local: LocalRead) -> int:
     """At most how many bytes will be copied with no round trip: the destinations' sizes when
     the caller gave them (a larger value is not copied), else the sizes of the leases held
-    and of the values the shared index shows."""
-    if None not in local.views:
+    and of the values the shared index shows. A value read from SSD counts as at least
+    `THREAD_COPY_MIN`: a read that misses the page cache waits on the disk, which the
+    asyncio transport never does on its loop."""
+    arena = fast.mapping
+    reads_ssd = arena is not None and arena.ssd is not None and fast.index_reads
+    if None not in local.views and not reads_ssd:
         return sum(view.nbytes for view in local.views)
     with fast.lock:
-        arena = fast.mapping
         held = [fast.leases.lookup(cache_key(key)) for key in local.keys]
     bound = sum(lease.size for lease in held if lease is not None)
     if arena is not None and fast.index_reads:
-        bound += sum(found[3] for key, lease in zip(local.keys, held)
-                     if lease is None and (found := arena.index.find(cache_key(key))) is not None)
+        for key, lease in zip(local.keys, held):
+            if lease is None and (found := arena.index.find(cache_key(key))) is not None:
+                bound += max(found[3], THREAD_COPY_MIN) if found[2] & fp.INDEX_ON_SSD else found[3]
     return bound
 
 

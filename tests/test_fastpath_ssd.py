@@ -6,10 +6,11 @@ round trip, byte-exact, singly and as a batch; a value overwritten, deleted, or 
 again after the client's follower last looked is never read from an old record (the
 new value, or a miss), nor a torn or older version while readers race overwrites and
 demotions; a client follows a restarted node's tier anew; a compressed record is read
-through the node; a directory the client cannot open leaves every read to the node.
+through the node; an asyncio client reads SSD off its loop; a directory the client cannot open leaves every read to the node.
 """
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 
@@ -18,7 +19,7 @@ import redis
 from conftest import wait_until
 from test_tiering import KIB, digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
 
-from client import KVClient
+from client import AsyncKVClient, KVClient
 from client.ssd_reads import SSDReads
 from proto import fastpath as fp
 
@@ -186,5 +187,32 @@ def test_a_node_killed_and_restarted_is_followed_anew(tmp_path):
             daemon = restart(daemon, tmp_path, signal.SIGKILL)
             assert read_all(kv, keys) == {**written, keys[0]: digest(value_of(500))}
             assert kv.fast_path.stats.remaps >= 1 and kv.fast_path.stats.ssd_reads >= 2 * len(keys) - 1
+    finally:
+        daemon.stop()
+
+
+def test_an_asyncio_client_reads_ssd_off_its_loop(tmp_path, monkeypatch):
+    """A read from SSD may wait on the disk: the asyncio client makes it on a worker thread,
+    whatever the value's size."""
+    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    try:
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        written = spill(r, 48)
+        cold = on_ssd(r, list(written))[:3]
+        threads, read = [], SSDReads.read
+
+        def spy(self, *args):
+            threads.append(threading.current_thread())
+            return read(self, *args)
+        monkeypatch.setattr(SSDReads, "read", spy)
+
+        async def scenario() -> int:
+            async with AsyncKVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
+                buffer = bytearray(SIZE)
+                for key in cold:
+                    assert await kv.get_into(key, buffer) == SIZE and digest(bytes(buffer)) == written[key]
+                return kv.fast_path.stats.ssd_reads
+        assert asyncio.run(scenario()) == len(cold)
+        assert len(threads) == len(cold) and threading.main_thread() not in threads
     finally:
         daemon.stop()
