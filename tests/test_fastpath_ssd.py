@@ -15,6 +15,7 @@ import signal
 import threading
 
 import numpy as np
+import pytest
 import redis
 from conftest import wait_until
 from test_tiering import KIB, digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
@@ -27,6 +28,14 @@ SIZE = 256 * KIB
 NO_PROMOTION = ("--promote-hits", "1000000")     # reads reported to the node leave values on SSD
 
 
+@pytest.fixture
+def node(tmp_path):
+    """A node with an SSD tier under a small arena (values spill to SSD), and a redis-py client."""
+    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    yield daemon, redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+    daemon.stop()
+
+
 def fast_client(daemon) -> KVClient:
     return KVClient(unix_socket=daemon.unix_socket, fast_path="required", timeout=30)
 
@@ -36,84 +45,88 @@ def read_all(kv: KVClient, keys: list[bytes]) -> dict[bytes, str | None]:
     return {key: None if kv.get_into(key, buffer) is None else digest(bytes(buffer)) for key in keys}
 
 
-def test_demoted_values_are_read_here_byte_exact(tmp_path):
-    daemon = start_tiered(tmp_path, *NO_PROMOTION)
-    try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        written = spill(r, 48)
-        cold = on_ssd(r, list(written))
-        with fast_client(daemon) as kv:
-            assert read_all(kv, cold) == {key: written[key] for key in cold}
-            assert kv.fast_path.stats.ssd_reads == len(cold) > 0
-            buffers = [bytearray(SIZE) for _ in cold]
-            assert kv.batch_get_into(cold, buffers) == [SIZE] * len(cold)
-            assert [digest(bytes(b)) for b in buffers] == [written[key] for key in cold]
-            assert kv.fast_path.stats.ssd_reads == 2 * len(cold)
-            assert kv.get(cold[0]) == value_of(int(cold[0][1:]))
-    finally:
-        daemon.stop()
+def read_batch(kv: KVClient, keys: list[bytes]) -> list[str]:
+    """Digests of the values of ``keys``, read with one batch_get_into."""
+    buffers = [bytearray(SIZE) for _ in keys]
+    assert kv.batch_get_into(keys, buffers) == [SIZE] * len(keys)
+    return [digest(bytes(buffer)) for buffer in buffers]
 
 
-def test_a_value_changed_after_its_demotion_is_never_read_from_an_old_record(tmp_path):
-    daemon = start_tiered(tmp_path, *NO_PROMOTION)
-    try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        written = spill(r, 48)
-        changed, deleted = on_ssd(r, list(written))[:2]
-        with fast_client(daemon) as kv:
-            assert read_all(kv, [changed, deleted]) == {changed: written[changed], deleted: written[deleted]}
-            r.set(changed, value_of(1000))
-            r.delete(deleted)
-            assert read_all(kv, [changed, deleted]) == {changed: digest(value_of(1000)), deleted: None}
-            before = kv.fast_path.stats.ssd_reads
-            for batch in range(200):                    # newer values push the new one to SSD in turn
-                if tiers(r, [changed]) == ["ssd"]:
-                    break
-                write_values(r, range(2000 + 8 * batch, 2008 + 8 * batch))
-            assert tiers(r, [changed]) == ["ssd"]
-            assert read_all(kv, [changed]) == {changed: digest(value_of(1000))}
-            assert kv.fast_path.stats.ssd_reads == before + 1      # the new record, after a catch-up
-    finally:
-        daemon.stop()
+def test_demoted_values_are_read_here_byte_exact(node):
+    daemon, r = node
+    written = spill(r, 48)
+    cold = on_ssd(r, list(written))
+    with fast_client(daemon) as kv:
+        assert read_all(kv, cold) == {key: written[key] for key in cold}
+        assert kv.fast_path.stats.ssd_reads == len(cold) > 0
+        assert read_batch(kv, cold) == [written[key] for key in cold]
+        assert kv.fast_path.stats.ssd_reads == 2 * len(cold)
+        assert kv.get(cold[0]) == value_of(int(cold[0][1:]))
 
 
-def test_after_a_restart_a_whole_prefix_is_read_here(tmp_path):
+
+def test_a_value_changed_after_its_demotion_is_never_read_from_an_old_record(node):
+    daemon, r = node
+    written = spill(r, 48)
+    changed, deleted = on_ssd(r, list(written))[:2]
+    with fast_client(daemon) as kv:
+        assert read_all(kv, [changed, deleted]) == {changed: written[changed], deleted: written[deleted]}
+        r.set(changed, value_of(1000))
+        r.delete(deleted)
+        assert read_all(kv, [changed, deleted]) == {changed: digest(value_of(1000)), deleted: None}
+        before = kv.fast_path.stats.ssd_reads
+        for batch in range(200):                    # newer values push the new one to SSD in turn
+            if tiers(r, [changed]) == ["ssd"]:
+                break
+            write_values(r, range(2000 + 8 * batch, 2008 + 8 * batch))
+        assert tiers(r, [changed]) == ["ssd"]
+        assert read_all(kv, [changed]) == {changed: digest(value_of(1000))}
+        assert kv.fast_path.stats.ssd_reads == before + 1      # the new record, after a catch-up
+
+
+
+def written_through(tmp_path, count: int):
+    """A node that wrote ``count`` values through to SSD, restarted (every value on SSD alone):
+    the node, and key -> digest."""
     daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", *NO_PROMOTION, dram="64mb")
     try:
         r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        written = write_values(r, range(24))
-        wait_until(lambda: r.info("ssd")["ssd_records"] == 24, what="every value written through")
-        daemon = restart(daemon, tmp_path)
+        written = write_values(r, range(count))
+        wait_until(lambda: r.info("ssd")["ssd_records"] == count, what="every value written through")
+    except BaseException:
+        daemon.stop()
+        raise
+    return restart(daemon, tmp_path), written
+
+
+def test_after_a_restart_a_whole_prefix_is_read_here(tmp_path):
+    daemon, written = written_through(tmp_path, 24)
+    try:
         keys = list(written)
         with fast_client(daemon) as kv:
-            buffers = [bytearray(SIZE) for _ in keys]
-            assert kv.batch_get_into(keys, buffers) == [SIZE] * len(keys)
-            assert [digest(bytes(b)) for b in buffers] == list(written.values())
+            assert read_batch(kv, keys) == list(written.values())
             assert kv.fast_path.stats.ssd_reads == len(keys)
     finally:
         daemon.stop()
 
 
-def test_compressed_records_are_read_through_the_node(tmp_path):
-    daemon = start_tiered(tmp_path, *NO_PROMOTION)
-    try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        for n in range(48):
-            r.set(b"z%02d" % n, bytes([n]) * SIZE)       # lz4 takes these down to almost nothing
-        keys = [b"z%02d" % n for n in range(48)]
-        for _ in range(200):
-            if on_ssd(r, keys):
-                break
-            r.set(b"filler", value_of(1))
-        cold = on_ssd(r, keys)
-        assert cold
-        with fast_client(daemon) as kv:
-            buffer = bytearray(SIZE)
-            for key in cold:
-                assert kv.get_into(key, buffer) == SIZE and buffer == bytes([int(key[1:])]) * SIZE
-            assert kv.fast_path.stats.ssd_reads == 0
-    finally:
-        daemon.stop()
+def test_compressed_records_are_read_through_the_node(node):
+    daemon, r = node
+    for n in range(48):
+        r.set(b"z%02d" % n, bytes([n]) * SIZE)       # lz4 takes these down to almost nothing
+    keys = [b"z%02d" % n for n in range(48)]
+    for _ in range(200):
+        if on_ssd(r, keys):
+            break
+        r.set(b"filler", value_of(1))
+    cold = on_ssd(r, keys)
+    assert cold
+    with fast_client(daemon) as kv:
+        buffer = bytearray(SIZE)
+        for key in cold:
+            assert kv.get_into(key, buffer) == SIZE and buffer == bytes([int(key[1:])]) * SIZE
+        assert kv.fast_path.stats.ssd_reads == 0
+
 
 
 def test_a_directory_that_cannot_be_opened_leaves_reads_to_the_node(tmp_path):
@@ -128,56 +141,49 @@ def versioned(key: int, version: int) -> bytes:
     return version.to_bytes(8, "little") + np.random.default_rng(key * 100_000 + version).bytes(SIZE - 8)
 
 
-def test_readers_racing_overwrites_and_demotions_see_whole_current_versions(tmp_path):
+def test_readers_racing_overwrites_and_demotions_see_whole_current_versions(node):
     """Readers on four threads, while another client overwrites the keys (each new version
     lands in DRAM, then newer writes push it to SSD): every read is one whole version of its
     key, and no thread sees a key's version go back."""
-    daemon = start_tiered(tmp_path, *NO_PROMOTION)
+    daemon, r = node
     keys = [b"r%02d" % n for n in range(16)]
-    try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        for n, key in enumerate(keys):
-            r.set(key, versioned(n, 0))
-        write_values(r, range(40))                       # the keys go to SSD
-        stop, failures, served = threading.Event(), [], [0]
+    for n, key in enumerate(keys):
+        r.set(key, versioned(n, 0))
+    write_values(r, range(40))                       # the keys go to SSD
+    stop, failures, served = threading.Event(), [], [0]
 
-        def reader(kv: KVClient, seed: int) -> None:
-            rng, seen, buffer = np.random.default_rng(seed), {}, bytearray(SIZE)
-            while not stop.is_set():
-                n = int(rng.integers(len(keys)))
-                if kv.get_into(keys[n], buffer) != SIZE:
-                    failures.append((keys[n], "missing"))
-                    continue
-                version = int.from_bytes(buffer[:8], "little")
-                if buffer != versioned(n, version) or version < seen.get(n, 0):
-                    failures.append((keys[n], version, seen.get(n)))
-                seen[n] = version
+    def reader(kv: KVClient, seed: int) -> None:
+        rng, seen, buffer = np.random.default_rng(seed), {}, bytearray(SIZE)
+        while not stop.is_set():
+            n = int(rng.integers(len(keys)))
+            if kv.get_into(keys[n], buffer) != SIZE:
+                failures.append((keys[n], "missing"))
+                continue
+            version = int.from_bytes(buffer[:8], "little")
+            if buffer != versioned(n, version) or version < seen.get(n, 0):
+                failures.append((keys[n], version, seen.get(n)))
+            seen[n] = version
 
-        with fast_client(daemon) as kv:
-            threads = [threading.Thread(target=reader, args=(kv, seed)) for seed in range(4)]
-            for thread in threads:
-                thread.start()
-            for version in range(1, 6):
-                for n, key in enumerate(keys):
-                    r.set(key, versioned(n, version))
-                write_values(r, range(100 * version, 100 * version + 40))
-            stop.set()
-            for thread in threads:
-                thread.join()
-            served[0] = kv.fast_path.stats.ssd_reads
-        assert not failures, failures[:5]
-        assert served[0] > 0
-    finally:
-        daemon.stop()
+    with fast_client(daemon) as kv:
+        threads = [threading.Thread(target=reader, args=(kv, seed)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for version in range(1, 6):
+            for n, key in enumerate(keys):
+                r.set(key, versioned(n, version))
+            write_values(r, range(100 * version, 100 * version + 40))
+        stop.set()
+        for thread in threads:
+            thread.join()
+        served[0] = kv.fast_path.stats.ssd_reads
+    assert not failures, failures[:5]
+    assert served[0] > 0
+
 
 
 def test_a_node_killed_and_restarted_is_followed_anew(tmp_path):
-    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", *NO_PROMOTION, dram="64mb")
+    daemon, written = written_through(tmp_path, 8)
     try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        written = write_values(r, range(8))
-        wait_until(lambda: r.info("ssd")["ssd_records"] == 8, what="every value written through")
-        daemon = restart(daemon, tmp_path)
         keys = list(written)
         with fast_client(daemon) as kv:
             assert read_all(kv, keys) == written
@@ -191,28 +197,24 @@ def test_a_node_killed_and_restarted_is_followed_anew(tmp_path):
         daemon.stop()
 
 
-def test_an_asyncio_client_reads_ssd_off_its_loop(tmp_path, monkeypatch):
+def test_an_asyncio_client_reads_ssd_off_its_loop(node, monkeypatch):
     """A read from SSD may wait on the disk: the asyncio client makes it on a worker thread,
     whatever the value's size."""
-    daemon = start_tiered(tmp_path, *NO_PROMOTION)
-    try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        written = spill(r, 48)
-        cold = on_ssd(r, list(written))[:3]
-        threads, read = [], SSDReads.read
+    daemon, r = node
+    written = spill(r, 48)
+    cold = on_ssd(r, list(written))[:3]
+    threads, read = [], SSDReads.read
 
-        def spy(self, *args):
-            threads.append(threading.current_thread())
-            return read(self, *args)
-        monkeypatch.setattr(SSDReads, "read", spy)
+    def spy(self, *args):
+        threads.append(threading.current_thread())
+        return read(self, *args)
+    monkeypatch.setattr(SSDReads, "read", spy)
 
-        async def scenario() -> int:
-            async with AsyncKVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
-                buffer = bytearray(SIZE)
-                for key in cold:
-                    assert await kv.get_into(key, buffer) == SIZE and digest(bytes(buffer)) == written[key]
-                return kv.fast_path.stats.ssd_reads
-        assert asyncio.run(scenario()) == len(cold)
-        assert len(threads) == len(cold) and threading.main_thread() not in threads
-    finally:
-        daemon.stop()
+    async def scenario() -> int:
+        async with AsyncKVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
+            buffer = bytearray(SIZE)
+            for key in cold:
+                assert await kv.get_into(key, buffer) == SIZE and digest(bytes(buffer)) == written[key]
+            return kv.fast_path.stats.ssd_reads
+    assert asyncio.run(scenario()) == len(cold)
+    assert len(threads) == len(cold) and threading.main_thread() not in threads

@@ -186,34 +186,34 @@ def test_a_compressed_copy_is_not_published_and_a_tag_does_not_outlive_its_value
     assert view.find(b"new") is None                      # the old value's tag went with it
 
 
-def test_values_loaded_from_ssd_before_the_first_mapping_are_published_when_it_is_made():
-    engine = Engine(4 * MiB, prefault=False)
-    try:
-        index = SharedIndex(engine)
-        for i in range(3):
-            engine.add_from_ssd(b"k%d" % i, 1000 + i, None, tag=100 + i)
-        engine.add_from_ssd(b"plain", 10, None)           # no tag: asked of the node
-        index.activate()
-        view = SharedIndexView(index.fd, index.buckets)
-        assert [ssd_entry(view, b"k%d" % i) for i in range(3)] == [(100 + i, 1000 + i) for i in range(3)]
-        assert view.find(b"plain") is None
-    finally:
-        engine.close()
-
-
-def test_tags_are_kept_for_at_most_as_many_values_as_the_table_has_buckets():
+@pytest.fixture
+def unmapped():
+    """An engine and its index before any client mapped the arena (not activated)."""
     engine = Engine(1 * MiB, prefault=False)
-    try:
-        index = SharedIndex(engine)
-        most = buckets_for(engine.arena.size)
-        for i in range(most + 10):
-            engine.add_from_ssd(b"k%d" % i, 10, None, tag=i + 1)
-        assert len(index._ssd_tags) == most
-        engine.delete(b"k0")
-        engine.add_from_ssd(b"again", 10, None, tag=7)
-        assert len(index._ssd_tags) == most and index._ssd_tags[engine.index[b"again"]] == 7
-    finally:
-        engine.close()
+    yield engine, SharedIndex(engine)
+    engine.close()
+
+
+def test_values_loaded_from_ssd_before_the_first_mapping_are_published_when_it_is_made(unmapped):
+    engine, index = unmapped
+    for i in range(3):
+        engine.add_from_ssd(b"k%d" % i, 1000 + i, None, tag=100 + i)
+    engine.add_from_ssd(b"plain", 10, None)               # no tag: asked of the node
+    index.activate()
+    view = SharedIndexView(index.fd, index.buckets)
+    assert [ssd_entry(view, b"k%d" % i) for i in range(3)] == [(100 + i, 1000 + i) for i in range(3)]
+    assert view.find(b"plain") is None
+
+
+def test_tags_are_kept_for_at_most_as_many_values_as_the_table_has_buckets(unmapped):
+    engine, index = unmapped
+    most = buckets_for(engine.arena.size)
+    for i in range(most + 10):
+        engine.add_from_ssd(b"k%d" % i, 10, None, tag=i + 1)
+    assert len(index._ssd_tags) == most
+    engine.delete(b"k0")
+    engine.add_from_ssd(b"again", 10, None, tag=7)
+    assert len(index._ssd_tags) == most and index._ssd_tags[engine.index[b"again"]] == 7
 
 
 def test_eviction_retracts_the_evicted_values():
