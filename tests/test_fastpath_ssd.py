@@ -21,6 +21,7 @@ from conftest import wait_until
 from test_tiering import KIB, digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
 
 from client import AsyncKVClient, KVClient
+from client import ssd_reads
 from client.ssd_reads import SSDReads
 from proto import fastpath as fp
 
@@ -218,3 +219,28 @@ def test_an_asyncio_client_reads_ssd_off_its_loop(node, monkeypatch):
             return kv.fast_path.stats.ssd_reads
     assert asyncio.run(scenario()) == len(cold)
     assert len(threads) == len(cold) and threading.main_thread() not in threads
+
+
+def test_catching_up_is_paced_by_how_long_it_takes(monkeypatch):
+    """A follower catches up at most every CATCH_UP_S, and a catch-up that took t waits 10 t."""
+    clock = [100.0]
+
+    class SlowPrimary:
+        def try_catch_up_with_primary(self) -> None:
+            clock[0] += 0.02                             # 20 ms of WAL to replay
+
+    monkeypatch.setattr(ssd_reads.time, "monotonic", lambda: clock[0])
+    reads = ssd_reads.SSDReads("unused")
+    reads._db = SlowPrimary()
+    assert reads._catch_up()
+    clock[0] += 0.1
+    assert not reads._catch_up()                         # 0.2 s after the last one began
+    clock[0] += 0.1
+    assert reads._catch_up()
+    SlowPrimary.try_catch_up_with_primary = lambda self: None
+    clock[0] += 0.3
+    assert reads._catch_up()
+    clock[0] += 0.03
+    assert not reads._catch_up()                         # a quick one: CATCH_UP_S later
+    clock[0] += ssd_reads.CATCH_UP_S
+    assert reads._catch_up()
