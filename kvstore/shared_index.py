@@ -66,8 +66,9 @@ published at its new place. Tags are kept from the start, for at most as
 many values as the table has buckets (a restart indexes the SSD tier before
 any client maps the arena), and published when the table is made.
 
-Cost to the node: until the first local client maps the arena, a dict
-lookup per drop and overwrite (and a dict entry per tagged SSD value); then a
+Cost to the node: nothing until the first local client maps the arena or a
+plain value lands on SSD (then a dict entry per tagged SSD value and a dict
+lookup per drop and overwrite); from the first mapping on, a
 hash and a bucket write per commit and per move home, a dict lookup per read
 hit (a value committed before the first mapping is published on its next
 hit), and one bucket write per value let go.
@@ -115,10 +116,9 @@ class SharedIndex:
         self._bucket_of: dict[int, int] = {}     # engine slot -> its bucket
         self._ssd_tags: dict[int, int] = {}      # engine slot -> the tag of its SSD copy (bounded)
         self._tags_max = buckets_for(engine.arena.size)
+        self._tracking = False
         engine.moves.on_ssd_listeners.append(self._on_ssd)       # tags are kept before activation too:
-        engine.drop_listeners.append(self._on_drop)              # a restart loads the SSD tier first
-        engine.overwrite_listeners.append(self._on_rewrite)
-        engine.expire_listeners.append(self._on_rewrite)
+                                                                 # a restart loads the SSD tier first
 
     @property
     def active(self) -> bool:
@@ -139,11 +139,21 @@ class SharedIndex:
         self._words = self._bytes.cast("Q")
         self._taken = bytearray(self.buckets)    # this thread's own view of which buckets hold a value
         self._set_mask = self.buckets // fp.INDEX_WAYS - 1
+        self._track_changes()
         engine.commit_listeners.append(self._on_commit)
         engine.hit_listeners.append(self._on_hit)
         engine.moves.leave_listeners.append(self.retract)
         engine.moves.settled_listeners.append(self._on_settled)
         self._publish_on_ssd(list(self._ssd_tags))
+
+    def _track_changes(self) -> None:
+        """Follow drops and overwrites (to retract buckets and forget tags): from activation, or
+        from the first tag kept, so a node with neither pays nothing on its writes."""
+        if not self._tracking:
+            self._tracking = True
+            self.engine.drop_listeners.append(self._on_drop)
+            self.engine.overwrite_listeners.append(self._on_rewrite)
+            self.engine.expire_listeners.append(self._on_rewrite)
 
     def info(self) -> dict[str, int]:
         """Counters for KV.LEASES."""
@@ -174,6 +184,7 @@ class SharedIndex:
         """A copy of ``slot``'s value is on SSD under ``tag``: kept (while there is room for
         as many tags as the table has buckets) to publish once the value lives there alone."""
         if tag and (slot in self._ssd_tags or len(self._ssd_tags) < self._tags_max):
+            self._track_changes()
             self._ssd_tags[slot] = tag
         else:
             self._ssd_tags.pop(slot, None)

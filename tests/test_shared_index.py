@@ -284,3 +284,20 @@ def test_the_table_grows_with_the_arena_in_powers_of_two():
     assert buckets_for(1 << 40) == 1 << 18
     with pytest.raises(ValueError):
         SharedIndexView(-1, 12)
+
+
+def test_nothing_follows_writes_before_a_mapping_or_a_value_on_ssd(unmapped):
+    """The index costs a node's writes nothing until a client maps the arena or a plain value
+    lands on SSD (the redis-py and redis-benchmark paths stay as they were)."""
+    engine, index = unmapped
+
+    def following() -> int:
+        listeners = engine.drop_listeners + engine.overwrite_listeners + engine.expire_listeners
+        return sum(getattr(listener, "__self__", None) is index for listener in listeners)
+    engine.put(b"k", value(1))
+    engine.put(b"k", value(2))
+    assert following() == 0
+    engine.moves.mark_on_ssd(engine.index[b"k"], 5)
+    assert following() == 3
+    index.activate()
+    assert following() == 3
