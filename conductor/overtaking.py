@@ -53,31 +53,18 @@ class RecentAdmissions:
                    queues_s: np.ndarray | float = 0.0) -> tuple[float, float]:
         """(sequences, KV tokens) expected to reach decode within ``horizon_s``
         from requests admitted after ``now_s``, given the prefill queues now
-        (seconds of older work per prefill node)."""
+        (seconds of older work on each prefill node)."""
         n = self._count
         if n < MIN_HISTORY:
             return 0.0, 0.0
-        span = now_s - self._at[:n].min()
+        queues = np.atleast_1d(np.asarray(queues_s, dtype=float))
+        service = self._service[:n]
+        # the nodes cannot prefill these admissions in less than their work shared out
+        span = max(now_s - self._at[:n].min(), service.sum() / queues.size)
         if span <= 0:
             return 0.0, 0.0
-        queues = np.atleast_1d(np.asarray(queues_s, dtype=float))
         least = float(queues.min())
-        service, tokens = self._service[:n], self._tokens[:n]
         rest = horizon_s - least
         lead = (min(least, horizon_s) * (service < rest).mean()
                 + np.maximum(rest - service, 0.0).mean())
-        batch, kv = n / span * lead, tokens.sum() / span * lead
-        most = self._prefill_bound(tokens, service, queues, horizon_s)
-        if kv > most:
-            batch, kv = batch * most / kv, most
-        return batch, kv
-
-    def _prefill_bound(self, tokens: np.ndarray, service: np.ndarray, queues: np.ndarray,
-                       horizon_s: float) -> float:
-        """The most KV the prefill nodes can bring within ``horizon_s`` for work that is
-        not yet queued: each node is free after its queue, and a second of its time
-        yields the KV tokens per second of the recent prefills."""
-        busy_s = service.sum()
-        if busy_s <= 0:
-            return float("inf")
-        return tokens.sum() / busy_s * float(np.maximum(horizon_s - queues, 0.0).sum())
+        return n / span * lead, self._tokens[:n].sum() / span * lead

@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import pytest
 
-from client import AsyncKVClient, KVClient
+from client import AsyncKVClient, KVClient, LeaseExpired
 from conftest import eventually, start_kvstore, wait_until
 from test_client_sync import restart
 from test_fastpath_faults import ROOT, counters
@@ -172,7 +172,10 @@ def test_a_node_restarted_during_the_copy_gives_the_new_nodes_answer(tmp_path, s
 
 def test_copies_racing_a_writer_are_whole_and_never_older_than_acknowledged(server):
     """The writer overwrites (in place and elsewhere) and deletes; ``acked`` is the last
-    version the node acknowledged before a read started: the read returns it or a later one."""
+    version the node acknowledged before a read started: the read returns it or a later one.
+    A read whose every lease the writer ended during the copy raises LeaseExpired, as the SDK
+    documents (a writer this fast can outrun a copy on a loaded host): never a value, and
+    most reads still get one."""
     keys, acked, stop = ["r0", "r1"], {"r0": 0, "r1": 0}, threading.Event()
 
     def write() -> None:
@@ -191,18 +194,22 @@ def test_copies_racing_a_writer_are_whole_and_never_older_than_acknowledged(serv
         thread = threading.Thread(target=write)
         thread.start()
         try:
-            reads = 0
+            reads = outrun = 0
             while reads < 400:
                 key = keys[reads % 2]
                 floor = acked[key]
-                got = read_version(reader, key, 2 * MIB)
-                assert got is None or got >= floor, (key, got, floor)
+                try:
+                    got = read_version(reader, key, 2 * MIB)
+                except LeaseExpired:
+                    outrun += 1
+                else:
+                    assert got is None or got >= floor, (key, got, floor)
                 reads += 1
         finally:
             stop.set()
             thread.join()
         stats = reader.fast_path.stats
-        assert stats.index_reads > 0, stats
+        assert stats.index_reads > 0 and outrun < reads // 4, (stats, outrun)
 
 
 def test_reads_from_the_index_count_as_hits(pair):
