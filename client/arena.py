@@ -143,15 +143,8 @@ def _map(conn: Connection, endpoint: Endpoint) -> Arena:
     if bytes(arena.view(token_offset, len(token))) != bytes(token):
         raise FastPathUnavailable(f"{endpoint} is not on this host (its arena token does not match)")
     if ssd_dir:
-        arena.ssd = _follow(bytes(ssd_dir).decode())
+        arena.ssd = SSDReads(bytes(ssd_dir).decode())     # opened at the first value read from SSD
     return arena
-
-
-def _follow(ssd_dir: str) -> SSDReads:
-    """A reader of the node's SSD tier, opened now (or failed: then every SSD value is asked for)."""
-    reads = SSDReads(ssd_dir)
-    reads.open()
-    return reads
 
 
 def _open_proc_fd(pid: int, fd_number: int, endpoint: Endpoint) -> int:

@@ -25,11 +25,12 @@ skipped, as the node skips it).
 A secondary sees what the primary's files hold: its SST files, and the
 writes in its WAL, which it replays into a memtable of its own (at most what
 the primary has not flushed yet: up to its write buffers, 64 MiB for values).
-It does not see writes made since it last caught up: a payload it does not find, or finds with
-another tag, makes it catch up (at most every `CATCH_UP_S`, and less often
-when catching up takes long) and read once more. Opening the secondary takes a few
-milliseconds and happens when the client maps the arena; if it fails (the
-directory is not readable here) the client asks the node for every SSD value.
+It does not see writes made since it last caught up: a payload it does not
+find, or finds with another tag, makes it catch up (at most every
+`CATCH_UP_S`, and less often when catching up takes long) and read once more. Opening the secondary takes
+about 10 ms (more with a long WAL to replay) and happens at the first value
+read from SSD; if it fails (the directory is not readable here) the client
+asks the node for every SSD value.
 """
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ class SSDReads:
         return payload
 
     def open(self):
-        """Open the follower (done when the arena is mapped, so the first read does not wait
-        ~10 ms for it); its value column family, or None when it cannot be opened here."""
+        """Open the follower (at the first value read from SSD: a client that reads none pays
+        nothing, neither the ~10 ms nor the memtable a follower replays the primary's WAL into);
+        its value column family, or None when it cannot be opened here."""
         with self._lock:
             if self._values is not None or self._failed:
                 return self._values
