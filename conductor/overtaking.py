@@ -50,21 +50,18 @@ class RecentAdmissions:
         self._count = min(self._count + 1, self._at.size)
 
     def overtaking(self, now_s: float, horizon_s: float,
-                   queues_s: np.ndarray | float = 0.0) -> tuple[float, float]:
+                   least_queue_s: float = 0.0) -> tuple[float, float]:
         """(sequences, KV tokens) expected to reach decode within ``horizon_s``
-        from requests admitted after ``now_s``, given the prefill queues now
-        (seconds of older work on each prefill node)."""
+        from requests admitted after ``now_s``, no prefill queue being shorter than
+        ``least_queue_s`` now."""
         n = self._count
         if n < MIN_HISTORY:
             return 0.0, 0.0
-        queues = np.atleast_1d(np.asarray(queues_s, dtype=float))
-        service = self._service[:n]
-        # the nodes cannot prefill these admissions in less than their work shared out
-        span = max(now_s - self._at[:n].min(), service.sum() / queues.size)
+        span = now_s - self._at[:n].min()
         if span <= 0:
             return 0.0, 0.0
-        least = float(queues.min())
-        rest = horizon_s - least
-        lead = (min(least, horizon_s) * (service < rest).mean()
+        service = self._service[:n]
+        rest = horizon_s - least_queue_s
+        lead = (min(least_queue_s, horizon_s) * (service < rest).mean()
                 + np.maximum(rest - service, 0.0).mean())
         return n / span * lead, self._tokens[:n].sum() / span * lead
