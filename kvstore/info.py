@@ -148,7 +148,7 @@ def ssd_section(server) -> dict:
     return _tier_section(server, "ssd", SSD, {
         "enabled": 1, "capacity": ssd.capacity_bytes, "used": ssd.used_bytes, "records": ssd.count,
         "compression_ratio": f"{ssd.compression_ratio:.3f}", "recovered": tiers.recovered,
-        "loading": int(tiers.loading)})
+        "loading": int(tiers.loading), "write_stalls": ssd.write_stalls})
 
 
 def gpu_section(server) -> dict:

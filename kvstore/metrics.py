@@ -28,7 +28,7 @@ COUNTERS = frozenset({"total_connections_received", "total_commands_processed", 
                       "kv_hits", "kv_misses"})
 TIER_SECTIONS = ("gpu", "dram", "ssd")
 TIER_COUNTERS = frozenset({"hits", "misses", "promotions", "demotions", "evictions", "checksum_failures",
-                           "errors"})
+                           "errors", "write_stalls"})
 
 
 def render(server) -> str:

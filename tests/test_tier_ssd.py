@@ -602,3 +602,36 @@ def test_worker_keeps_writing_after_a_caller_whose_loop_closed(tier):
         assert tier.get(b"left") == b"x" and tier.get(b"after") == b"y"
     finally:
         worker.close()
+
+
+class StallingDB:
+    """A RocksDB handle whose first ``stalls`` writes report a write stall, as RocksDB does
+    with ``no_slowdown`` when its memtables are full or level 0 has too many files."""
+
+    def __init__(self, db, stalls: int, status: str = "Result incomplete: Write stall"):
+        self.db, self.stalls, self.status = db, stalls, status
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+    def write(self, batch, options) -> None:
+        if self.stalls:
+            self.stalls -= 1
+            raise Exception(self.status)
+        self.db.write(batch, options)
+
+
+def test_a_write_rocksdb_would_stall_is_waited_out_and_lands(tier):
+    """The tier asks RocksDB not to stall a write (rocksdict holds the GIL for the whole call,
+    so the node's event loop would stall with it) and tries again after a sleep."""
+    assert tier._write_options.no_slowdown
+    tier._db = StallingDB(tier._db, stalls=3)
+    tier.put(b"k", value_for(1))
+    assert tier.write_stalls == 3 and tier.get(b"k") == value_for(1)
+
+
+def test_a_write_that_fails_otherwise_is_not_retried(tier):
+    tier._db = StallingDB(tier._db, stalls=1, status="IO error: No space left on device")
+    with pytest.raises(TierError, match="No space left"):
+        tier.put(b"k", value_for(1))
+    assert tier.write_stalls == 0 and tier.get(b"k") is None
