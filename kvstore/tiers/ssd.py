@@ -34,8 +34,8 @@ put that would pass the limit raises :class:`TierFull` and writes nothing.
 
 Threads. ``SSDWorker`` (ssd_worker.py) runs the tier on threads: reads on a
 small pool, puts on one writer thread that drains the queue into WriteBatches
-(group commit: one WAL append for many puts). rocksdict holds the GIL for the
-whole of every call into RocksDB, so while a call runs the node's event loop
+(group commit: one WAL append for many puts). rocksdict keeps the GIL through
+its calls into RocksDB, so while a call runs the node's event loop
 waits: batches are kept small (``SSDWorker.max_batch_bytes``) and a write
 RocksDB would stall is waited out with the GIL released (`_write`).
 """
@@ -222,7 +222,7 @@ class SSDTier:
     def _write(self, batch: WriteBatch, action: str) -> None:
         """Write ``batch``, waiting out RocksDB's write stalls with the GIL released.
 
-        rocksdict holds the GIL for the whole of every call into RocksDB, and a
+        rocksdict keeps the GIL through its calls into RocksDB, and a
         write that RocksDB delays or stops (memtables full, too many level-0
         files: the flush and compaction threads are behind) waited inside that
         call, so the node's event loop stood still with it: a node writing 1 MiB
