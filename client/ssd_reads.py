@@ -70,7 +70,7 @@ class SSDReads:
         a 1 MiB read against ~110 us with one payload kept (a new one then fills the hole
         the one before it leaves).
         """
-        values = self._values or self.open()
+        values = self._values if self._values is not None else self.open()
         if values is None:
             return None
         payload = self._payload(values, key, size, tag)
