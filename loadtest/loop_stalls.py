@@ -9,7 +9,9 @@ of every call into RocksDB, so anything the tier does in one call (a large
 write batch, a write RocksDB delays while its flushes catch up) is time the
 event loop cannot run: it shows as PING latency. Prints PING p50, p99 and the
 worst per node (medians over the repeats) and the SSD node's over the
-DRAM-only node's (the reference, measured in the same run, taking turns).
+DRAM-only node's (the reference, measured in the same run, taking turns), and
+the SSD node's own counts: values on SSD, stalls waited out, write errors
+(any error exits 1: a write that failed is a write the latency did not pay for).
 """
 from __future__ import annotations
 
@@ -59,10 +61,14 @@ def one_round(group: ProcessGroup, root: str, ssd: bool, value: bytes, seconds: 
         sys.executable, "-m", "kvstore", "serve", "--port", str(port), "--dram-size", "2gb", *flags])
     try:
         latencies = sorted(ping_latencies(node.port, value, seconds))
+        ssd_info = redis.Redis(HOST, node.port, socket_timeout=60).info("ssd")
+        if ssd_info.get("ssd_errors"):
+            print(node.process.log_tail())
     finally:
         group.stop(node.process)
     return {"p50": latencies[len(latencies) // 2], "p99": latencies[int(len(latencies) * 0.99)],
-            "max": latencies[-1]}
+            "max": latencies[-1], "stalls": ssd_info.get("ssd_write_stalls", 0),
+            "errors": ssd_info.get("ssd_errors", 0), "records": ssd_info.get("ssd_records", 0)}
 
 
 def main() -> None:
@@ -84,6 +90,10 @@ def main() -> None:
     for stat in ("p50", "p99", "max"):
         dram, ssd = (statistics.median(run[stat] for run in runs[kind]) for kind in (False, True))
         print(f"  {stat:4s} DRAM only {dram:7.2f}   SSD written through {ssd:7.2f}   ratio {ssd / dram:5.2f}")
+    print("SSD node per repeat: values on SSD at the end, write stalls waited out, write errors (must be 0): "
+          + ", ".join(f"{run['records']} / {run['stalls']} / {run['errors']}" for run in runs[True]))
+    if any(run["errors"] for run in runs[True]):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

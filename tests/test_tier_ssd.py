@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rocksdict import Options, Rdict
+from rocksdict import Options, Rdict, WriteOptions
 
 from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
 from kvstore.tiers.record import RecordHeader
-from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier
+from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier, _db_options, _meta_options, _value_options
 from kvstore.tiers.ssd_worker import SSDWorker
 from proto import fastpath as fp
 
@@ -604,34 +604,55 @@ def test_worker_keeps_writing_after_a_caller_whose_loop_closed(tier):
         worker.close()
 
 
-class StallingDB:
-    """A RocksDB handle whose first ``stalls`` writes report a write stall, as RocksDB does
-    with ``no_slowdown`` when its memtables are full or level 0 has too many files."""
+class FailingDB:
+    """A RocksDB handle whose first write fails with ``status``."""
 
-    def __init__(self, db, stalls: int, status: str = "Result incomplete: Write stall"):
-        self.db, self.stalls, self.status = db, stalls, status
+    def __init__(self, db, status: str):
+        self.db, self.status, self.failed = db, status, False
 
     def __getattr__(self, name: str):
         return getattr(self.db, name)
 
     def write(self, batch, options) -> None:
-        if self.stalls:
-            self.stalls -= 1
+        if not self.failed:
+            self.failed = True
             raise Exception(self.status)
         self.db.write(batch, options)
 
 
-def test_a_write_rocksdb_would_stall_is_waited_out_and_lands(tier):
-    """The tier asks RocksDB not to stall a write (rocksdict holds the GIL for the whole call,
-    so the node's event loop would stall with it) and tries again after a sleep."""
-    assert tier._write_options.no_slowdown
-    tier._db = StallingDB(tier._db, stalls=3)
-    tier.put(b"k", value_for(1))
-    assert tier.write_stalls == 3 and tier.get(b"k") == value_for(1)
+def test_writes_rocksdb_stalls_are_waited_out_and_land(tmp_path):
+    """The tier asks RocksDB not to stall a write (rocksdict keeps the GIL through the call,
+    so the node's event loop would stall with it) and writes again after a sleep, with a new
+    batch (rocksdict consumes a batch even when RocksDB refuses it). Memtables of 64 KiB and
+    a low level-0 limit make RocksDB stall often here."""
+    path = str(tmp_path / "ssd")
+    values = _value_options()
+    values.set_write_buffer_size(64 << 10)
+    values.set_max_write_buffer_number(2)
+    values.set_level_zero_slowdown_writes_trigger(2)
+    values.set_level_zero_stop_writes_trigger(4)
+    db = Rdict(path, _db_options(), column_families={META_CF: _meta_options(), VALUE_CF: values})
+    options = WriteOptions()
+    options.no_slowdown = True
+    tier = SSDTier(db, path, GIB, compress=False, shuffle=False, write_options=options)
+    try:
+        for i in range(60):
+            tier.put(b"k%d" % i, value_for(i, 256 * 1024))
+        tier.delete(b"k0")
+        assert tier.write_stalls > 0
+        assert tier.get(b"k0") is None
+        assert all(tier.get(b"k%d" % i) == value_for(i, 256 * 1024) for i in range(1, 60))
+    finally:
+        tier.close()
+    opened = SSDTier.open(str(tmp_path / "other"), GIB)
+    try:
+        assert opened._write_options.no_slowdown
+    finally:
+        opened.close()
 
 
 def test_a_write_that_fails_otherwise_is_not_retried(tier):
-    tier._db = StallingDB(tier._db, stalls=1, status="IO error: No space left on device")
+    tier._db = FailingDB(tier._db, "IO error: No space left on device")
     with pytest.raises(TierError, match="No space left"):
         tier.put(b"k", value_for(1))
     assert tier.write_stalls == 0 and tier.get(b"k") is None

@@ -173,17 +173,18 @@ class SSDTier:
             if self._used + growth > self.capacity_bytes:
                 raise TierFull(f"SSD tier at {self.path} needs {growth} more bytes, "
                                f"{self.free_bytes} of {self.capacity_bytes} are free")
-            batch = WriteBatch(raw_mode=True)
-            for key, (header, payload) in latest.items():
-                batch.put(key, header.pack(), self._meta_cf)
-                batch.put(key, payload, self._value_cf)
-            self._write(batch, "write")
+            self._write(partial(self._fill_puts, latest), "write")
             for key, (header, _) in latest.items():
                 if previous[key]:
                     self._account(previous[key].disk_bytes,
                                   previous[key].value_size, -1)
                 self._account(header.disk_bytes, header.value_size, +1)
         return [header for _, header, _ in records]
+
+    def _fill_puts(self, latest: dict[bytes, tuple[RecordHeader, bytes]], batch: WriteBatch) -> None:
+        for key, (header, payload) in latest.items():
+            batch.put(key, header.pack(), self._meta_cf)
+            batch.put(key, payload, self._value_cf)
 
     def _encode(self, value, parent: bytes | None) -> tuple[RecordHeader, bytes]:
         header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle)
@@ -210,17 +211,19 @@ class SSDTier:
         return True
 
     def _delete_entries(self, key: bytes) -> None:
-        batch = WriteBatch(raw_mode=True)
-        batch.delete(key, self._meta_cf)
-        batch.delete(key, self._value_cf)
-        self._write(batch, "delete")
+        def fill(batch: WriteBatch) -> None:
+            batch.delete(key, self._meta_cf)
+            batch.delete(key, self._value_cf)
+        self._write(fill, "delete")
 
     def _stored_header(self, key: bytes) -> RecordHeader | None:
         """Header of ``key`` as accounted: None when absent or unreadable."""
         return _parse_header(self._meta.get(key))
 
-    def _write(self, batch: WriteBatch, action: str) -> None:
-        """Write ``batch``, waiting out RocksDB's write stalls with the GIL released.
+    def _write(self, fill: Callable[[WriteBatch], None], action: str) -> None:
+        """Write a batch that ``fill`` makes, waiting out RocksDB's write stalls with the GIL
+        released (a batch is made anew for each try: rocksdict consumes it even when RocksDB
+        refuses the write).
 
         rocksdict keeps the GIL through its calls into RocksDB, and a
         write that RocksDB delays or stops (memtables full, too many level-0
@@ -234,6 +237,8 @@ class SSDTier:
         """
         delay, waited = STALL_FIRST_S, 0.0
         while True:
+            batch = WriteBatch(raw_mode=True)
+            fill(batch)
             try:
                 self._db.write(batch, self._write_options)
                 return
