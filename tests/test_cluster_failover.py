@@ -101,7 +101,9 @@ def test_a_hot_block_stays_readable_while_its_owner_is_killed():
         # The copies serve until their lease lapses (renewed every heat window by the owner, now
         # dead); a failover slower than that (a busy host, etcd held up) leaves reads failing
         # from then until the new map, as it must: a copy is never served past its lease.
-        lapse = killed_at + lease_seconds(NODE_TIMEOUT) - WINDOW
+        # The last renewal came at most a window before the kill, or two on a loaded host (the
+        # owner's window ticks late: one full-suite run saw a copy stop serving before one window).
+        lapse = killed_at + lease_seconds(NODE_TIMEOUT) - 2 * WINDOW
         unexplained = [text for at, text in reader.failed if not lapse <= at <= moved_at]
         assert unexplained == [] and reader.wrong_bytes == 0 and reader.misses == 0
         assert reader.retried >= 1                      # the kill was felt, and absorbed
