@@ -433,7 +433,7 @@ class Engine:
         if key in self.index:
             return
         slot = self.index[key] = self.slots.add(key, size, SSD, ON_SSD, 0, self._parent_slot(key, parent))
-        self.moves.mark_on_ssd(slot, tag)
+        self.moves.noted_on_ssd(slot, tag)
         self.moves.settled(slot)
 
     def coldest(self, tier: int) -> int | None:

@@ -33,6 +33,11 @@ class TierMoves:
         """A verified copy of the value is now on SSD; ``tag`` is what the shared index may
         publish it under once it lives there alone (0: it may not, proto/fastpath.py)."""
         self.slots.set_flags(slot, self.slots.flags[slot] | ON_SSD)
+        self.noted_on_ssd(slot, tag)
+
+    def noted_on_ssd(self, slot: int, tag: int) -> None:
+        """Tell the listeners a copy is on SSD under ``tag`` (a slot made on SSD, at a restart,
+        already carries the flag)."""
         for listener in self.on_ssd_listeners:
             listener(slot, tag)
 

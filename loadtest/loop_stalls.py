@@ -26,7 +26,7 @@ import time
 import redis
 
 from loadtest.procs import HOST, ProcessGroup, start_server
-from loadtest.report import machine_info
+from loadtest.report import describe_machine, machine_info
 
 PING_EVERY_S = 0.002
 
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat of 2 seconds")
     args = parser.parse_args()
     repeats, seconds = (1, 2.0) if args.quick else (args.repeats, args.seconds)
-    print(", ".join(f"{name}: {value}" for name, value in machine_info().items()))
+    print(describe_machine(machine_info()))
     value, runs = os.urandom(args.value_bytes), {False: [], True: []}
     with ProcessGroup() as group, tempfile.TemporaryDirectory(prefix="loop-stalls-") as root:
         for repeat in range(repeats):

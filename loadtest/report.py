@@ -133,7 +133,7 @@ class Table:
     def render_text(self, machine: dict[str, str] | None = None) -> str:
         lines = [self.header()] + [self.cells(row) for row in self.rows.values()]
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-        out = [self.title] + ([_describe(machine)] if machine else []) + [""]
+        out = [self.title] + ([describe_machine(machine)] if machine else []) + [""]
         for n, line in enumerate(lines):
             out.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
             if n == 0:
@@ -142,7 +142,7 @@ class Table:
         return "\n".join(out)
 
     def render_markdown(self, machine: dict[str, str]) -> str:
-        out = [f"### {self.title}", "", _describe(machine), ""]
+        out = [f"### {self.title}", "", describe_machine(machine), ""]
         header = self.header()
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---" if i == 0 else "--:" for i in range(len(header))) + "|")
@@ -203,7 +203,8 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _describe(machine: dict[str, str]) -> str:
+def describe_machine(machine: dict[str, str]) -> str:
+    """One line naming the host and its load, printed above a report's figures."""
     return "Measured " + ", ".join(f"{key}: {value}" for key, value in machine.items()) + "."
 
 

@@ -33,7 +33,7 @@ import redis
 
 from client import KVClient, LeaseExpired
 from loadtest.procs import HOST, ProcessGroup, start_server
-from loadtest.report import machine_info
+from loadtest.report import describe_machine, machine_info
 
 VALUE_BYTES = 256 * 1024
 
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--readers", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="10 seconds")
     args = parser.parse_args()
-    print(", ".join(f"{name}: {value}" for name, value in machine_info().items()))
+    print(describe_machine(machine_info()))
     tally = soak(10.0 if args.quick else args.seconds, args.keys, args.readers)
     print(f"reads {tally.reads}: {tally.ssd_here} read here from SSD, {tally.absent} absent (deleted), "
           f"{tally.outrun} outrun by the writer (LeaseExpired, no value)")

@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 import redis
 from conftest import wait_until
-from test_tiering import KIB, digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
+from test_tiering import digest, on_ssd, restart, spill, start_tiered, tiers, value_of, write_values
 
 from client import AsyncKVClient, KVClient
 from client import ssd_reads
 from client.ssd_reads import SSDReads
+from loadtest.ssd_follow_soak import VALUE_BYTES, versioned
 from proto import fastpath as fp
 
-SIZE = 256 * KIB
+SIZE = VALUE_BYTES                 # loadtest.ssd_follow_soak.versioned makes values of this size
 NO_PROMOTION = ("--promote-hits", "1000000")     # reads reported to the node leave values on SSD
 
 
@@ -139,11 +140,6 @@ def test_a_directory_that_cannot_be_opened_leaves_reads_to_the_node(tmp_path):
     assert reads.read(b"k", 3, fp.ssd_tag(b"abc")) is None
     assert reads.read(b"k", 3, fp.ssd_tag(b"abc")) is None       # tried once, not again
     reads.close()
-
-
-def versioned(key: int, version: int) -> bytes:
-    """Incompressible bytes of one version of one key, the version in the first 8 bytes."""
-    return version.to_bytes(8, "little") + np.random.default_rng(key * 100_000 + version).bytes(SIZE - 8)
 
 
 def test_readers_racing_overwrites_and_demotions_see_whole_current_versions(node):
