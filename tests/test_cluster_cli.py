@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +83,10 @@ def test_up_starts_a_cluster_redis_cluster_clients_use_and_stops_it_on_sigterm()
             with pytest.raises(redis.ConnectionError):
                 redis.Redis(*node["addr"].split(":"), socket_connect_timeout=1).ping()
         assert all(not os.path.exists(f"/proc/{n['pid']}") or _zombie(n["pid"]) for n in nodes)
+        log_dir = re.search(r"logs in (\S+)\)", proc.stderr.read()).group(1)
+        assert not os.path.exists(os.path.join(log_dir, "etcd", "data"))      # its WAL alone is 64 MB
+        assert len([name for name in os.listdir(log_dir) if name.startswith("node-")]) == 3
+        shutil.rmtree(log_dir)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -237,7 +237,7 @@ class LocalCluster:
                 proc.kill()
                 proc.wait()
         if self.etcd is not None:
-            self.etcd.stop()
+            self.etcd.discard_data()
         if self.lab is not None:
             self.lab.close()
 
