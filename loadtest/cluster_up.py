@@ -1,12 +1,15 @@
 """A real cluster for tests and benchmarks: `kvstore cluster up` (a throwaway etcd and N node processes).
 
 `ClusterUp` starts it, reads the JSON line it prints first, and stops it with
-SIGTERM (the nodes leave cleanly, then etcd stops).
+SIGTERM (the nodes leave cleanly, then etcd stops); the logs it wrote are
+removed then, unless the cluster or the code using it failed.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,3 +51,6 @@ class ClusterUp:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        logs = re.search(r"logs in (\S+)\)", self.proc.stderr.read())
+        if logs and exc[0] is None and self.proc.returncode == 0:
+            shutil.rmtree(logs.group(1), ignore_errors=True)    # kept when something went wrong
