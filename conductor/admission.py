@@ -22,8 +22,9 @@ arrival check knows:
     chance of still decoding then, from the output lengths seen so far with
     the ones still running as censored lengths (`outputs`), never the
     request's own; the requests in flight due before it, in the order the
-    decode check will meet them; and the requests admitted later that will
-    get there first (`overtaking`).
+    decode check will meet them, each counting those taken before it by their
+    chance of still decoding; and the requests admitted later that will get
+    there first (`overtaking`), no more than the prefill fleet can finish.
   - The chance (`fit_odds`) is how often requests given as much room by such
     a forecast, as far ahead, really fitted lately, scored online for every
     request checked, admitted or not. A hard threshold on the forecast
@@ -35,6 +36,17 @@ arrival check knows:
     far (learned during the run), so with w = service_s / that cost the
     request is admitted when chance >= w / (1 + w): a request of average
     prefill needs even odds, a long prefill better ones, a short one less.
+  - The claim (`DecodeView.claim`): from its due time on the request holds
+    decode memory that the requests due behind it compete for. When that
+    memory is likely to bind (the forecast's room, or the margin by which
+    the backlog behind it fits, is under the claim within the forecast's
+    spread at that horizon), admitting displaces about its own size in
+    other requests, each worth what an admission has been worth so far, and
+    the chance needed rises by that (`claim_price`). With an honest forecast
+    and no such price, the check admitted every request that would fit,
+    however far ahead it was due: prefill queues grew to 20 s and more, the
+    memory they promised was claimed when the forecast was least sure, and
+    goodput fell below the baseline's on short-answer traces.
   - The hold: a request that would not fit when its KV arrives may fit a
     little later, once the residents expected to leave have left. Under
     bursts the baseline gets that for free: it admits the whole burst into a
@@ -55,6 +67,7 @@ The decode-stage check stays in every mode but `none`: memory is physical.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from conductor.decode import DecodeView
@@ -86,6 +99,7 @@ class Admission:
     joined: int = field(default=0, init=False)                # requests the decode check took
     hold_s: float = field(default=0.0, init=False)  # the wait before the admitted one's prefill
     held: int = field(default=0, init=False)        # requests admitted with a hold
+    refused: int = field(default=0, init=False)     # requests the decode check turned away
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,10 +108,10 @@ class Admission:
 
     def at_arrival(self, now_s: float, placement: Placement, decode: DecodeView,
                    input_length: int, output_estimate: float,
-                   least_queue_s: float = 0.0) -> str | None:
+                   queues: Sequence[float] | None = None) -> str | None:
         """The reason to reject at arrival, or None to admit, its prefill to start
-        `hold_s` later than the queue allows (``least_queue_s``: the shortest prefill
-        queue now)."""
+        `hold_s` later than the queue allows (``queues``: the prefill queues now, where
+        known)."""
         self.hold_s = 0.0
         if self.mode == "none":
             return None
@@ -108,22 +122,28 @@ class Admission:
                 return REJECT_DECODE
         elif self.mode == "predictive":
             return self._predictive(now_s, placement, decode, input_length, output_estimate,
-                                    least_queue_s)
+                                    queues)
         return None
 
     def _predictive(self, now_s: float, placement: Placement, decode: DecodeView,
                     input_length: int, output_estimate: float,
-                    least_queue_s: float) -> str | None:
+                    queues: Sequence[float] | None) -> str | None:
         """Admit for the first due time (now, or held `HOLD_STEPS_S` later) whose chance of
-        fitting pays for the prefill at risk."""
+        fitting pays for the prefill at risk and for the requests its claim displaces."""
         due_s = now_s + placement.ttft_s + decode.cost.transfer_s(input_length)
         need = self.chance_needed(placement.service_s)
 
         def chance(hold_s: float, record: bool = False) -> float:
             return decode.fit_chance(now_s, due_s + hold_s, input_length, output_estimate,
-                                     self.slo.tbt_s, least_queue_s, record)
+                                     self.slo.tbt_s, queues, record)
 
-        hold = next((h for h in self.hold_choices(placement.ttft_s) if chance(h) >= need), None)
+        def pays(hold_s: float) -> bool:
+            p = chance(hold_s)
+            return p >= need and p >= need + self.claim_price(
+                placement.service_s, decode.claim(now_s, due_s + hold_s, input_length,
+                                                  output_estimate))
+
+        hold = next((h for h in self.hold_choices(placement.ttft_s) if pays(h)), None)
         chance(hold or 0.0, record=True)
         if hold is None:
             return REJECT_DECODE
@@ -146,6 +166,20 @@ class Admission:
         w = service_s * self.joined / self.prefill_spent_s
         return w / (1 + w)
 
+    def claim_price(self, service_s: float, displaced: float) -> float:
+        """The chance a request needs on top of `chance_needed` to pay for the ``displaced``
+        requests due after it (`DecodeView.claim`).
+
+        Each is worth what an admission has been worth so far: the share of the requests
+        reaching decode that the decode check took. Gaining one served request with
+        chance p, losing the prefill (w in served requests) otherwise and the displaced
+        for sure, admitting pays when p >= (w + displaced * worth) / (1 + w).
+        """
+        if not self.joined or not self.prefill_spent_s or not displaced:
+            return 0.0
+        w = service_s * self.joined / self.prefill_spent_s
+        return displaced * self.joined / (self.joined + self.refused) / (1 + w)
+
     def at_decode(self, decode: DecodeView, input_length: int,
                   output_estimate: float) -> bool:
         """Whether the decode instance takes the request now that its KV has arrived."""
@@ -153,4 +187,5 @@ class Admission:
             return True
         taken = decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s)
         self.joined += taken
+        self.refused += not taken
         return taken

@@ -131,7 +131,7 @@ class Simulator:
         self.board.publish(decode)
         self.out.input_tokens[rid] = req.input_length
         reason = self.admission.at_arrival(now, placement, decode, req.input_length,
-                                           self.outputs.mean, float(queue.min()))
+                                           self.outputs.mean, queue)
         if reason is not None:
             self.out.status[rid] = REJECTED_AT_ARRIVAL
             return

@@ -36,11 +36,11 @@ class RoomFrom(DecodeView):
 
     committed_load = load
 
-    def predicted_load(self, at_s: float, least_queue_s: float = 0.0) -> DecodeLoad:
+    def predicted_load(self, at_s: float, queues=None) -> DecodeLoad:
         return DecodeLoad(0, 0.0)
 
     def fit_chance(self, now_s, at_s, input_length, output_estimate, tbt_slo_s,
-                   least_queue_s=0.0, record=True) -> float:
+                   queues=None, record=True) -> float:
         self.asked.append(at_s)
         if record:
             self.recorded.append(at_s)
@@ -78,6 +78,36 @@ def test_a_later_admission_is_not_held_for_an_earlier_one():
     assert a.at_arrival(0.0, placement(), RoomFrom(free_s=5.0), 100, 10.0) is None
     assert a.at_arrival(0.0, placement(), RoomFrom(free_s=0.0), 100, 10.0) is None
     assert a.hold_s == 0.0
+
+
+class Claiming(RoomFrom):
+    """Room from the start, with a chance of 0.8, and a claim displacing ``displaced``."""
+
+    def __init__(self, displaced: float):
+        super().__init__(free_s=0.0)
+        self.displaced = displaced
+
+    def fit_chance(self, *args, **kwargs) -> float:
+        super().fit_chance(*args, **kwargs)
+        return 0.8
+
+    def claim(self, now_s, at_s, input_length, output_estimate) -> float:
+        return self.displaced
+
+
+def test_a_claim_that_displaces_others_needs_better_odds():
+    # One second of prefill has cost one request taken so far (w = 1: even odds), and
+    # one of the two requests that reached decode was taken: an admission is worth 1/2.
+    # Displacing d requests costs d / 2, so the chance needed is (1 + d / 2) / 2, and
+    # a chance of 0.8 pays for d < 1.2.
+    def admission() -> Admission:
+        a = Admission("predictive", Slo(30.0, 0.1))
+        a.joined, a.refused, a.prefill_spent_s = 1, 1, 1.0
+        return a
+    assert admission().claim_price(1.0, 1.0) == pytest.approx(0.25)
+    for displaced, verdict in ((0.0, None), (1.0, None), (1.5, REJECT_DECODE)):
+        assert admission().at_arrival(0.0, placement(), Claiming(displaced), 100,
+                                      10.0) == verdict
 
 
 def live_decode(kv_tokens: float) -> ReportedDecode:

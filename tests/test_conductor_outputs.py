@@ -86,3 +86,36 @@ def test_testbed_decode_limits_follow_vllm_defaults():
     assert cost.decode_max_batch == 256
     # a full node still steps within the 0.1 s TBT SLO: memory binds first
     assert cost.decode_step_s(256, cost.decode_capacity_tokens) < 0.1
+
+
+def test_requests_taken_earlier_that_will_have_finished_leave_room_for_a_later_one():
+    # Three requests of 4,000 tokens in flight, due at 0.1, 0.2 and 2.0 s; every answer
+    # is 100 tokens (10 ms a step, so 1 s). Counted in full, the first two leave no room
+    # for the third (12,000 + 100 > 10,000); by 2.0 s both have finished, so the decode
+    # check takes it, and 0.05 s later it is the only one there.
+    cost = CostModel(p_fixed=0, p_token=0.001, p_attention=0, p_load=0, t_fixed=0,
+                     t_token=0, d_fixed=0.01, d_seq=0, d_kv=0,
+                     decode_capacity_tokens=10_000, decode_max_batch=256)
+    d = DecodeInstance(0, cost, OutputLengths(prior_tokens=100))
+    for i, due_s in enumerate((0.1, 0.2, 2.0)):
+        d.bind(i, 4000, 0.0, 0.0, due_s)
+    load = d.predicted_load(2.05)
+    assert load.batch == pytest.approx(1)
+    assert load.kv_tokens == pytest.approx(4005)
+
+
+def test_a_claim_displaces_the_backlog_behind_it_only_when_it_binds():
+    # One request of 4,000 tokens in flight due at 1.0 s, answers of 100: it fits with
+    # 10,000 - 4,100 = 5,900 tokens to spare. A claim due before it at 0.5 s of m tokens
+    # (input + answer) takes its place when m > 5,900 (no spread learned yet: a sure
+    # verdict), and displaces m / (4,000 + 100) requests of the recent mean size. Due
+    # at 1.5 s, after it, the claim meets the room left then: 10,000 - 4,050 - 100.
+    cost = CostModel(p_fixed=0, p_token=0.001, p_attention=0, p_load=0, t_fixed=0,
+                     t_token=0, d_fixed=0.01, d_seq=0, d_kv=0,
+                     decode_capacity_tokens=10_000, decode_max_batch=256)
+    d = DecodeInstance(0, cost, OutputLengths(prior_tokens=100))
+    d.bind(1, 4000, 0.0, 0.0, 1.0)
+    assert d.claim(0.0, 0.5, 5000, 100.0) == 0.0
+    assert d.claim(0.0, 0.5, 6000, 100.0) == pytest.approx(6100 / 4100)
+    assert d.claim(0.0, 1.5, 5700, 100.0) == 0.0
+    assert d.claim(0.0, 1.5, 5800, 100.0) == pytest.approx(5900 / 4100)

@@ -48,15 +48,26 @@ def test_the_ring_forgets_old_admissions():
 
 
 def test_no_overtaking_from_behind_queues_deeper_than_the_wait():
-    # Services alternate 1 s and 6 s; every prefill queue is at least 3 s deep.
-    # For a request due in 5 s, a later one waits >= 3 - u, so it overtakes
-    # when max(u, 3) + s' < 5: for u < 3 if s' < 2 (half of them: 3 x 1/2),
-    # and for u in [3, 5) when u < 5 - s' (E[(2 - s')+] = 1/2). Lead 2 s at
-    # one request of 1,000 tokens per second.
-    batch, kv = steady([1.0, 6.0]).overtaking(16.0, 5.0, least_queue_s=3.0)
+    # Services alternate 1 s and 6 s; every prefill queue is 3 s deep and there are
+    # enough nodes for the fleet to keep up. For a request due in 5 s, a later one
+    # overtakes when it starts before t = 5 - s' (4 s for the 1 s ones, never for the
+    # 6 s ones): lead E[t] = 2 s at one request of 1,000 tokens per second.
+    batch, kv = steady([1.0, 6.0]).overtaking(16.0, 5.0, queues=[3.0] * 100)
     assert batch == pytest.approx(2.0)
     assert kv == pytest.approx(2000.0)
-    assert steady([2.0, 6.0]).overtaking(16.0, 5.0, least_queue_s=3.0) == (0.0, 0.0)
+    assert steady([2.0, 6.0]).overtaking(16.0, 5.0, queues=[3.0] * 100) == (0.0, 0.0)
+
+
+def test_overtakers_cannot_outrun_the_prefill_fleet():
+    # As above, but with two prefill nodes: the admissions bring 3.5 s of prefill per
+    # second (services 1 and 6 s, one a second), and the fleet has 2 x (4 - 3) = 2 s
+    # free before t = 4 s, so later ones start before t only while u < 2 / 3.5.
+    batch, kv = steady([1.0, 6.0]).overtaking(16.0, 5.0, queues=[3.0, 3.0])
+    assert batch == pytest.approx(0.5 * 2 / 3.5)
+    assert kv == pytest.approx(1000 * 0.5 * 2 / 3.5)
+    # ten such nodes free 10 s: u < 10 / 3.5, still short of t
+    batch, _ = steady([1.0, 6.0]).overtaking(16.0, 5.0, queues=[3.0] * 10)
+    assert batch == pytest.approx(0.5 * 10 / 3.5)
 
 
 def test_prediction_adds_overtakers_to_residents():
