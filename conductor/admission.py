@@ -43,10 +43,11 @@ arrival check knows:
     spread at that horizon), admitting displaces about its own size in
     other requests, each worth what an admission has been worth so far, and
     the chance needed rises by that (`claim_price`). With an honest forecast
-    and no such price, the check admitted every request that would fit,
-    however far ahead it was due: prefill queues grew to 20 s and more, the
-    memory they promised was claimed when the forecast was least sure, and
-    goodput fell below the baseline's on short-answer traces.
+    and no such price, the check admitted every request likely to fit on its
+    own, whatever its claim took from the requests behind it: on short-answer
+    traces those claims, made far ahead where the forecast is least sure,
+    turned more requests away at decode, and goodput fell below the
+    baseline's (0.925-0.994 on a 10 s-tick trace).
   - The hold: a request that would not fit when its KV arrives may fit a
     little later, once the residents expected to leave have left. Under
     bursts the baseline gets that for free: it admits the whole burst into a
