@@ -107,7 +107,9 @@ class _State:
 
 
 class DecodeInstance(DecodeView):
-    def __init__(self, index: int, cost: CostModel, outputs: OutputLengths):
+    def __init__(self, index: int, cost: CostModel, outputs: OutputLengths,
+                 fleet: RecentAdmissions | None = None):
+        """``fleet``: the admissions to every decode instance sharing its prefill fleet."""
         super().__init__(cost)
         self.index = index
         self.outputs = outputs
@@ -118,6 +120,7 @@ class DecodeInstance(DecodeView):
         # request -> (input length, when its KV is due): bound here, still in prefill
         self.inflight: dict[int, tuple[int, float]] = {}
         self.recent = RecentAdmissions()
+        self.fleet = fleet
         self.odds = FitOdds()
         self._leaves: list[tuple[float, int]] = []
         self._sum_input = 0
@@ -166,6 +169,8 @@ class DecodeInstance(DecodeView):
         self.inflight[request] = (input_length, due_s)
         self._binds += 1
         self.recent.record(now_s, due_s - start_s, input_length)
+        if self.fleet is not None:
+            self.fleet.record(now_s, due_s - start_s, input_length)
 
     def predicted_load(self, at_s: float, queues: Sequence[float] | None = None) -> DecodeLoad:
         """Load expected at ``at_s``, when a request admitted now would reach decode: what
@@ -173,7 +178,8 @@ class DecodeInstance(DecodeView):
         get here first (`overtaking`, given the prefill ``queues``), at most the memory
         left: they too pass the decode check."""
         known = self.known_load(at_s)
-        over_batch, over_kv = self.recent.overtaking(self.clock_s, at_s - self.clock_s, queues)
+        over_batch, over_kv = self.recent.overtaking(self.clock_s, at_s - self.clock_s, queues,
+                                                     self.fleet)
         room = max(0.0, self.capacity_tokens - known.kv_tokens)
         if over_kv > room:
             over_batch, over_kv = over_batch * room / over_kv, room

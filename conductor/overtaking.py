@@ -58,10 +58,13 @@ class RecentAdmissions:
         self._count = min(self._count + 1, self._at.size)
 
     def overtaking(self, now_s: float, horizon_s: float,
-                   queues: Sequence[float] | None = None) -> tuple[float, float]:
+                   queues: Sequence[float] | None = None,
+                   fleet: RecentAdmissions | None = None) -> tuple[float, float]:
         """(sequences, KV tokens) expected to reach decode within ``horizon_s`` from
         requests admitted after ``now_s``, given the prefill ``queues`` now (none known:
-        the fleet is taken to keep up)."""
+        the fleet is taken to keep up). ``fleet`` holds the admissions to every decode
+        instance, which all bring work to the same prefill queues (none given: these
+        are all of them)."""
         n = self._count
         if n < MIN_HISTORY:
             return 0.0, 0.0
@@ -70,13 +73,29 @@ class RecentAdmissions:
             return 0.0, 0.0
         service = self._service[:n]
         start_by = np.maximum(horizon_s - service, 0.0)
-        if queues is None or service.sum() <= 0:
+        work = (fleet or self).work_rate(now_s)
+        if queues is None or work <= 0:
             lead = start_by.mean()
         else:
-            free = np.maximum(start_by[:, None] - np.asarray(queues)[None, :], 0.0).sum(axis=1)
-            lead = np.minimum(start_by, free * span / service.sum()).mean()
+            lead = np.minimum(start_by, _free_before(start_by, queues) / work).mean()
         return n / span * lead, self._tokens[:n].sum() / span * lead
+
+    def work_rate(self, now_s: float) -> float:
+        """Prefill-to-decode seconds admitted per second lately (0 without history)."""
+        n = self._count
+        span = now_s - self._at[:n].min() if n else 0.0
+        return self._service[:n].sum() / span if n >= MIN_HISTORY and span > 0 else 0.0
 
     def mean_tokens(self) -> float:
         """The mean KV size of the recent admissions (0 before any)."""
         return float(self._tokens[:self._count].mean()) if self._count else 0.0
+
+
+def _free_before(times: np.ndarray, queues: Sequence[float]) -> np.ndarray:
+    """F(t) = sum_i (t - q_i)+ for each t: the prefill time the fleet has free before t.
+    With the queues sorted it is k * t - (the k shortest queues' sum), k the queues
+    shorter than t: O(log P) a time rather than O(P), for fleets of hundreds of nodes."""
+    q = np.sort(np.asarray(queues, dtype=float))
+    shorter = np.concatenate(([0.0], np.cumsum(q)))
+    k = np.searchsorted(q, times, side="right")
+    return k * times - shorter[k]

@@ -36,6 +36,7 @@ from conductor.decode import DecodeBoard, DecodeInstance
 from conductor.metrics import (REJECTED_AT_ARRIVAL, REJECTED_AT_DECODE, Outcomes,
                                RunSummary, summarize)
 from conductor.outputs import OutputLengths
+from conductor.overtaking import RecentAdmissions
 from conductor.policy import Candidates, Placement, make_policy
 from conductor.trace import BLOCK_TOKENS, TraceRequest
 
@@ -78,7 +79,9 @@ class Simulator:
                        for i in range(config.prefill)]
         self.busy_until = np.zeros(config.prefill)
         self.outputs = OutputLengths()
-        self.decodes = [DecodeInstance(j, cost, self.outputs) for j in range(config.decode)]
+        fleet = RecentAdmissions()      # every decode instance's admissions share the prefill fleet
+        self.decodes = [DecodeInstance(j, cost, self.outputs, fleet)
+                        for j in range(config.decode)]
         self.board = DecodeBoard(config.decode)
         self.out = Outcomes(len(trace))
         self._events: list[tuple] = []

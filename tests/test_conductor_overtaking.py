@@ -70,6 +70,18 @@ def test_overtakers_cannot_outrun_the_prefill_fleet():
     assert batch == pytest.approx(0.5 * 10 / 3.5)
 
 
+def test_the_fleet_shares_its_free_time_with_every_decode_instance():
+    # A second decode instance admits as much as this one: the two prefill nodes take
+    # 7 s of work a second, so this instance's later requests start before t = 4 s only
+    # while u < 2 / 7.
+    fleet = RecentAdmissions()
+    for i in range(16):
+        for _ in range(2):
+            fleet.record(float(i), (1.0, 6.0)[i % 2], 1000)
+    batch, _ = steady([1.0, 6.0]).overtaking(16.0, 5.0, queues=[3.0, 3.0], fleet=fleet)
+    assert batch == pytest.approx(0.5 * 2 / 7)
+
+
 def test_prediction_adds_overtakers_to_residents():
     d = DecodeInstance(0, COST, OutputLengths(prior_tokens=10_000))
     for i in range(16):                          # admitted at 0..15 s, due 1 s later
