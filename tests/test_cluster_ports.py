@@ -4,6 +4,7 @@ picked port is taken before their process listens: a real etcd (ThrowawayEtcd) a
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import threading
 
@@ -70,6 +71,7 @@ def test_a_node_whose_port_is_taken_starts_again_on_a_fresh_one(held_port, monke
         nodes = cluster.wait_formed()
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.log_dir, ignore_errors=True)
     ports = [int(n["addr"].rpartition(":")[2]) for n in nodes]
     assert len(nodes) == 2 and held_port not in ports and len(set(ports)) == 2
     assert cluster.node_tries == [2, 1]
