@@ -27,10 +27,11 @@ writes in its WAL, which it replays into a memtable of its own (at most what
 the primary has not flushed yet: up to its write buffers, 64 MiB for values).
 It does not see writes made since it last caught up: a payload it does not
 find, or finds with another tag, makes it catch up (at most every
-`CATCH_UP_S`, and less often when catching up takes long) and read once more. Opening the secondary takes
-about 10 ms (more with a long WAL to replay) and happens at the first value
-read from SSD; if it fails (the directory is not readable here) the client
-asks the node for every SSD value.
+`CATCH_UP_S`, and less often when catching up takes long) and read once
+more. Opening the secondary takes about 10 ms (more with a long WAL to
+replay) and happens at the first value read from SSD; if it fails (the
+directory is not readable here) the client asks the node for every SSD
+value.
 """
 from __future__ import annotations
 
