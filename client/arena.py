@@ -13,7 +13,7 @@ reads as a follower for values published on SSD alone (client/ssd_reads.py).
 The validity words and the index are mapped read-only: the node alone writes
 them. A lease's word holds the lease's tag while the lease is live; a copy
 made under the lease is whole when the word, read *after* the copy, still
-holds the tag (kvstore/leases.py explains the ordering). The index says where
+holds the tag (kvstore/local/leases.py explains the ordering). The index says where
 each DRAM value is (client/shared_index.py). A dead node clears neither, so
 the connection that asked for KV.ARENA stays open with the mapping: while it
 is, the node that wrote them is alive (`node_alive`).

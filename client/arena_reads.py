@@ -4,7 +4,7 @@ memcpy a value.
 - A get of a key whose lease the client holds (`lease_cache`) is a memcpy
   from the mapping and a look at the lease's validity word, with no round
   trip at all. The word holds the lease's tag while the lease is live
-  (kvstore/leases.py), and the node clears it before it lets the bytes go,
+  (kvstore/local/leases.py), and the node clears it before it lets the bytes go,
   so a word read *after* the copy that still holds the tag proves the copy
   whole and current. A node that died cannot clear its words, but its death
   closes the connection that took the lease: a lease is used only while that

@@ -1,7 +1,7 @@
 """Leases a client keeps after a get, so a repeated get is one memcpy and no round trip.
 
 A lease pins a value in the node's arena and comes with a validity word in
-the node's control area (kvstore/leases.py): the word holds the lease's tag
+the node's control area (kvstore/local/leases.py): the word holds the lease's tag
 while the lease is live, and the node clears it before it lets the bytes go
 (value deleted, overwritten, evicted, lease expired or released, connection
 closed). So a client that still holds a lease can copy the value again from

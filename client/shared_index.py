@@ -1,7 +1,7 @@
 """This process's read-only view of the node's shared index: where each DRAM value is.
 
 The node publishes its DRAM values in a table that comes with the arena
-(kvstore/shared_index.py has the layout, the seqlock and the x86 argument),
+(kvstore/local/shared_index.py has the layout, the seqlock and the x86 argument),
 so a get of a key this client holds no lease on is, when the key is there, a
 lookup, one memcpy out of the arena and two checks, with no round trip:
 

@@ -1,7 +1,7 @@
 """The simulated DRAM cache of each prefill node, and where every block lives.
 
 Each node holds at most `capacity_blocks` blocks. Eviction is the store's own
-policy (`kvstore.eviction.SampledLRU`: sampled LRU that evicts chain leaves
+policy (`kvstore.store.eviction.SampledLRU`: sampled LRU that evicts chain leaves
 first), used as a library so a replay measures the policy we ship; this module
 only maps trace block ids to the policy's slot ids and recycles freed slots.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.eviction import NO_PARENT, SampledLRU
+from kvstore.store.eviction import NO_PARENT, SampledLRU
 
 
 class NodeCache:

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from kvstore import __version__
-from kvstore.config import (EVICTION_POLICIES, LOG_LEVELS, SSD_COMPRESSIONS, SSD_WRITE_POLICIES, Config, ConfigError,
+from kvstore.admin.config import (EVICTION_POLICIES, LOG_LEVELS, SSD_COMPRESSIONS, SSD_WRITE_POLICIES, Config, ConfigError,
                             parse_size)
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
@@ -126,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.loglevel)
-    from kvstore.server import run
+    from kvstore.net.server import run
     return run(cfg, args.config)
 
 

@@ -2,7 +2,7 @@
 
     python -m loadtest.bench_eviction [--quick] [--repeats N]
 
-Why: eviction takes chain leaves only (kvstore/eviction.py). Evicting one
+Why: eviction takes chain leaves only (kvstore/store/eviction.py). Evicting one
 block must cost the same whatever the chain's length; when it walked the
 chain from its head for every block, 80 SETs of 1 MiB over an 8,000-block
 chain took 11.7 s and a 200,000-block chain stopped the node.

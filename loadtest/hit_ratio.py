@@ -3,7 +3,7 @@
 Why a replay of the policy as a library rather than a run of the daemon: the
 hit ratio depends only on which block is in DRAM at each access, so replaying
 the access sequence through the very class the engine evicts with
-(:class:`kvstore.eviction.SampledLRU`, with parent links and the entries'
+(:class:`kvstore.store.eviction.SampledLRU`, with parent links and the entries'
 tiers as its places) measures the policy we ship, at 300,000 accesses in
 seconds, and lets exact LRU and the offline optimum see the same sequence.
 
@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.eviction import NO_PARENT, SampledLRU
+from kvstore.store.eviction import NO_PARENT, SampledLRU
 
 IN_DRAM, ON_SSD = 0, 1
 NEVER = 1 << 62

@@ -47,8 +47,8 @@ from kvstore.cluster.routing import redirect
 from kvstore.cluster.services import ClusterServices
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
-from kvstore.config import Config
-from kvstore.engine import Engine, OutOfMemory
+from kvstore.admin.config import Config
+from kvstore.store.engine import Engine, OutOfMemory
 from loadtest.sim_network import NicModel, SimNetwork
 from loadtest.sim_report import EventReport, SimReport, etcd_rates
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvstore.cluster.peer import PeerError, PeerReplyError, read_reply
 from kvstore.commands import lookup
 from kvstore.commands.table import CommandError
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 
 @dataclass(frozen=True)

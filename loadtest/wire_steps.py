@@ -26,9 +26,9 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from kvstore.config import Config
-from kvstore.connection import Connection
-from kvstore.server import Server
+from kvstore.admin.config import Config
+from kvstore.net.connection import Connection
+from kvstore.net.server import Server
 
 SYSCALLS = ("recv_into", "recvmsg_into", "send", "sendmsg")
 

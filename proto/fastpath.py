@@ -32,7 +32,7 @@ PARTIAL_TIMEOUT_MS = 30000       # an unfinished block with no progress this lon
 MAX_TTL_MS = 600000
 VALIDITY_WORDS = 65536           # live leases with a validity word per node (8 bytes each, shared)
 
-# The shared index (kvstore/shared_index.py writes it, client/shared_index.py reads it): a memfd
+# The shared index (kvstore/local/shared_index.py writes it, client/shared_index.py reads it): a memfd
 # passed with KV.ARENA, an array of buckets in sets of INDEX_WAYS; a key's set is its index hash
 # modulo the number of sets (a power of two). A bucket is INDEX_BUCKET_BYTES: four little-endian
 # u64 words, then the key's bytes.

@@ -1,4 +1,4 @@
-"""kvstore/acl.py alone: rules, how users are shown, permission checks, the ACL file
+"""kvstore/admin/acl.py alone: rules, how users are shown, permission checks, the ACL file
 (protected mode's decision is in test_protected_mode.py). The expected lines and error texts were read from
 redis-server 7.0 (the wire suite, test_acl_commands.py, compares with a live one)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 import kvstore.commands  # noqa: F401  (fills the command table)
-from kvstore import acl
+from kvstore.admin import acl
 from kvstore.commands.table import CommandError, all_commands, lookup
 
 PW_HASH = hashlib.sha256(b"pw").hexdigest()

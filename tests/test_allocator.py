@@ -1,4 +1,4 @@
-"""Unit tests of the buddy allocator (kvstore.allocator).
+"""Unit tests of the buddy allocator (kvstore.store.allocator).
 
 The allocator only does offset arithmetic, so it is driven directly: random
 alloc/free sequences (hypothesis) checked against a model of the live
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.allocator import QUICK_LIMIT, QUICK_MAX_ORDER, BuddyAllocator
+from kvstore.store.allocator import QUICK_LIMIT, QUICK_MAX_ORDER, BuddyAllocator
 
 KiB, MiB = 1 << 10, 1 << 20
 

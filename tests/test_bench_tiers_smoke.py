@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.eviction import NO_PARENT
+from kvstore.store.eviction import NO_PARENT
 from loadtest import bench_tiers, hit_ratio
 from loadtest.bench_tiers import KIB, MIB, RawClient, Settings
 from loadtest.procs import ProcessGroup

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from conftest import Daemon, free_port, start_kvstore, wait_ready
-from kvstore.config import Config
+from kvstore.admin.config import Config
 
 ISSUE_FLAGS = ("--bind", "--port", "--unixsocket", "--dram-size", "--maxmemory-policy", "--requirepass",
                "--proto-max-bulk-len", "--maxclients", "--config")

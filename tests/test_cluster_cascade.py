@@ -20,7 +20,7 @@ from kvstore.cluster.cascade import DROPS_PER_TICK, KV_CASCADE, LINKS_PER_KEY, C
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
-from kvstore.engine import Engine
+from kvstore.store.engine import Engine
 from loadtest.bench_cluster import cascades_settled
 from proto.wire import KV_LINK_MAX
 from tests.cluster_procs import ClusterUp

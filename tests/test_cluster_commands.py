@@ -21,7 +21,7 @@ from kvstore.cluster.node import ClusterState
 from kvstore.cluster.routing import redirect
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.commands import CommandError, lookup
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 from tests.conftest import Daemon, free_port, wait_ready
 
 A, B = "a" * 40, "b" * 40

@@ -26,7 +26,7 @@ from kvstore.cluster.migration import KV_IMPORT, Migrator
 from kvstore.cluster.node import MOVE_GRACE, ClusterState, new_node_id
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
-from kvstore.engine import Engine
+from kvstore.store.engine import Engine
 from tests.cluster_client import SlotReader
 from tests.cluster_procs import ClusterUp
 from tests.conftest import start_kvstore, wait_until

@@ -23,9 +23,9 @@ import pytest
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.slots import SLOTS, SlotMap
-from kvstore.engine import Engine
-from kvstore.slots import GPU, SSD
-from kvstore.tiering import TieringConfig, TierManager
+from kvstore.store.engine import Engine
+from kvstore.store.slots import GPU, SSD
+from kvstore.tiers.manager import TieringConfig, TierManager
 from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker

@@ -24,7 +24,7 @@ from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.commands import CommandError
 from kvstore.commands.cluster_data import _from_a_node
-from kvstore.engine import Engine
+from kvstore.store.engine import Engine
 from tests.cluster_client import connect
 from tests.cluster_procs import ClusterUp
 from tests.conftest import start_kvstore, wait_until

@@ -1,4 +1,4 @@
-"""Unit tests of the node configuration (kvstore.config): sizes, TOML files, validation.
+"""Unit tests of the node configuration (kvstore.admin.config): sizes, TOML files, validation.
 
 Sizes follow Redis's units (k = 1000, kb = 1024, ...). A TOML file uses the
 same keys as the command-line flags; a bad key or value is a ConfigError
@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 
-from kvstore.config import EVICTION_POLICIES, LOG_LEVELS, Config, ConfigError, parse_size
+from kvstore.admin.config import EVICTION_POLICIES, LOG_LEVELS, Config, ConfigError, parse_size
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -1,4 +1,4 @@
-"""kvstore/connection.py in process: one `Connection` on a loopback TCP pair, its
+"""kvstore/net/connection.py in process: one `Connection` on a loopback TCP pair, its
 socket events delivered by hand, so a test can count the loop turns a request
 takes and look at what a reply holds while the client does not read.
 
@@ -17,10 +17,10 @@ import socket
 
 import pytest
 
-from kvstore import connection
-from kvstore.config import Config
-from kvstore.connection import COPIED_REPLIES, Connection
-from kvstore.server import Server
+from kvstore.net import connection
+from kvstore.admin.config import Config
+from kvstore.net.connection import COPIED_REPLIES, Connection
+from kvstore.net.server import Server
 from loadtest.wire_steps import HandDrivenLoop
 
 VALUE_SIZE = 64 * 1024

@@ -1,4 +1,4 @@
-"""Tests of the keys with a TTL (kvstore.deadlines) and the active expiry cycle that samples them.
+"""Tests of the keys with a TTL (kvstore.store.deadlines) and the active expiry cycle that samples them.
 
 What is checked:
 - the dense key list stays in step with the dict through every change the
@@ -18,8 +18,8 @@ import tracemalloc
 
 import pytest
 
-from kvstore.deadlines import Deadlines
-from kvstore.engine import Engine, now_ms
+from kvstore.store.deadlines import Deadlines
+from kvstore.store.engine import Engine, now_ms
 
 MiB = 1 << 20
 

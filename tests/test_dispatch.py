@@ -1,4 +1,4 @@
-"""kvstore/dispatch.py against a real daemon: transactions whose commands must wait,
+"""kvstore/commands/dispatch.py against a real daemon: transactions whose commands must wait,
 and the order of replies around them."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests of the engine (kvstore.engine): index, arena extents, eviction, holds, expiry.
+"""Unit tests of the engine (kvstore.store.engine): index, arena extents, eviction, holds, expiry.
 
 The engine is used directly, with a real (small, not pre-faulted) shared-memory
 arena. What is checked:
@@ -27,8 +27,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvstore.engine import Engine, OutOfMemory, now_ms
-from kvstore.eviction import NO_PARENT
+from kvstore.store.engine import Engine, OutOfMemory, now_ms
+from kvstore.store.eviction import NO_PARENT
 
 KiB, MiB = 1 << 10, 1 << 20
 VALUE_SIZE = 64 * KiB

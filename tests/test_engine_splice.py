@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.engine import Engine
+from kvstore.store.engine import Engine
 
 MiB = 1 << 20
 

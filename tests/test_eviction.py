@@ -1,4 +1,4 @@
-"""Unit tests of the leaf-only sampled LRU (kvstore.eviction).
+"""Unit tests of the leaf-only sampled LRU (kvstore.store.eviction).
 
 The policy is driven directly over slot ids, as the engine drives it. What is
 checked: a chain's leaves go before their parents ("a block whose children
@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from kvstore.eviction import KIND_OF_MARKS, KINDS, NO_PARENT, SampledLRU
+from kvstore.store.eviction import KIND_OF_MARKS, KINDS, NO_PARENT, SampledLRU
 
 DRAM, SSD = 0, 1
 

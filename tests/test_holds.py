@@ -1,4 +1,4 @@
-"""Unit tests of the holds on DRAM extents (kvstore.holds).
+"""Unit tests of the holds on DRAM extents (kvstore.store.holds).
 
 What is checked: a held extent's free waits for its last reader; each hold
 counts in its slot's eviction entry until released; once the slot leaves
@@ -7,9 +7,9 @@ the slot id goes to next.
 """
 from __future__ import annotations
 
-from kvstore.allocator import BuddyAllocator
-from kvstore.eviction import SampledLRU
-from kvstore.holds import ExtentHolds
+from kvstore.store.allocator import BuddyAllocator
+from kvstore.store.eviction import SampledLRU
+from kvstore.store.holds import ExtentHolds
 
 UNIT = 4096
 

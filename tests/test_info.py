@@ -1,4 +1,4 @@
-"""INFO's figures (kvstore/info.py), checked on real processes.
+"""INFO's figures (kvstore/admin/info.py), checked on real processes.
 
 A `kvstore serve` daemon and, as the reference for what a field means, a real
 redis-server: the keyspace line's avg_ttl is the mean time to live in

@@ -1,4 +1,4 @@
-"""CONFIG SET and CONFIG GET on running nodes (kvstore/live_config.py).
+"""CONFIG SET and CONFIG GET on running nodes (kvstore/admin/live_config.py).
 
 Real processes: `kvstore serve` daemons (some with an SSD tier in tmp_path)
 and, as the reference for error texts and all-or-nothing behaviour, a real

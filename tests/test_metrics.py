@@ -1,4 +1,4 @@
-"""The Prometheus endpoint (kvstore/metrics.py) of a real `kvstore serve --metrics-port`.
+"""The Prometheus endpoint (kvstore/admin/metrics.py) of a real `kvstore serve --metrics-port`.
 
 What is checked: the exposition follows the text format (one TYPE line per
 metric, then its one sample; no name twice); fields that only grow are

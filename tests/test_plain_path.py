@@ -1,4 +1,4 @@
-"""The plain GET/SET path of kvstore/dispatch.py (`run_plain`) against real daemons.
+"""The plain GET/SET path of kvstore/commands/dispatch.py (`run_plain`) against real daemons.
 
 Pipelined plain GETs and SETs skip dispatch's generic checks while nothing
 those checks look at can matter; these tests switch each of those conditions

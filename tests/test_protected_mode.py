@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvstore import acl
+from kvstore.admin import acl
 from conftest import free_port
 from test_redis_compat import RespConnection
 

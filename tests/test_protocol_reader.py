@@ -1,4 +1,4 @@
-"""Unit tests of the incremental RESP request parser (kvstore.protocol.reader).
+"""Unit tests of the incremental RESP request parser (kvstore.net.protocol.reader).
 
 No sockets: bytes are fed the way the connection feeds them (write into
 ``recv_buffer()``, report with ``received(n)``, collect with ``parse()``), in
@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.protocol.reader import (BIG_BULK, UNAUTH_BULK, UNAUTH_MULTIBULK, ProtocolError,
+from kvstore.net.protocol.reader import (BIG_BULK, UNAUTH_BULK, UNAUTH_MULTIBULK, ProtocolError,
                                      RequestReader, split_inline)
 from test_bad_input import MALFORMED
 from test_redis_compat import encode_command

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.protocol import reader as reader_module
-from kvstore.protocol.reader import MAX_SPLIT_ARGS, RequestReader
+from kvstore.net.protocol import reader as reader_module
+from kvstore.net.protocol.reader import MAX_SPLIT_ARGS, RequestReader
 from test_protocol_reader import PIPELINE, outcome, parse_all
 from test_redis_compat import encode_command
 

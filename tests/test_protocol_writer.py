@@ -1,4 +1,4 @@
-"""Unit tests of the RESP reply encoders (kvstore.protocol.writer).
+"""Unit tests of the RESP reply encoders (kvstore.net.protocol.writer).
 
 Each expectation is the exact byte string Redis 7 sends for the same reply;
 the RESP2 and RESP3 forms differ only for nulls, maps, sets and verbatim text.
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.protocol import writer
-from kvstore.protocol.writer import Encoder
+from kvstore.net.protocol import writer
+from kvstore.net.protocol.writer import Encoder
 
 
 def test_constants():

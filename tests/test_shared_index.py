@@ -1,4 +1,4 @@
-"""Unit tests of the shared index (kvstore/shared_index.py, client/shared_index.py), in one
+"""Unit tests of the shared index (kvstore/local/shared_index.py, client/shared_index.py), in one
 process: an engine with a small arena, the node's table over it, and the client's
 read-only view of the same memfd.
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from client.shared_index import SharedIndexView
-from kvstore.engine import Engine
-from kvstore.shared_index import SharedIndex, buckets_for
+from kvstore.store.engine import Engine
+from kvstore.local.shared_index import SharedIndex, buckets_for
 from proto import fastpath as fp
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -14,8 +14,8 @@ from kvstore.cluster.peer import PeerError, PeerReplyError
 from kvstore.cluster.services import ClusterServices
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap
-from kvstore.config import Config
-from kvstore.engine import Engine
+from kvstore.admin.config import Config
+from kvstore.store.engine import Engine
 from loadtest.sim_cluster import ClusterSim, SimSettings, simulate
 from loadtest.sim_slotmap import map_growth
 from loadtest.sim_network import NicModel, SimNetwork

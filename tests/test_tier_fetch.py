@@ -1,4 +1,4 @@
-"""Reads of values from the SSD tier into DRAM (TierManager.fetch and install, kvstore/tiering.py).
+"""Reads of values from the SSD tier into DRAM (TierManager.fetch and install, kvstore/tiers/manager.py).
 
 What is checked, on a real RocksDB in tmp_path and an engine in this process:
 - the SSD values of one fetch (a whole prefix, or the keys of pipelined
@@ -17,10 +17,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvstore.engine import Engine
-from kvstore.slots import DRAM
-from kvstore import tiering
-from kvstore.tiering import TieringConfig, TierManager
+from kvstore.store.engine import Engine
+from kvstore.store.slots import DRAM
+from kvstore.tiers import manager
+from kvstore.tiers.manager import TieringConfig, TierManager
 from kvstore.tiers.ssd import SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker
 

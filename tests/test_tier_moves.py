@@ -1,4 +1,4 @@
-"""Moves between DRAM and the GPU tier (kvstore/tiering.py, kvstore/tier_moves.py), on any machine.
+"""Moves between DRAM and the GPU tier (kvstore/tiers/manager.py, kvstore/tiers/moves.py), on any machine.
 
 A fake GPU tier (numpy memory carved by the same buddy allocator, with a gate
 that can hold device reads back) stands in for cupy, so these run without a
@@ -19,10 +19,10 @@ import threading
 
 import numpy as np
 
-from kvstore.allocator import BuddyAllocator
-from kvstore.engine import Engine
-from kvstore.slots import GPU, ON_SSD
-from kvstore.tiering import TieringConfig, TierManager
+from kvstore.store.allocator import BuddyAllocator
+from kvstore.store.engine import Engine
+from kvstore.store.slots import GPU, ON_SSD
+from kvstore.tiers.manager import TieringConfig, TierManager
 from tests.conftest import until
 
 KIB, MIB = 1 << 10, 1 << 20

@@ -1,4 +1,4 @@
-"""Daemon-level tests of the tiers (kvstore/tiering.py through the wire).
+"""Daemon-level tests of the tiers (kvstore/tiers/manager.py through the wire).
 
 Each test starts real `python -m kvstore serve` processes with a small DRAM
 arena (`--dram-size 8mb`) and an SSD tier in tmp_path, so values spill to
@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
-from kvstore.connection import COPIED_REPLIES
+from kvstore.net.connection import COPIED_REPLIES
 from kvstore.tiers.ssd import SSDTier
 from proto import wire
 

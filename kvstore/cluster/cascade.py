@@ -3,7 +3,7 @@
 Why. A prefix match stops at the first missing block, so a block whose
 predecessor is gone is never read again: it only takes room, and the chain's
 cached blocks stop being a prefix of it. One node keeps chains prefix-closed
-with leaf-first eviction over parent links (kvstore/eviction.py), but in a
+with leaf-first eviction over parent links (kvstore/store/eviction.py), but in a
 cluster a chain's blocks live on different nodes, each evicting its own oldest
 at its own pressure, so a chain loses block i on one node while block j > i
 stays on another. No amount of touching in order closes that gap; dropping

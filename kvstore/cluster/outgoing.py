@@ -6,7 +6,7 @@ from where they lie: a DRAM value (or a staged DRAM copy) from its extent,
 held until the push is done, so nothing is copied for a move.
 
 A value that lives only on SSD or GPU has no bytes in host memory to send.
-It is read first, with the tier manager's own read path (kvstore/tiering.py:
+It is read first, with the tier manager's own read path (kvstore/tiers/manager.py:
 `fetch` and `install`): RocksDB's batched reads on the SSD tier's reader
 threads, device-to-host copies on the GPU tier's copy threads; the loop only
 waits. The move gathers values in its order, a push's worth at a time
@@ -23,8 +23,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from kvstore.eviction import NO_PARENT
-from kvstore.slots import DRAM, STAGED
+from kvstore.store.eviction import NO_PARENT
+from kvstore.store.slots import DRAM, STAGED
 
 BATCH_BYTES = 8 * 1024 * 1024       # one KV.IMPORT carries about this much
 BATCH_KEYS = 512

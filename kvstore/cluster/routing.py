@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.slots import keyslot
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 SLOT_NOT_SERVED = writer.error("Hash slot not served", "CLUSTERDOWN")
 CLUSTER_DOWN = writer.error("The cluster is down", "CLUSTERDOWN")

@@ -1,7 +1,7 @@
 """Users on the wire: AUTH and the ACL container (SETUSER, GETUSER, DELUSER, LIST,
 USERS, WHOAMI, CAT, GENPASS, DRYRUN, LOAD, SAVE).
 
-The rules themselves live in `kvstore.acl`; this module turns requests into
+The rules themselves live in `kvstore.admin.acl`; this module turns requests into
 calls on the node's user table and replies as Redis 7 replies, error text for
 error text. Deleting a user (ACL DELUSER, or ACL LOAD of a file without it)
 disconnects the clients logged in as that user, as Redis does: a client must
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from kvstore import acl
+from kvstore.admin import acl
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError, command, lookup
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 log = logging.getLogger("kvstore")
 

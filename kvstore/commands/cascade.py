@@ -21,13 +21,13 @@ there.
 """
 from __future__ import annotations
 
-from kvstore import acl
+from kvstore.admin import acl
 from kvstore.cluster.cascade import CASCADE_MAX, KV_CASCADE, LINK_KEY_MAX
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.cluster import DISABLED
 from kvstore.commands.cluster_data import _from_a_node
 from kvstore.commands.table import CommandError, command
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 from proto.wire import KV_LINK, KV_LINK_MAX
 
 

@@ -12,10 +12,12 @@ ACLs check.
 """
 from __future__ import annotations
 
-from kvstore import acl, client_pause as pauses
+from kvstore.admin import acl
+
+from kvstore.net import client_pause as pauses
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError, lookup
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 CLIENT_TYPES = (b"normal", b"master", b"replica", b"slave", b"pubsub")
 
@@ -77,7 +79,7 @@ def client_kill(conn, args: list) -> bytes:
 
 
 def client_pause(conn, args: list) -> bytes:
-    """CLIENT PAUSE timeout [WRITE|ALL] and CLIENT UNPAUSE (kvstore/client_pause.py)."""
+    """CLIENT PAUSE timeout [WRITE|ALL] and CLIENT UNPAUSE (kvstore/net/client_pause.py)."""
     if args[1].lower() == b"unpause":
         pauses.unpause(conn.server)
         return writer.OK

@@ -15,7 +15,7 @@ import time
 
 from kvstore.cluster.slots import keyslot
 from kvstore.commands.table import CommandError, command
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 DISABLED = "This instance has cluster support disabled"
 TOPOLOGY = ("addslots", "addslotsrange", "bumpepoch", "delslots", "delslotsrange", "failover", "flushslots", "forget",

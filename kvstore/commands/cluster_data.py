@@ -37,8 +37,8 @@ from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY
 from kvstore.commands.args import SYNTAX, parse_int, store
 from kvstore.commands.cluster import DISABLED
 from kvstore.commands.table import CommandError, command
-from kvstore.engine import Extent
-from kvstore.protocol import writer
+from kvstore.store.engine import Extent
+from kvstore.net.protocol import writer
 from proto.wire import KV_HOTKEYS
 
 MAX_LEASE_MS = 3_600_000

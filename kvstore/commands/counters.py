@@ -13,7 +13,7 @@ import numpy as np
 
 from kvstore.commands.args import WRONG_TYPE_INT, parse_int
 from kvstore.commands.table import CommandError, command, first_key
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 NOT_FLOAT = "value is not a valid float"
 _FLOAT = re.compile(rb"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?inf(inity)?", re.IGNORECASE)

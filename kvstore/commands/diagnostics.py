@@ -1,4 +1,4 @@
-"""SLOWLOG (kvstore/slowlog.py keeps it), and LATENCY, which answers as Redis does with
+"""SLOWLOG (kvstore/admin/slowlog.py keeps it), and LATENCY, which answers as Redis does with
 its latency monitor off.
 
 kvstore samples no latency events (Redis's monitor is off by default too,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvstore.commands.args import parse_int
 from kvstore.commands.table import CommandError, command
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 _HELP = [
     "LATENCY <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",

@@ -1,7 +1,7 @@
 """Fast-path commands: map the arena, lease values, reserve and publish extents.
 
 The socket carries only these small control messages; the bytes move through
-the client's own mapping of the DRAM arena (see kvstore/leases.py for why
+the client's own mapping of the DRAM arena (see kvstore/local/leases.py for why
 everything a client holds has an id, an owner and a deadline).
 
     KV.ARENA                             -> [size, pid, fd, id offset, id token, fds passed,
@@ -26,8 +26,8 @@ everything a client holds has an id, an owner and a deadline).
 
 How a client maps the arena: over the Unix socket the arena's memfd comes
 with the KV.ARENA reply (SCM_RIGHTS), and with it the lease table's validity
-words (kvstore/leases.py: a lease is valid while its word holds its tag) and
-the shared index (kvstore/shared_index.py: where each DRAM value is, so a
+words (kvstore/local/leases.py: a lease is valid while its word holds its tag) and
+the shared index (kvstore/local/shared_index.py: where each DRAM value is, so a
 first get needs no KV.LEASE; the first KV.ARENA starts publishing it); over
 TCP a client on the same host opens ``/proc/<pid>/fd/<fd>`` for each (same
 user). Either way it then checks the
@@ -74,8 +74,8 @@ from typing import NamedTuple, NoReturn
 
 from kvstore.commands.args import check_arena_token, option_map, parse_ids, parse_int, parse_ttl_ms
 from kvstore.commands.table import CommandError, command
-from kvstore.engine import GPU, SSD, STAGED, OutOfMemory
-from kvstore.protocol import writer
+from kvstore.store.engine import GPU, SSD, STAGED, OutOfMemory
+from kvstore.net.protocol import writer
 from proto import fastpath as fp
 
 @command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "

@@ -12,10 +12,10 @@ import random
 
 from kvstore.commands.args import SYNTAX, options, parse_int
 from kvstore.commands.table import CommandError, command
-from kvstore.engine import now_ms
-from kvstore.glob import matches
-from kvstore.protocol import writer
-from kvstore.watch import touched
+from kvstore.store.engine import now_ms
+from kvstore.commands.glob import matches
+from kvstore.net.protocol import writer
+from kvstore.store.watch import touched
 
 
 @command("DEL", -2, "write", "keyspace", "Deletes one or more keys.", keys=(1, -1, 1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvstore.commands.args import SYNTAX, option_map, parse_int, store
 from kvstore.commands.table import CommandError, command
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 from proto import wire
 
 DEFAULT_PIN_TTL_MS = 60_000

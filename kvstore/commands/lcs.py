@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError, command
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 _LCS_OPTIONS = {b"IDX", b"LEN", b"WITHMATCHLEN"}
 MAX_WALK = 256 * 1024       # bytes of both values together that the string and IDX replies walk back over

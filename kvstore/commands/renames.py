@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError, command, first_key
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 NO_SUCH_KEY = "no such key"
 

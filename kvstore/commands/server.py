@@ -7,11 +7,11 @@ Redis 7's, word for word.
 """
 from __future__ import annotations
 
-from kvstore import acl, info, live_config
+from kvstore.admin import acl, info, live_config
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.client_kill import client_kill, client_pause, command_getkeys
 from kvstore.commands.table import CommandError, all_commands, command, lookup
-from kvstore.protocol import writer
+from kvstore.net.protocol import writer
 
 COMPAT_VERSION = "7.0.0"
 
@@ -123,7 +123,7 @@ def config(conn, args):
 
 
 def _config_get(conn, patterns: list[bytes]) -> bytes:
-    from kvstore.glob import matches
+    from kvstore.commands.glob import matches
     values = live_config.current(conn.server)
     found: dict[bytes, str] = {}
     for pattern in patterns:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from kvstore.commands.args import SYNTAX, options, parse_int, store
 from kvstore.commands.table import CommandError, all_keys, command, first_key
-from kvstore.engine import now_ms
-from kvstore.protocol import writer
-from kvstore.watch import touched
+from kvstore.store.engine import now_ms
+from kvstore.net.protocol import writer
+from kvstore.store.watch import touched
 
 MAX_EXPIRE_MS = 2**63 // 1000
 _SET_OPTIONS = {b"NX": 0, b"XX": 0, b"GET": 0, b"KEEPTTL": 0, b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1}
@@ -75,7 +75,7 @@ def set_(conn, args):
 
 
 def set_plain(conn, args: list) -> bytes:
-    """``SET key value``: the form kvstore/dispatch.py's plain path runs without SET's
+    """``SET key value``: the form kvstore/commands/dispatch.py's plain path runs without SET's
     option parsing (a small value is bytes, a big one an extent the reader filled)."""
     value = args[2]
     if type(value) is bytes:

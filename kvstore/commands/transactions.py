@@ -4,17 +4,17 @@ The loop is single-threaded, so running the queued commands back to back is
 atomic unless one of them must wait for a tier (a fetch from SSD, room in
 DRAM): then the rest of the transaction waits behind it, replies in order,
 while other clients may run. The work here is the bookkeeping Redis clients
-rely on: +QUEUED for each command (kvstore/dispatch.py queues them),
+rely on: +QUEUED for each command (kvstore/commands/dispatch.py queues them),
 EXECABORT when a queued command had an error at queue time (or was one Redis
-refuses inside MULTI: kvstore/dispatch.py), the nesting errors, and WATCH's
-null reply when a watched key was touched (kvstore/watch.py).
+refuses inside MULTI: kvstore/commands/dispatch.py), the nesting errors, and WATCH's
+null reply when a watched key was touched (kvstore/store/watch.py).
 """
 from __future__ import annotations
 
-from kvstore import dispatch
+from kvstore.commands import dispatch
 from kvstore.commands.table import CommandError, command
-from kvstore.protocol import writer
-from kvstore.watch import unwatch, watches_of
+from kvstore.net.protocol import writer
+from kvstore.store.watch import unwatch, watches_of
 
 
 @command("MULTI", 1, "noscript loading stale fast", "transactions", "Starts a transaction.", keys=(0, 0, 0))

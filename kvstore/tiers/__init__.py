@@ -1,8 +1,8 @@
 """Storage tiers below the DRAM arena: where a value's bytes live when not in DRAM.
 
 A tier stores bytes and nothing else. The engine owns the index (key ->
-slot, whose tier, offset, size and parent live in kvstore/slots.py); the tier
-manager (kvstore/tiering.py) owns the watermarks, the heat counters and every
+slot, whose tier, offset, size and parent live in kvstore/store/slots.py); the tier
+manager (kvstore/tiers/manager.py) owns the watermarks, the heat counters and every
 decision to promote or demote; the eviction policy picks what goes. A tier
 only answers "store this", "give me that back" and "how full are you",
 synchronously and thread-safely, so the tier manager runs it on worker
@@ -11,8 +11,8 @@ threads and never on the event loop.
 Two shapes of tier exist, because the media differ:
 
 - **The GPU tier** (gpu.py) is one fixed device allocation carved into
-  extents by :class:`kvstore.allocator.BuddyAllocator`, as the DRAM arena
-  (kvstore/arena.py) is. The tier manager asks it for an extent
+  extents by :class:`kvstore.store.allocator.BuddyAllocator`, as the DRAM arena
+  (kvstore/store/arena.py) is. The tier manager asks it for an extent
   (``alloc(size) -> offset | None``), copies bytes in and out by offset
   (``write(offset, buf)``, ``read_into(offset, size, buf)``), and gives it
   back (``free(offset, size)``). Nothing survives a restart.

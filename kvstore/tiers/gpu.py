@@ -3,8 +3,8 @@
 Why one arena: ``cudaMalloc`` per value costs far more than the copy of a KV
 block and fragments device memory, so the tier allocates its whole size once
 at start-up and hands out extents with the same
-:class:`kvstore.allocator.BuddyAllocator` as the DRAM arena. The tier manager
-(kvstore/tiering.py) asks for an extent (``alloc``), copies in (``write``) and
+:class:`kvstore.store.allocator.BuddyAllocator` as the DRAM arena. The tier manager
+(kvstore/tiers/manager.py) asks for an extent (``alloc``), copies in (``write``) and
 out (``read_into``) on its worker threads, and gives it back (``free``).
 
 Why ``cupy.cuda.Memory`` and not ``cupy.empty``: ``cupy.empty`` draws from
@@ -44,7 +44,7 @@ import threading
 
 import numpy as np
 
-from kvstore.allocator import BuddyAllocator
+from kvstore.store.allocator import BuddyAllocator
 from kvstore.tiers import TierError
 
 GENERATION_BYTES = 16

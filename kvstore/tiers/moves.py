@@ -1,10 +1,10 @@
 """How a value changes tier in the index, once its bytes have been copied.
 
-kvstore/tiering.py decides what moves and copies the bytes on worker threads;
+kvstore/tiers/manager.py decides what moves and copies the bytes on worker threads;
 when a copy is done it calls one of these, on the loop thread, to flip the
 slot's tier and flags (`SlotTable`) and to free or take over DRAM extents.
 That is all they need: the slot table and ``free_dram`` (``ExtentHolds.free``,
-kvstore/holds.py), which frees an extent now or, when a reader still holds
+kvstore/store/holds.py), which frees an extent now or, when a reader still holds
 it, when the reader lets go.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvstore.slots import DRAM, GPU, ON_SSD, SSD, STAGED, SlotTable
+from kvstore.store.slots import DRAM, GPU, ON_SSD, SSD, STAGED, SlotTable
 
 if TYPE_CHECKING:
-    from kvstore.engine import Extent
+    from kvstore.store.engine import Extent
 
 
 class TierMoves:

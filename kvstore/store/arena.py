@@ -8,7 +8,7 @@ handed to a local client over the Unix socket (SCM_RIGHTS) for the zero-copy
 path, with nothing named in /dev/shm to leak after a crash. The whole mapping
 is faulted in once at start-up.
 
-Who owns which byte is the allocator's business (kvstore.allocator); the arena
+Who owns which byte is the allocator's business (kvstore.store.allocator); the arena
 only hands out views.
 """
 from __future__ import annotations

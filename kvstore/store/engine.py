@@ -2,7 +2,7 @@
 
 The engine knows nothing of RESP or sockets. A key maps to a small integer
 slot; per-slot facts (tier, arena offset, value size) live in the flat
-columns of kvstore/slots.py and the eviction policy keeps its own per-slot
+columns of kvstore/store/slots.py and the eviction policy keeps its own per-slot
 columns (access stamp, chain links, candidate lists). That layout keeps the
 metadata under 200 bytes a key, where a Python object per entry would cost
 twice that.
@@ -11,11 +11,11 @@ A write is two steps so a value is never visible half-written: ``reserve``
 hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
 under ``noeviction``) that the connection receives the bytes straight into,
 and ``commit`` publishes it under its key. A reader that sends a value from
-the arena holds it (``hold``, kvstore/holds.py); a delete or overwrite during
+the arena holds it (``hold``, kvstore/store/holds.py); a delete or overwrite during
 the send hides the key at once but frees the bytes only when the hold is
 released.
 
-Lower tiers (kvstore/tiering.py) are told what happens through listeners:
+Lower tiers (kvstore/tiers/manager.py) are told what happens through listeners:
 ``commit_listeners`` (a value was published), ``drop_listeners`` (a value is
 leaving the index), ``hit_listeners`` (a read hit) and ``evict_listeners``
 (DRAM let a value go to make room). ``final_drop_listeners`` hear of a value
@@ -27,7 +27,7 @@ free DRAM, goes through the ``can_demote`` hook the tier manager sets.
 
 Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
 lazily on access and actively by a periodic sampling cycle whose cost does
-not grow with the number of keys (kvstore/deadlines.py).
+not grow with the number of keys (kvstore/store/deadlines.py).
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.allocator import BuddyAllocator
-from kvstore.arena import Arena
-from kvstore.deadlines import Deadlines
-from kvstore.eviction import NO_PARENT, SampledLRU
-from kvstore.holds import ExtentHolds
-from kvstore.slots import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, SlotTable
-from kvstore.tier_moves import TierMoves
+from kvstore.store.allocator import BuddyAllocator
+from kvstore.store.arena import Arena
+from kvstore.store.deadlines import Deadlines
+from kvstore.store.eviction import NO_PARENT, SampledLRU
+from kvstore.store.holds import ExtentHolds
+from kvstore.store.slots import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, SlotTable
+from kvstore.tiers.moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 
 __all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsDemotion", "OutOfMemory",
@@ -106,7 +106,7 @@ class Engine:
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
-        self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/deadlines.py)
+        self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/store/deadlines.py)
         self.stats = EngineStats()
         self.tiers = None               # the TierManager, for commands that reach it through the engine
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM

@@ -2,7 +2,7 @@
 
 One event loop thread owns the engine; connections are callbacks on it (see
 connection.py for why raw sockets). A TLS listener's clients are the same
-connections once their handshake is done (kvstore/tls.py). Before a socket
+connections once their handshake is done (kvstore/net/tls.py). Before a socket
 becomes a client it may be refused, as Redis refuses it: over maxclients, or
 by protected mode (a remote client while the default user has no password).
 The cron runs Redis's active expiry every 100 ms. Shutdown (SIGTERM, SIGINT
@@ -19,17 +19,19 @@ import socket
 import time
 from dataclasses import dataclass
 
-from kvstore import acl, tls
+from kvstore.admin import acl
+
+from kvstore.net import tls
 from kvstore.cluster.membership import ClusterError
-from kvstore.config import Config
-from kvstore.connection import Connection
-from kvstore.engine import Engine
-from kvstore.layers import BlockTable
-from kvstore.leases import LeaseTable, claim_arena_identity
-from kvstore.metrics import serve_metrics
-from kvstore.shared_index import SharedIndex
-from kvstore.slowlog import SlowLog
-from kvstore.tiering import open_tiers
+from kvstore.admin.config import Config
+from kvstore.net.connection import Connection
+from kvstore.store.engine import Engine
+from kvstore.local.layers import BlockTable
+from kvstore.local.leases import LeaseTable, claim_arena_identity
+from kvstore.admin.metrics import serve_metrics
+from kvstore.local.shared_index import SharedIndex
+from kvstore.admin.slowlog import SlowLog
+from kvstore.tiers.manager import open_tiers
 from kvstore.tiers import TierError
 
 log = logging.getLogger("kvstore")
@@ -57,7 +59,7 @@ class Server:
         self.tls_context = tls.server_context(config) if config.tls_port else None
         self.output_limit = config.output_buffer_limit()
         self.slowlog = SlowLog(config.slowlog_log_slower_than, config.slowlog_max_len)
-        self.pause = None       # CLIENT PAUSE in force (kvstore/client_pause.py)
+        self.pause = None       # CLIENT PAUSE in force (kvstore/net/client_pause.py)
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
         self.tiers = open_tiers(self.engine, config)
         self.clients: dict[int, Connection] = {}

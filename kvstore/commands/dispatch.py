@@ -14,7 +14,7 @@ reply to a write of a replicated key waits until its copies on other nodes
 are gone (kvstore/cluster/replication.py). Every failure becomes one error reply here; a bug in a handler costs that command
 an error, never the node.
 
-What stays in `connection.py`: the socket, the request and reply buffers,
+What stays in `kvstore/net/connection.py`: the socket, the request and reply buffers,
 the backlog of parsed requests and the pause while a deferred command waits.
 Dispatch decides, the connection moves bytes.
 
@@ -31,14 +31,14 @@ import logging
 from itertools import islice
 from time import perf_counter_ns
 
-from kvstore import acl
+from kvstore.admin import acl
 from kvstore.cluster.routing import redirect, redirect_slot
 from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.strings import set_plain
 from kvstore.commands.table import Command, CommandError, lookup
-from kvstore.engine import Extent, NeedsDemotion, OutOfMemory
-from kvstore.protocol import writer
-from kvstore.tiering import ARENA_READERS
+from kvstore.store.engine import Extent, NeedsDemotion, OutOfMemory
+from kvstore.net.protocol import writer
+from kvstore.tiers.manager import ARENA_READERS
 
 log = logging.getLogger("kvstore")
 
@@ -90,7 +90,7 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
             raise failure
         pause = conn.server.pause
         if pause is not None and pause.holds(cmd):
-            settled = False     # CLIENT PAUSE: run again once it is over (kvstore/client_pause.py)
+            settled = False     # CLIENT PAUSE: run again once it is over (kvstore/net/client_pause.py)
             conn.defer(pause.over, lambda _: dispatch(conn, args, None, has_holders))
             return
         if conn.multi is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
@@ -271,7 +271,7 @@ def _run(conn, cmd: Command, args: list) -> None:
 
 def _log_slow(conn, cmd: Command, args: list, elapsed: int) -> None:
     if "skip_slowlog" not in cmd.flags:
-        conn.server.slowlog.record(conn, args, elapsed)      # kvstore/slowlog.py
+        conn.server.slowlog.record(conn, args, elapsed)      # kvstore/admin/slowlog.py
 
 
 def _wait_for_ssd(conn, tiers) -> None:

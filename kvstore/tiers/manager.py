@@ -9,7 +9,7 @@ the key still names the same slot, so a reader always gets a whole value from
 one tier or the other.
 
 - Demotion: above a tier's high watermark the coldest values (leaf-first, see
-  eviction.py) move down until the tier is under its low watermark: GPU to
+  kvstore/store/eviction.py) move down until the tier is under its low watermark: GPU to
   DRAM, DRAM to SSD; SSD drops its coldest values above its own. A DRAM value
   with a clean SSD copy (write-through, or promoted from SSD) leaves at once.
 - Reads of SSD or GPU values: the connection asks for the keys a command will
@@ -42,8 +42,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.engine import Engine, OutOfMemory
-from kvstore.slots import DRAM, GPU, ON_SSD, SSD, STAGED
+from kvstore.store.engine import Engine, OutOfMemory
+from kvstore.store.slots import DRAM, GPU, ON_SSD, SSD, STAGED
 from kvstore.tiers import CorruptValue, TierError, ValueTooLarge
 from proto.fastpath import HEADER_SIZE, KV_LEASE, KV_LEASEGPU, KV_LEASELAYERS
 

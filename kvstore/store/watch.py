@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from weakref import WeakKeyDictionary, WeakSet
 
-from kvstore.engine import Engine, now_ms
+from kvstore.store.engine import Engine, now_ms
 
 _BY_ENGINE: WeakKeyDictionary = WeakKeyDictionary()
 

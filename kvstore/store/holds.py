@@ -13,8 +13,8 @@ entry (or against none).
 """
 from __future__ import annotations
 
-from kvstore.allocator import BuddyAllocator
-from kvstore.eviction import SampledLRU
+from kvstore.store.allocator import BuddyAllocator
+from kvstore.store.eviction import SampledLRU
 
 
 class ExtentHolds:

@@ -1,7 +1,7 @@
 """One client connection: the socket, its request and reply buffers, and its backlog.
 
 Parsed requests wait in the backlog and go one at a time to
-`kvstore.dispatch` (which decides what runs and what it answers); this
+`kvstore.commands.dispatch` (which decides what runs and what it answers); this
 module only moves bytes and keeps replies in request order.
 
 Why raw non-blocking sockets on the event loop (``add_reader``/``add_writer``)
@@ -36,12 +36,12 @@ from array import array
 from collections import deque
 from itertools import islice
 
-from kvstore import acl
+from kvstore.admin import acl
 from kvstore.commands import CommandError
-from kvstore.dispatch import dispatch, release_queued, run_plain, value_destination
-from kvstore.engine import Extent
-from kvstore.protocol import writer
-from kvstore.protocol.reader import ProtocolError, RequestReader
+from kvstore.commands.dispatch import dispatch, release_queued, run_plain, value_destination
+from kvstore.store.engine import Extent
+from kvstore.net.protocol import writer
+from kvstore.net.protocol.reader import ProtocolError, RequestReader
 
 log = logging.getLogger("kvstore")
 
@@ -83,7 +83,7 @@ class Connection:
         self.writing = False
         self.multi: list | None = None      # commands queued since MULTI
         self.multi_dirty = False
-        self.watched: dict[bytes, bool] = {}    # WATCHed key -> already expired then (kvstore/watch.py)
+        self.watched: dict[bytes, bool] = {}    # WATCHed key -> already expired then (kvstore/store/watch.py)
         self.watch_dirty = False                # a watched key was touched: EXEC answers null
         self.asking = False                 # cluster: ASKING was sent (the next command may run here)
         self.readonly = False               # cluster: READONLY was sent (copies of hot blocks may serve reads)

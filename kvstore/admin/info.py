@@ -13,7 +13,7 @@ import sys
 import time
 
 from kvstore import __version__
-from kvstore.engine import DRAM, GPU, SSD, now_ms
+from kvstore.store.engine import DRAM, GPU, SSD, now_ms
 
 DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd")
 

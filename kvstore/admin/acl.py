@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from kvstore.commands.table import Command, CommandError, all_commands
-from kvstore.glob import compile_pattern
+from kvstore.commands.glob import compile_pattern
 
 READ, WRITE = 1, 2
 READ_WRITE = READ | WRITE
@@ -584,7 +584,7 @@ class AclFileError(Exception):
 
 def parse_acl_file(path: str) -> dict[str, User]:
     """The users an ACL file defines; AclFileError lists every problem found."""
-    from kvstore.protocol.reader import ProtocolError, split_inline
+    from kvstore.net.protocol.reader import ProtocolError, split_inline
     try:
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             lines = f.read().split("\n")

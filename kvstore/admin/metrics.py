@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvstore import info
+from kvstore.admin import info
 
 log = logging.getLogger("kvstore")
 

@@ -13,7 +13,7 @@ here and nowhere else:
   ``offset_units << OFFSET_SHIFT``;
 - ``SSD``: the value is only in RocksDB;
 - ``GPU``: the value is in the GPU tier's arena (its offset is the tier
-  manager's, kvstore/tiering.py);
+  manager's, kvstore/tiers/manager.py);
 - ``ON_SSD``: a verified copy is on SSD, so dropping the DRAM copy loses nothing;
 - ``STAGED``: an SSD or GPU value has a temporary copy for one command, in the
   arena at ``offset_units`` or, when DRAM was full, on the heap
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from array import array
 
-from kvstore.eviction import NO_PARENT, SampledLRU
+from kvstore.store.eviction import NO_PARENT, SampledLRU
 
 DRAM, SSD, GPU = 0, 1, 2
 TIERS = (DRAM, SSD, GPU)

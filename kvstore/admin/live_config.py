@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from kvstore.config import LOG_LEVELS, Config, ConfigError, parse_size
+from kvstore.admin.config import LOG_LEVELS, Config, ConfigError, parse_size
 
 FIXED_AT_START = frozenset({"bind", "port", "unixsocket", "dram-size", "ssd-dir", "ssd-size", "ssd-compression",
                             "gpu-size", "gpu-device", "metrics-port", "save", "appendonly",

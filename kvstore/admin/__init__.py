@@ -1,0 +1,7 @@
+"""Administration: what an operator configures and reads.
+
+`config` (the node's one configuration dataclass, from flags or TOML), `live_config`
+(CONFIG GET/SET on a running node), `acl` (users, passwords, command and key rules),
+`info` (INFO in Redis's format), `metrics` (the Prometheus endpoint with INFO's
+counters), `slowlog` (commands slower than the threshold).
+"""

@@ -1,0 +1,7 @@
+"""The network front: sockets in, RESP frames, replies out.
+
+`server` (listening sockets, accept loop, cron, shutdown; it builds the node's parts),
+`connection` (one client: its buffers, backlog and reply path), `protocol/` (the RESP
+reader and writer), `tls` (the TLS listener), `client_pause` (CLIENT PAUSE's hold on
+commands).
+"""
