@@ -38,7 +38,6 @@ When vLLM is importable, `VllmStoreConnector` subclasses its
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -46,13 +45,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from client import BlockHasher, KVClient, KVError, ResponseError
+from client import BlockHasher, KVClient
 from client.connectors.read_buffers import ReadBuffers
+from client.connectors.vllm_store_io import (LOAD_WAIT_S, BlockSaver, SaveJob, StoreHealth, matched_tokens,
+                                             read_blocks)
 
 log = logging.getLogger(__name__)
 
 SCHEDULER, WORKER = "scheduler", "worker"
-LOAD_WAIT_S = 2.0    # longest wait for a layer another writer is still putting
 SPARE_READ_BUFFERS, SPARE_READ_BYTES = 4, 512 << 20     # load buffers kept for the next loads
 
 
@@ -93,7 +93,7 @@ class StoreConnectorMetadata:
 
 
 class _Load:
-    """A request's prefix being read: one buffer for all its blocks and layers, one event per layer."""
+    """A request's prefix being read: one buffer for all its blocks and layers."""
 
     def __init__(self, layout: KVLayout, transfer: RequestTransfer, buffers: ReadBuffers):
         self.transfer = transfer
@@ -101,8 +101,7 @@ class _Load:
         self.blocks = range(first, last)
         self.buffer = buffers.take((len(self.blocks), layout.n_layers, *layout.slot_shape), layout.numpy_dtype())
         self.done = threading.Event()
-        self.missing_blocks = 0      # blocks gone from the store (evicted, node lost) when read
-        self.error: Exception | None = None
+        self.missing_blocks = 0      # blocks gone from the store (evicted, node lost, store away) when read
 
 
 class StoreKVConnector:
@@ -113,36 +112,32 @@ class StoreKVConnector:
         self.hasher = hasher
         self.layout = layout
         self.role = role
+        self.health = StoreHealth(repr(store))
         self._planned: dict[str, RequestTransfer] = {}
         self._layer_index: dict[str, int] = {}
         self._meta = StoreConnectorMetadata()
         self._loads: dict[str, _Load] = {}
-        self._saves: queue.Queue = queue.Queue()
-        self._saving: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._deferred: set[str] = set()             # finished requests whose pages wait for their saves
         self._finished_saving: set[str] = set()
-        self._opened: dict[str, threading.Event] = {}
-        self._lock = threading.Condition()
-        self._saver = threading.Thread(target=self._save_loop, name="kv-saver", daemon=True)
-        self._saver.start()
+        self._saver = BlockSaver(store, self.health, on_request_done=self._saves_done)
         self._read_buffers = ReadBuffers(SPARE_READ_BUFFERS, SPARE_READ_BYTES)
 
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens beyond ``num_computed_tokens`` the store can supply (one KV.MATCH), and False:
-        the load completes within the step (no asynchronous load)."""
+        the load completes within the step (no asynchronous load). Changes no state; a store that does
+        not answer supplies nothing."""
         prompt = list(request.prompt_token_ids)
-        keys = self.hasher.keys(prompt)
-        hit = self.store.match_prefix(keys) * self.hasher.block_tokens if keys else 0
+        hit = matched_tokens(self.store, self.health, self.hasher.keys(prompt), self.hasher.block_tokens)
         if hit >= len(prompt):
             hit = len(prompt) - 1
-        self._planned[request.request_id] = RequestTransfer(request.request_id, keys)
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record the load the scheduler accepted: tokens after the locally computed ones."""
-        transfer = self._planned.get(request.request_id) or RequestTransfer(
-            request.request_id, self.hasher.keys(list(request.prompt_token_ids)))
+        transfer = RequestTransfer(request.request_id, self.hasher.keys(list(request.prompt_token_ids)))
         computed = getattr(request, "num_computed_tokens", 0)
         transfer.load_start, transfer.load_stop = computed, computed + num_external_tokens
         transfer.save_from_block = transfer.load_stop // self.hasher.block_tokens
@@ -155,9 +150,13 @@ class StoreKVConnector:
         return meta
 
     def request_finished(self, request: Any, block_ids: Any = None) -> tuple[bool, dict | None]:
-        """True while the request's saves are still in flight (its pages must wait for them)."""
+        """True while the request's saves are still in flight: its pages wait for them, and
+        `get_finished` names it once they are done."""
         with self._lock:
-            return self._saving.get(request.request_id, 0) > 0, None
+            if self._saver.saving(request.request_id):
+                self._deferred.add(request.request_id)
+                return True, None
+        return False, None
 
     # ------------------------------------------------------------ worker side
 
@@ -188,8 +187,6 @@ class StoreKVConnector:
             load = self._loads.get(transfer.request_id)
             if load is not None:
                 load.done.wait()
-                if load.error is not None:
-                    raise load.error
 
     def loaded_layer(self, request_id: str, layer_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The loaded prefix of one layer as ``(keys, values)``, each ``(1, heads, tokens, head_dim)``;
@@ -210,7 +207,7 @@ class StoreKVConnector:
     def load_complete(self, request_id: str) -> bool:
         """Whether the request's whole planned prefix was read (False: a block had disappeared)."""
         load = self._loads.get(request_id)
-        return load is not None and load.done.is_set() and not load.missing_blocks and load.error is None
+        return load is not None and load.done.is_set() and not load.missing_blocks
 
     def release_load(self, request_id: str) -> None:
         """Forget a load whose layers were taken; its buffer serves a later load once no read is left."""
@@ -227,26 +224,27 @@ class StoreKVConnector:
         blocks = range(transfer.save_from_block, full_blocks)
         if not blocks:
             return
-        layer = self._index(layer_name)
-        with self._lock:
-            self._saving[transfer.request_id] = self._saving.get(transfer.request_id, 0) + 1
-            if layer == 0:
-                self._opened.setdefault(transfer.request_id, threading.Event())
-        self._saves.put((transfer, layer, keys, values, blocks))
+        bt = self.layout.block_tokens
+
+        def slot(i: int) -> np.ndarray:         # built on the saver's thread: the forward goes on
+            b = blocks[i]
+            return torch.stack([keys[0, :, b * bt:(b + 1) * bt], values[0, :, b * bt:(b + 1) * bt]]).numpy()
+        parents = [transfer.keys[b - 1] if b else None for b in blocks]
+        self._saver.submit(SaveJob(transfer.request_id, self._index(layer_name), self.layout.n_layers,
+                                   transfer.keys[blocks.start:blocks.stop], parents, slot))
 
     def wait_for_blocks_opened(self, request_id: str, timeout: float | None = None) -> bool:
         """Block until every new block of the request exists in the store (its first layer is in),
         so a reader that finds nothing knows the block is really absent."""
-        event = self._opened.get(request_id)
-        return True if event is None else event.wait(timeout)
+        return self._saver.wait_opened(request_id, timeout)
 
     def wait_for_save(self) -> None:
         """Block until every queued put has been answered."""
-        with self._lock:
-            self._lock.wait_for(lambda: not any(self._saving.values()))
+        self._saver.wait_idle()
 
     def get_finished(self, finished_req_ids: Sequence[str] = ()) -> tuple[set[str], set[str]]:
-        """(requests whose saves completed since the last call, requests whose async loads completed)."""
+        """(requests deferred by `request_finished` whose saves completed since the last call, and
+        requests whose asynchronous loads completed: none, loads finish within the step)."""
         with self._lock:
             done, self._finished_saving = self._finished_saving, set()
         return done, set()
@@ -271,56 +269,18 @@ class StoreKVConnector:
         return requests[0]
 
     def _read(self, load: _Load) -> None:
-        layout = self.layout
+        keys = [load.transfer.keys[b] for b in load.blocks]
         try:
-            for i, block in enumerate(load.blocks):
-                got = self.store.get_layers(load.transfer.keys[block], 0, layout.n_layers,
-                                            into=load.buffer[i], wait=LOAD_WAIT_S)
-                if got is None:
-                    load.missing_blocks += 1
-                    break
-        except KVError as exc:
-            if isinstance(exc, ResponseError):      # abandoned or timed-out block: recompute
-                load.missing_blocks += 1
-            else:
-                load.error = exc
+            got = read_blocks(self.store, self.health, keys, self.layout.n_layers, load.buffer, LOAD_WAIT_S)
+            load.missing_blocks = len(keys) - got
         finally:
             load.done.set()
 
-    def _save_loop(self) -> None:
-        while True:
-            transfer, layer, keys, values, blocks = self._saves.get()
-            try:
-                self._put_blocks(transfer, layer, keys, values, blocks)
-            except KVError as exc:
-                log.warning("saving layer %d of %s failed: %s", layer, transfer.request_id, exc)
-            finally:
-                self._save_done(transfer.request_id, layer)
-
-    def _put_blocks(self, transfer: RequestTransfer, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                    blocks: range) -> None:
-        bt = self.layout.block_tokens
-        for b in blocks:
-            slot = torch.stack([keys[0, :, b * bt:(b + 1) * bt], values[0, :, b * bt:(b + 1) * bt]]).contiguous()
-            parent = transfer.keys[b - 1] if b else None
-            try:
-                self.store.put_layer(transfer.keys[b], layer, slot.numpy(), n_layers=self.layout.n_layers,
-                                     parent=parent)
-            except ResponseError as exc:
-                # Another writer holds this block (the same prefix computed twice at once): theirs wins.
-                log.debug("block %s layer %d: %s", transfer.keys[b], layer, exc)
-
-    def _save_done(self, request_id: str, layer: int) -> None:
+    def _saves_done(self, request_id: str) -> None:
         with self._lock:
-            if layer == 0 and request_id in self._opened:
-                self._opened.pop(request_id).set()
-            left = self._saving.get(request_id, 1) - 1
-            if left:
-                self._saving[request_id] = left
-            else:
-                self._saving.pop(request_id, None)
+            if request_id in self._deferred:
+                self._deferred.discard(request_id)
                 self._finished_saving.add(request_id)
-            self._lock.notify_all()
 
 
 def _vllm_base() -> type | None:
@@ -331,22 +291,5 @@ def _vllm_base() -> type | None:
     return KVConnectorBase_V1
 
 
-_VllmBase = _vllm_base()
-
-if _VllmBase is not None:
-    class VllmStoreConnector(StoreKVConnector, _VllmBase):
-        """The connector as vLLM instantiates it: the store address and model namespace come from
-        ``kv_connector_extra_config`` (store_host, store_port, store_unix_socket, namespace, block_tokens)."""
-
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
-            _VllmBase.__init__(self, vllm_config, role)
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-            model = vllm_config.model_config
-            block_tokens = int(extra.get("block_tokens", vllm_config.cache_config.block_size))
-            layout = KVLayout(model.get_num_layers(vllm_config.parallel_config),
-                              model.get_num_kv_heads(vllm_config.parallel_config), model.get_head_size(),
-                              block_tokens, model.dtype)
-            store = KVClient(extra.get("store_host", "127.0.0.1"), int(extra.get("store_port", 6380)),
-                             unix_socket=extra.get("store_unix_socket"))
-            StoreKVConnector.__init__(self, store, BlockHasher(extra.get("namespace", model.model), block_tokens),
-                                      layout, str(role))
+if _vllm_base() is not None:
+    from client.connectors.vllm_paged import PagedStoreMetadata, VllmStoreConnector  # noqa: E402,F401
