@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 
 import grpc
 import pytest
@@ -16,7 +15,8 @@ from conftest import free_port, start_kvstore
 from llm_procs import LlmUp, get, post
 from proto import grpc_codegen
 from workers.catalog import TINY, TINY_CONTEXT, ByteTokenizer
-from workers.gateway import Router, make_server
+from workers.gateway import Router
+from workers.http_app import GatewayServer
 from workers.metrics import GatewayMetrics
 from workers.model import load_model, reference_generate
 
@@ -115,10 +115,9 @@ def bare_conductor(tmp_path, request):
     for name, role in (("p", cpb.PREFILL), ("p2", cpb.PREFILL), ("d", cpb.DECODE)):
         stub.RegisterInstance(cpb.InstanceInfo(instance_id=name, role=role, address=f"127.0.0.1:{free_port()}"))
     router = Router(f"127.0.0.1:{port}", TINY, ByteTokenizer(), TINY_CONTEXT, None, GatewayMetrics())
-    server = make_server(router, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    server = GatewayServer(router, "127.0.0.1", 0).start()
+    yield server.url
+    server.stop()
     proc.send_signal(signal.SIGTERM)
     proc.wait(10)
     store.stop()
@@ -127,9 +126,12 @@ def bare_conductor(tmp_path, request):
 @pytest.mark.parametrize("bare_conductor", [["--rejection", "baseline", "--ttft-slo", "0.000000001"]],
                          indirect=True)
 def test_a_rejected_request_gets_429_with_the_reason(bare_conductor):
-    status, reply = post(bare_conductor, {"prompt": "hello", "max_tokens": 4})
-    assert status == 429
-    assert "SLO" in json.loads(reply)["error"]["message"]
+    for path, body in (("/v1/completions", {"prompt": "hello", "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                                                 "stream": True})):
+        status, reply = post(bare_conductor, body, path)
+        assert status == 429
+        assert "SLO" in json.loads(reply)["error"]["message"]
 
 
 @pytest.mark.parametrize("bare_conductor", [["--rejection", "none"]], indirect=True)
@@ -137,3 +139,53 @@ def test_an_unreachable_worker_gets_503_not_a_hang_and_the_retry_goes_elsewhere(
     status, reply = post(bare_conductor, {"prompt": "hello", "max_tokens": 4})
     assert status == 503
     assert "prefill worker p2:" in json.loads(reply)["error"]["message"]      # p was tried first, then p2
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "t"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}]},
+     "messages[1].tool_calls"),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ({"messages": CHAT, "max_completion_tokens": "many"}, "max_completion_tokens"),
+    ({"messages": CHAT, "temperature": 1}, "temperature"),
+    ({"messages": CHAT, "n": 2}, "n"),
+    ({"messages": CHAT, "stop": ["\n"]}, "stop"),
+    ({"messages": CHAT, "stream": "yes"}, "stream"),
+    ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"messages": CHAT, "model": "gpt-4"}, "model"),
+    ({"messages": [{"role": "user", "content": "x" * TINY_CONTEXT}]}, "messages"),
+])
+def test_bad_chat_requests_get_400_with_an_openai_error(deployment, body, param):
+    status, reply = post(deployment["gateway"], body, "/v1/chat/completions")
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert error["message"] and error["param"] == param and error["code"] == 400
+
+
+def test_a_tiny_chat_is_its_chatml_prompt_greedily_continued(deployment):
+    tiny = load_model(TINY)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    status, body = post(deployment["gateway"], {"messages": messages, "max_tokens": 6, "return_token_ids": True},
+                        "/v1/chat/completions")
+    assert status == 200, body
+    reply = json.loads(body)
+    assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["role"] == "assistant"
+    prompt = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert reply["choices"][0]["token_ids"] == reference_generate(tiny, list(prompt.encode()), 6)
+    assert reply["usage"]["prompt_tokens"] == len(prompt.encode())

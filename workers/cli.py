@@ -137,7 +137,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def gateway_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvstore gateway", description="Serve OpenAI's /v1/completions through the conductor.")
+    p = _Parser(prog="kvstore gateway",
+                description="Serve OpenAI's /v1/completions and /v1/chat/completions through the conductor.")
     p.add_argument("--conductor", required=True, metavar="HOST:PORT")
     p.add_argument("--model", choices=MODELS, default=SMOLLM2, help="the model the workers serve")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -147,7 +148,8 @@ def gateway_parser() -> argparse.ArgumentParser:
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
-    from workers.gateway import Router, make_server
+    from workers.gateway import Router
+    from workers.http_app import GatewayServer
     from workers.metrics import GatewayMetrics
     from workers.catalog import load_tokenizer
 
@@ -156,13 +158,13 @@ def _run_gateway(args: argparse.Namespace) -> int:
     router = Router(args.conductor, args.model, tokenizer, context, getattr(tokenizer, "eos_token_id", None),
                     GatewayMetrics())
     try:
-        server = make_server(router, args.host, args.port)
+        server = GatewayServer(router, args.host, args.port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    print(json.dumps({"gateway": f"http://{args.host}:{server.server_address[1]}", "model": args.model}), flush=True)
+    server.start()
+    print(json.dumps({"gateway": server.url, "model": args.model}), flush=True)
     _wait_for_signal()
-    server.shutdown()
+    server.stop()
     return 0
 
 

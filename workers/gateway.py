@@ -1,31 +1,28 @@
-"""The OpenAI-compatible HTTP gateway: one request = a conductor decision, a prefill, a decode stream.
+"""The OpenAI-compatible gateway's core: one request = a conductor decision, a prefill, a decode stream.
 
-For `POST /v1/completions` the gateway tokenizes the prompt, asks the conductor
-where to run it (`Schedule`: a prefill and a decode instance, and how many
-prefix tokens to reuse from the store), calls the prefill worker, sends the
-first token at once (that is the TTFT), then relays the decode worker's stream.
-A conductor rejection is HTTP 429 with its reason; no instance, or a worker
-that cannot be reached before the first token, is 503 after one more
-`Schedule` (a prefill instance that cannot be reached is reported to the
-conductor as unreachable first, so the retry and later requests go elsewhere
-until that instance reports its own load again); a decode worker lost is
-reported the same way, and its request ends with 503 or, streaming, an error
-event. Every call carries a deadline, so nothing waits
+For `POST /v1/completions` and `/v1/chat/completions` (a chat's messages
+rendered through the model's chat template) the gateway tokenizes the prompt,
+asks the conductor where to run it (`Schedule`: a prefill and a decode
+instance, and how many prefix tokens to reuse from the store), calls the
+prefill worker, sends the first token at once (that is the TTFT), then relays
+the decode worker's stream. A conductor rejection is HTTP 429 with its reason;
+no instance, or a worker that cannot be reached before the first token, is 503
+after one more `Schedule` (a prefill instance that cannot be reached is
+reported to the conductor as unreachable first, so the retry and later
+requests go elsewhere until that instance reports its own load again); a
+decode worker lost is reported the same way, and its request ends with 503 or,
+streaming, an error event. Every call carries a deadline, so nothing waits
 forever on a dead process.
 
-`GET /v1/models`, `/health` and Prometheus `/metrics` (TTFT and TBT histograms,
-prefix tokens reused) complete the surface. The server is the standard
-library's threaded HTTP server: one thread per connection, bodies capped at
-`MAX_BODY_BYTES`, a client silent for `CLIENT_TIMEOUT_S` dropped.
+This module is the blocking part (`Router`, `complete`, `stream`), free of
+HTTP; `workers.http_app` serves it over FastAPI and uvicorn.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 import grpc
@@ -39,8 +36,6 @@ pb, pb_grpc = grpc_codegen.load("worker")
 cpb, cpb_grpc = grpc_codegen.load("conductor")
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 8 << 20
-CLIENT_TIMEOUT_S = 60.0
 SCHEDULE_TIMEOUT_S = 10.0
 PREFILL_TIMEOUT_S = 300.0
 DECODE_TIMEOUT_S = 900.0
@@ -73,14 +68,43 @@ class Router:
         self._lock = threading.Lock()
 
     def prompt_ids(self, req: api.CompletionRequest) -> list[int]:
-        ids = req.prompt_ids if req.prompt_ids is not None else encode(self.tokenizer, req.prompt_text)
+        """The prompt's token ids (a chat's rendered through the chat template); a chat without max_tokens
+        gets the rest of the context as its max_tokens."""
+        if req.chat:
+            ids = self.chat_ids(req.messages)
+        else:
+            ids = req.prompt_ids if req.prompt_ids is not None else encode(self.tokenizer, req.prompt_text)
         if not ids:
             raise api.ApiError(400, "the prompt has no tokens", "prompt")
+        if req.max_tokens is None:
+            req.max_tokens = self.context_tokens - len(ids)
+            if req.max_tokens <= 0:
+                raise api.ApiError(400, f"the messages ({len(ids)} tokens) fill the model's context of "
+                                   f"{self.context_tokens} tokens", "messages", "context_length_exceeded")
         if len(ids) + req.max_tokens > self.context_tokens:
             raise api.ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                                f"model's context of {self.context_tokens} tokens", "max_tokens",
                                "context_length_exceeded")
         return ids
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The messages through the tokenizer's chat template with the assistant's turn opened; a tokenizer
+        without one (the tiny model's bytes) gets ChatML, the format of SmolLM2's template."""
+        if getattr(self.tokenizer, "chat_template", None):
+            try:
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False))
+            except Exception as exc:        # jinja2's TemplateError: a template may refuse an order of roles
+                raise api.ApiError(400, f"the chat template refused the messages: {exc}", "messages") from None
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return encode(self.tokenizer, text + "<|im_start|>assistant\n")
+
+    def account(self, served: Served, completion_tokens: int) -> None:
+        m = self.metrics
+        m.count_request(200)
+        m.add("prompt_tokens", served.prompt_tokens)
+        m.add("completion_tokens", completion_tokens)
+        m.add("prefix_tokens_reused", served.reused_tokens)
 
     def text(self, tokens: list[int]) -> str:
         if isinstance(self.tokenizer, ByteTokenizer):
@@ -184,112 +208,6 @@ class IncrementalText:
         return piece
 
 
-class GatewayHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = CLIENT_TIMEOUT_S          # a client that stalls mid-request is dropped, not waited on forever
-    router: Router                      # set on the subclass the server is built with
-
-    def log_message(self, fmt: str, *args: Any) -> None:
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._json(200, {"status": "ok"})
-        elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.router.model, "object": "model",
-                                                         "owned_by": "kvstore"}]})
-        elif self.path == "/metrics":
-            self._send(200, self.router.metrics.render().encode(), "text/plain; version=0.0.4")
-        else:
-            self._error(api.ApiError(404, f"no route for GET {self.path}", kind="not_found"))
-
-    def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._error(api.ApiError(404, f"no route for POST {self.path}", kind="not_found"))
-            return
-        try:
-            req = api.parse_completion(self._body(), self.router.model)
-            ids = self.router.prompt_ids(req)
-            (self._stream if req.stream else self._complete)(req, ids)
-        except api.ApiError as exc:
-            self._error(exc)
-
-    def _body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise api.ApiError(400, "a JSON body with a Content-Length is required")
-        if int(length) > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise api.ApiError(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
-        return self.rfile.read(int(length))
-
-    def _complete(self, req: api.CompletionRequest, ids: list[int]) -> None:
-        served = Served(len(ids))
-        tokens, finish = [], None
-        timer = _Timer(self.router.metrics)
-        try:
-            for token, finish in self.router.generate(req, ids, served):
-                timer.tick()
-                tokens.append(token)
-        except StreamBroken as exc:
-            raise api.ApiError(503, str(exc), kind="service_unavailable") from None
-        self._account(served, len(tokens))
-        self._json(200, api.completion_body(req, self.router.model, self.router.text(tokens), tokens, finish,
-                                            len(ids)))
-
-    def _stream(self, req: api.CompletionRequest, ids: list[int]) -> None:
-        served = Served(len(ids))
-        events = self.router.generate(req, ids, served)
-        timer = _Timer(self.router.metrics)
-        first = next(events)            # an ApiError here is still a proper HTTP error reply
-        timer.tick()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        text, count = IncrementalText(self.router), 0
-        try:
-            for i, (token, finish) in enumerate(_chain(first, events)):
-                if i:
-                    timer.tick()
-                count += 1
-                piece = text.add(token) + (text.rest() if finish is not None else "")
-                usage = api.usage(len(ids), count) if finish is not None else None
-                self.wfile.write(api.chunk(req, self.router.model, piece, token, finish, usage))
-                self.wfile.flush()
-        except StreamBroken as exc:
-            self.wfile.write(b"data: " + json.dumps(api.ApiError(503, str(exc)).body()).encode() + b"\n\n")
-        except (BrokenPipeError, ConnectionResetError):
-            events.close()
-            return
-        self.wfile.write(api.DONE)
-        self.wfile.flush()
-        self._account(served, count)
-
-    def _account(self, served: Served, completion_tokens: int) -> None:
-        m = self.router.metrics
-        m.count_request(200)
-        m.add("prompt_tokens", served.prompt_tokens)
-        m.add("completion_tokens", completion_tokens)
-        m.add("prefix_tokens_reused", served.reused_tokens)
-
-    def _error(self, exc: api.ApiError) -> None:
-        self.router.metrics.count_request(exc.status)
-        self._json(exc.status, exc.body())
-
-    def _json(self, status: int, body: dict) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json")
-
-    def _send(self, status: int, data: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
 def _chain(first, rest: Iterator) -> Iterator:
     yield first
     yield from rest
@@ -310,8 +228,49 @@ class _Timer:
         self.last = now
 
 
-def make_server(router: Router, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("Handler", (GatewayHandler,), {"router": router})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+def complete(router: Router, req: api.CompletionRequest) -> dict:
+    """A whole reply (blocking); ApiError for anything the client gets as an error."""
+    ids = router.prompt_ids(req)
+    served = Served(len(ids))
+    tokens, finish = [], None
+    timer = _Timer(router.metrics)
+    try:
+        for token, finish in router.generate(req, ids, served):
+            timer.tick()
+            tokens.append(token)
+    except StreamBroken as exc:
+        raise api.ApiError(503, str(exc), kind="service_unavailable") from None
+    router.account(served, len(tokens))
+    return api.completion_body(req, router.model, router.text(tokens), tokens, finish, len(ids))
+
+
+def stream(router: Router, req: api.CompletionRequest) -> Iterator[bytes]:
+    """A streamed reply's server-sent events (blocking). Until the first token every failure is an
+    ApiError raised before the first event; a worker lost later is an error event, then `[DONE]`."""
+    ids = router.prompt_ids(req)
+    served = Served(len(ids))
+    events = router.generate(req, ids, served)
+    timer = _Timer(router.metrics)
+    try:
+        first = next(events)
+        timer.tick()
+        if req.chat:
+            yield api.chunk(req, router.model, "", None, None, role=True)
+        text, count, finish = IncrementalText(router), 0, None
+        try:
+            for i, (token, finish) in enumerate(_chain(first, events)):
+                if i:
+                    timer.tick()
+                count += 1
+                piece = text.add(token) + (text.rest() if finish is not None else "")
+                usage = api.usage(len(ids), count) if finish is not None else None
+                yield api.chunk(req, router.model, piece, token, finish, usage)
+        except StreamBroken as exc:
+            yield api.event(api.ApiError(503, str(exc), kind="service_unavailable").body())
+        else:
+            if req.include_usage:
+                yield api.usage_chunk(req, router.model, api.usage(len(ids), count))
+        yield api.DONE
+        router.account(served, count)
+    finally:
+        events.close()
