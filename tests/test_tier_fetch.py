@@ -19,7 +19,7 @@ import pytest
 
 from kvstore.store.engine import Engine
 from kvstore.store.slots import DRAM
-from kvstore.tiers import manager
+from kvstore.tiers import manager as tiering
 from kvstore.tiers.manager import TieringConfig, TierManager
 from kvstore.tiers.ssd import SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker
