@@ -161,6 +161,8 @@ class HiCacheStore(_Base):
     def __init__(self, storage_config: Any = None, kwargs: dict | None = None, *,
                  client: KVClient | None = None):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
+        if getattr(storage_config, "should_split_heads", False):
+            raise ValueError("HiCacheStore: pages split by heads across TP sizes (tp_lcm_size) are not supported")
         self.storage_config = storage_config
         self.key_prefix = str(extra.get("key_prefix", DEFAULT_KEY_PREFIX))
         self.namespace = config_namespace(storage_config)
