@@ -4,6 +4,7 @@ The workers' tests drive the same class with a real LLaMA end to end."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import numpy as np
 import pytest
@@ -113,8 +114,31 @@ def test_a_finished_request_waits_for_its_saves(connector):
         connector.save_kv_layer(name, layer_kv(16, layer), None)
     assert connector.wait_for_blocks_opened("s", timeout=10)
     connector.wait_for_save()
-    assert connector.request_finished(request) == (False, None)
-    assert connector.get_finished(["s"]) == ({"s"}, set())
+    assert connector.request_finished(request) == (False, None)     # saves done: freed at once
+    assert connector.get_finished(["s"]) == (set(), set())          # so never reported
+
+
+def test_a_request_finished_while_saving_is_reported_once_its_saves_are_done(connector):
+    request = EngineRequest("d", list(range(400, 416)))
+    connector.update_state_after_alloc(request, None, 0)
+    connector.bind_connector_metadata(connector.build_connector_meta())
+    release = threading.Event()
+    original = connector.store.put_layer
+
+    def slow_put(*args, **kwargs):
+        release.wait(10)
+        return original(*args, **kwargs)
+    connector.store.put_layer = slow_put
+    try:
+        for layer, name in enumerate(NAMES):
+            connector.save_kv_layer(name, layer_kv(16, layer), None)
+        assert connector.request_finished(request) == (True, None)  # its pages wait for the puts
+        assert connector.get_finished(["d"]) == (set(), set())
+        release.set()
+        connector.wait_for_save()
+    finally:
+        connector.store.put_layer = original
+    assert connector.get_finished([]) == ({"d"}, set())
     assert connector.get_finished([]) == (set(), set())
 
 
