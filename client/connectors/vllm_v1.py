@@ -14,26 +14,26 @@ vLLM splits a connector in two halves that live in different processes:
   (`wait_for_layer_load`), and saves each layer of each new full block as soon
   as the layer has run (`save_kv_layer` queues the puts; a background thread
   sends them, so storing overlaps the next layers' compute); `wait_for_save`
-  and `get_finished` say when the puts are done.
+  says when the puts are done, and `get_finished` names the finished requests
+  whose free `request_finished` deferred while their puts were in flight.
 
 A block is stored as one value of `n_layers` equal slots (`put_layer`), each
 slot the layer's keys and values for the block's tokens, shaped
 `(2, kv_heads, block_tokens, head_dim)`. A reader sees a block only once every
 layer is in, or waits for the rest (`get_layers(..., wait=)`).
 
-KV layout. vLLM's paged layout scatters a request's tokens over pages; a
-transformers `DynamicCache` holds each layer as one contiguous
-`(batch, heads, tokens, head_dim)` tensor grown by concatenation. This class
-speaks the contiguous layout: `save_kv_layer` takes the layer's `(keys,
-values)` for the request, and a finished load is handed back by `loaded_layer`
-as `(keys, values)` to place in the cache. A paged engine swaps those two
-conversions for its slot mapping; the store traffic is the same.
+KV layout. This class speaks the transformers layout: a `DynamicCache` holds
+each layer as one contiguous `(batch, heads, tokens, head_dim)` tensor;
+`save_kv_layer` takes the layer's `(keys, values)` for the request, and a
+finished load is handed back by `loaded_layer` as `(keys, values)` to place in
+the cache. The project's prefill and decode workers move KV through it.
 
-When vLLM is importable, `VllmStoreConnector` subclasses its
-`KVConnectorBase_V1` and reads the store address from
-`kv_transfer_config.kv_connector_extra_config`, so vLLM loads it with
+vLLM's own paged layout is `vllm_paged.VllmStoreConnector` (a subclass of vLLM
+0.34's `KVConnectorBase_V1`, built by vLLM's factory), exported here when vLLM
+is importable, so vLLM loads it with
 `kv_connector_module_path="client.connectors.vllm_v1"` and
-`kv_connector="VllmStoreConnector"`.
+`kv_connector="VllmStoreConnector"`. Both put and read blocks through the same
+pieces (`vllm_store_io`: the saver thread, block reads, the store's health).
 """
 from __future__ import annotations
 
