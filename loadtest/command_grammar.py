@@ -1,7 +1,7 @@
 """Requests for every command in the command table, as hypothesis strategies.
 
 The grammar knows each command's name, arity, subcommands and key positions
-(from `kvstore.commands.table`, the same table dispatch uses), so most
+(`kvstore.commands.families.build_table`, the table a node dispatches with), so most
 requests get the right shape and reach the handlers; one in six gets a wrong
 argument count. Arguments are drawn from what breaks parsers: boundary
 integers (0, -1, 2^31, 2^63, beyond 64 bits, "01", "-0", "1.5"), the option
@@ -25,9 +25,11 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-import kvstore.commands  # noqa: F401  (fills the command table)
-from kvstore.commands.table import Command, all_commands, lookup
+from kvstore.commands.families import build_table
+from kvstore.commands.table import Command
 from proto import fastpath as fp
+
+COMMANDS = build_table()
 
 INTEGERS = [0, 1, -1, 2, 3, 5, 16, 100, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, -2**63, -2**63 - 1, 10**30]
 NOT_INTEGERS = [b"", b"01", b"-0", b"+1", b" 1", b"1.5", b"abc", b"0x10", b"9" * 40]
@@ -106,13 +108,13 @@ def argument_count(arity: int, right_only: bool = False) -> st.SearchStrategy[in
 @cache
 def entries() -> list[tuple[Command, str | None]]:
     """Every command of the table, and every subcommand of a container, as (command, subcommand)."""
-    return [(cmd, sub) for cmd in sorted(all_commands(), key=lambda c: c.name)
+    return [(cmd, sub) for cmd in sorted(COMMANDS.all_commands(), key=lambda c: c.name)
             for sub in ([None] if not cmd.subcommands else sorted(cmd.subcommands))]
 
 
 def entry_name(args: list[bytes]) -> str:
     """``name`` or ``container|sub`` of a drawn request, as `entries` names it."""
-    cmd = lookup(args[0])
+    cmd = COMMANDS.lookup(args[0])
     if cmd is not None and cmd.subcommands and len(args) > 1:
         return f"{cmd.name}|{args[1].lower().decode(errors='replace')}"
     return args[0].lower().decode(errors="replace")
@@ -120,7 +122,7 @@ def entry_name(args: list[bytes]) -> str:
 
 @cache
 def _commands() -> st.SearchStrategy[tuple[Command, str | None]]:
-    return st.sampled_from(sorted(all_commands(), key=lambda c: c.name)).map(lambda cmd: (cmd, None))
+    return st.sampled_from(sorted(COMMANDS.all_commands(), key=lambda c: c.name)).map(lambda cmd: (cmd, None))
 
 
 def key_positions(cmd: Command, argc: int) -> set[int]:

@@ -89,6 +89,7 @@ class SimNode:
         self.config = Config(cluster_node_timeout=s.node_timeout, cluster_move_budget=s.move_budget,
                              hot_reads=s.hot_reads, hot_replicas=s.hot_replicas)
         self.engine = Engine(s.blocks_per_node * s.nic.value_bytes, prefault=False)
+        self.tiers = None                   # DRAM only
         membership = InMemoryMembership(sim.etcd, "sim", s.node_timeout, connect_timeout=30)
         self.cluster = ClusterState(node_id, addr, membership, move_budget=s.move_budget)
         self.cluster.add_listener(lambda old, new: sim.audit(self, new))

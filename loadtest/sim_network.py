@@ -22,9 +22,11 @@ import asyncio
 from dataclasses import dataclass
 
 from kvstore.cluster.peer import PeerError, PeerReplyError, read_reply
-from kvstore.commands import lookup
+from kvstore.commands.families import build_table
 from kvstore.commands.table import CommandError
 from kvstore.net.protocol import writer
+
+COMMANDS = build_table()
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class SimNetwork:
 
     def wire_bytes(self, args) -> int:
         """What ``args`` weigh on the wire, values counted as whole blocks."""
-        cmd = lookup(_as_bytes(args[0]))
+        cmd = COMMANDS.lookup(_as_bytes(args[0]))
         size = 0
         for i, arg in enumerate(args):
             if cmd is not None and cmd.value_args is not None and cmd.value_args(i):
@@ -97,7 +99,7 @@ class SimNetwork:
             raise PeerError(f"lost node {target}: connection reset")
         node = self.nodes[target]
         argv = [_as_bytes(arg) if not isinstance(arg, memoryview) else arg for arg in args]
-        cmd = lookup(argv[0])
+        cmd = COMMANDS.lookup(argv[0])
         try:
             reply = cmd.handler(_Conn(node, node.engine, sender), argv)
         except CommandError as e:

@@ -7,20 +7,23 @@ import hashlib
 
 import pytest
 
-import kvstore.commands  # noqa: F401  (fills the command table)
 from kvstore.admin import acl
-from kvstore.commands.table import CommandError, all_commands, lookup
+from kvstore.commands.families import build_table
+from kvstore.commands.table import CommandError
+
+COMMANDS = build_table()
+CATALOG = acl.Catalog.of(COMMANDS.all_commands())
 
 PW_HASH = hashlib.sha256(b"pw").hexdigest()
 
 
 def user(*rules: str) -> acl.User:
-    return acl.Users().setuser("u", list(rules))
+    return acl.Users(CATALOG).setuser("u", list(rules))
 
 
 def denial(u: acl.User, *request) -> acl.Denial | None:
     args = [a if isinstance(a, bytes) else str(a).encode() for a in request]
-    return acl.denial(u, lookup(args[0]), args)
+    return acl.denial(u, COMMANDS.lookup(args[0]), args)
 
 
 # ------------------------------------------------------------------ rules and their description
@@ -67,7 +70,7 @@ def test_a_pattern_after_allkeys_is_refused():
 
 
 def test_a_refused_rule_list_changes_nothing():
-    users = acl.Users()
+    users = acl.Users(CATALOG)
     alice = users.setuser("alice", ["on", ">pw", "~a:*", "+get"])
     before = alice.describe()
     with pytest.raises(acl.RuleError):
@@ -79,7 +82,7 @@ def test_a_refused_rule_list_changes_nothing():
 
 
 def test_passwords_and_disabled_users():
-    users = acl.Users()
+    users = acl.Users(CATALOG)
     users.setuser("alice", ["on", ">secret", "#" + PW_HASH])
     assert users.authenticate("alice", b"secret") is users.get("alice")
     assert users.authenticate("alice", b"pw") is users.get("alice")
@@ -95,7 +98,7 @@ def test_passwords_and_disabled_users():
 
 
 def test_requirepass_is_the_default_users_password():
-    users = acl.Users("sekrit")
+    users = acl.Users(CATALOG, "sekrit")
     assert users.describe() == [f"user default on #{hashlib.sha256(b'sekrit').hexdigest()} ~* &* +@all"]
     assert users.authenticate("default", b"sekrit") and not users.authenticate("default", b"x")
     users.use_requirepass(None)
@@ -104,7 +107,7 @@ def test_requirepass_is_the_default_users_password():
 
 
 def test_default_user_cannot_be_deleted_and_deleting_returns_the_users():
-    users = acl.Users()
+    users = acl.Users(CATALOG)
     alice = users.setuser("alice", ["on"])
     with pytest.raises(acl.AclError, match="The 'default' user cannot be removed"):
         users.delete(["alice", "default"])
@@ -115,8 +118,8 @@ def test_default_user_cannot_be_deleted_and_deleting_returns_the_users():
 # ------------------------------------------------------------------ categories
 
 def test_kvcache_category_holds_every_kv_command():
-    kv_names = {name for name in acl.catalog().names if name.startswith("kv.")}
-    assert kv_names and acl.catalog().by_category["kvcache"] == kv_names
+    kv_names = {name for name in CATALOG.names if name.startswith("kv.")}
+    assert kv_names and CATALOG.by_category["kvcache"] == kv_names
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -125,14 +128,14 @@ def test_kvcache_category_holds_every_kv_command():
     ("config", ["slow"]), ("kv.match", ["read", "fast", "kvcache"]), ("kv.put", ["write", "slow", "kvcache"]),
 ])
 def test_categories_follow_flags_group_and_redis_extras(name, expected):
-    assert acl.command_categories(lookup(name.encode())) == expected
+    assert acl.command_categories(COMMANDS.lookup(name.encode())) == expected
 
 
 def test_subcommands_carry_their_own_categories():
-    assert acl.command_categories(lookup(b"config"), "get") == ["admin", "slow", "dangerous"]
-    assert acl.command_categories(lookup(b"client"), "id") == ["slow", "connection"]
-    assert acl.command_categories(lookup(b"client"), "list") == ["admin", "slow", "dangerous", "connection"]
-    assert acl.command_categories(lookup(b"acl"), "whoami") == ["slow"]
+    assert acl.command_categories(COMMANDS.lookup(b"config"), "get") == ["admin", "slow", "dangerous"]
+    assert acl.command_categories(COMMANDS.lookup(b"client"), "id") == ["slow", "connection"]
+    assert acl.command_categories(COMMANDS.lookup(b"client"), "list") == ["admin", "slow", "dangerous", "connection"]
+    assert acl.command_categories(COMMANDS.lookup(b"acl"), "whoami") == ["slow"]
 
 
 def test_a_container_rule_covers_its_subcommands():
@@ -147,7 +150,7 @@ TENANT = ("on", "nopass", "~tenantA:*", "+@all")
 
 
 def test_unrestricted_user_skips_every_check():
-    default = acl.Users().default
+    default = acl.Users(CATALOG).default
     assert default.unrestricted
     assert denial(default, "FLUSHALL") is None and denial(default, "KV.ARENA") is None
     assert not user(*TENANT).unrestricted
@@ -197,7 +200,7 @@ def test_tenant_keys(request_, allowed):
 
 def test_a_write_that_names_no_keys_needs_every_key():
     """A command that writes without key positions cannot be checked key by key: refused."""
-    keyless_writes = [c.name for c in all_commands() if "write" in c.flags and c.first_key <= 0]
+    keyless_writes = [c.name for c in COMMANDS.all_commands() if "write" in c.flags and c.first_key <= 0]
     assert keyless_writes
     for name in keyless_writes:
         assert denial(user(*TENANT), name, "x", "y", "z") is not None, name
@@ -226,7 +229,7 @@ def test_patterns_match_as_redis_globs():
 
 def test_acl_file_round_trip_keeps_users_identity(tmp_path):
     path = str(tmp_path / "users.acl")
-    users = acl.Users()
+    users = acl.Users(CATALOG)
     alice = users.setuser("alice", ["on", ">pw", "~a:*", "+@kvcache"])
     users.setuser("bob", ["on", "nopass", "~b:*", "+get"])
     users.save(path)
@@ -242,7 +245,7 @@ def test_acl_file_round_trip_keeps_users_identity(tmp_path):
 def test_acl_file_without_default_keeps_requirepass(tmp_path):
     path = tmp_path / "users.acl"
     path.write_text("user alice on nopass ~* +@all\n")
-    users = acl.Users("sekrit")
+    users = acl.Users(CATALOG, "sekrit")
     users.load(str(path))
     assert not users.default.nopass and users.authenticate("default", b"sekrit")
 
@@ -251,7 +254,7 @@ def test_acl_file_errors_are_all_listed_and_nothing_changes(tmp_path):
     path = tmp_path / "users.acl"
     path.write_text('user alice on >pw ~a:* +@all bogus\nuser bob +nosuch\n\n# a comment\n'
                     'user alice on\nuser "un closed\nuser "a b" on\n')
-    users = acl.Users()
+    users = acl.Users(CATALOG)
     with pytest.raises(acl.AclFileError) as refused:
         users.load(str(path))
     p = str(path)
@@ -267,7 +270,7 @@ def test_acl_file_errors_are_all_listed_and_nothing_changes(tmp_path):
 def test_missing_acl_file(tmp_path):
     path = str(tmp_path / "none.acl")
     with pytest.raises(acl.AclFileError, match=f"Error loading ACLs, opening file '{path}': No such file"):
-        acl.Users().load(path)
+        acl.Users(CATALOG).load(path)
 
 
 def test_genpass_lengths():

@@ -20,9 +20,12 @@ import pytest
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.routing import redirect
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
-from kvstore.commands import CommandError, lookup
+from kvstore.commands.families import build_table
+from kvstore.commands.table import CommandError
 from kvstore.net.protocol import writer
 from tests.conftest import Daemon, free_port, wait_ready
+
+COMMANDS = build_table()
 
 A, B = "a" * 40, "b" * 40
 
@@ -116,7 +119,7 @@ def mirror(first, second, ids, me: int) -> ClusterState:
 def run(cluster, *args: bytes, protocol: int = 2) -> bytes:
     """One command through the table's checks and handler, as dispatch runs it."""
     conn = SimpleNamespace(server=SimpleNamespace(cluster=cluster), enc=writer.Encoder(protocol))
-    cmd = lookup(args[0])
+    cmd = COMMANDS.lookup(args[0])
     try:
         if not cmd.arity_ok(len(args)):
             raise CommandError(f"wrong number of arguments for '{cmd.name}' command")
@@ -215,7 +218,7 @@ def test_connection_flags_are_set_on_the_connection():
     conn = SimpleNamespace(server=SimpleNamespace(cluster=ClusterState(A, "127.0.0.1:7001")), enc=writer.Encoder(2))
     for name, attr, value in [(b"READONLY", "readonly", True), (b"READWRITE", "readonly", False),
                               (b"ASKING", "asking", True)]:
-        assert lookup(name).handler(conn, [name]) == writer.OK
+        assert COMMANDS.lookup(name).handler(conn, [name]) == writer.OK
         assert getattr(conn, attr) is value
 
 

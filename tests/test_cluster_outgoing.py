@@ -36,11 +36,11 @@ from tests.test_tier_moves import FakeGPU, until
 MIB, GIB = 1 << 20, 1 << 30
 
 
-def migrator(engine: Engine, heat=None) -> tuple[ClusterState, Migrator, ImportLinks]:
+def migrator(engine: Engine, tiers: TierManager, heat=None) -> tuple[ClusterState, Migrator, ImportLinks]:
     cluster = ClusterState(A, ADDRS[A])
     cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
     links = ImportLinks()
-    moves = Migrator(engine, cluster, links, lambda: SimpleNamespace(cluster_move_budget=5.0), lambda: heat or {})
+    moves = Migrator(engine, cluster, links, lambda: SimpleNamespace(cluster_move_budget=5.0), lambda: heat or {}, tiers)
     moves.attach()
     return cluster, moves, links
 
@@ -73,7 +73,7 @@ def test_values_on_ssd_move_with_the_others_read_on_the_tiers_threads(ssd_node):
     tier.get_many_into = lambda *args: reads_on.append(threading.current_thread().name) or read_many(*args)
 
     async def scenario():
-        cluster, moves, links = migrator(engine, heat={on_ssd[3]: 5, in_dram[1]: 2})
+        cluster, moves, links = migrator(engine, tiers, heat={on_ssd[3]: 5, in_dram[1]: 2})
         step_to(cluster, B)
         await until(lambda: moves.stats.moves == 1)
         return moves, links
@@ -97,7 +97,7 @@ def test_a_value_that_fails_verification_is_dropped_and_counted(ssd_node):
     tier._values[b"b"] = bytes(SIZE)                # a payload its header's checksum does not match
 
     async def scenario():
-        cluster, moves, links = migrator(engine)
+        cluster, moves, links = migrator(engine, tiers)
         step_to(cluster, B)
         await until(lambda: moves.stats.moves == 1)
         return moves, links
@@ -112,7 +112,7 @@ def test_a_value_read_for_a_move_that_stopped_stays(ssd_node):
     store_on_ssd(engine, tier, [b"k"])
 
     async def scenario():
-        cluster, moves, links = migrator(engine)
+        cluster, moves, links = migrator(engine, tiers)
         started = asyncio.Event()
         fetch = tiers.fetch
 
@@ -141,7 +141,7 @@ def test_a_value_demoted_while_its_group_is_read_is_counted_as_dropped(ssd_node)
     engine.moves.mark_on_ssd(engine.lookup(b"warm"))
 
     async def scenario():
-        cluster, moves, links = migrator(engine)
+        cluster, moves, links = migrator(engine, tiers)
         fetch = tiers.fetch
 
         async def demoting_fetch(items):
@@ -167,20 +167,20 @@ def check_values_on_gpu_move(gpu) -> None:
     """Three values on ``gpu`` and one in DRAM move, byte for byte, and leave nothing behind."""
     engine, tiers = gpu_node(gpu)
     keys = [b"gpu-%d" % i for i in range(3)]
-    moves, links = move_values_on_gpu(engine, keys)
+    moves, links = move_values_on_gpu(engine, tiers, keys)
     assert sent_values(links) == {key: value_of(key) for key in keys + [b"in-dram"]}
     assert engine.index == {} and gpu.used_bytes == 0 and moves.stats.dropped_keys == 0
     tiers.close()
 
 
-def move_values_on_gpu(engine: Engine, keys: list[bytes]) -> tuple[Migrator, ImportLinks]:
+def move_values_on_gpu(engine: Engine, tiers: TierManager, keys: list[bytes]) -> tuple[Migrator, ImportLinks]:
     async def scenario():
         for key in keys:
             engine.put(key, value_of(key))
             engine.get_slot(key)                                            # promote-hits 1: up it goes
             await until(lambda: engine.tier_code(engine.lookup(key)) == GPU)
         engine.put(b"in-dram", value_of(b"in-dram"))
-        cluster, moves, links = migrator(engine)
+        cluster, moves, links = migrator(engine, tiers)
         step_to(cluster, B)
         await until(lambda: moves.stats.moves == 1)
         return moves, links

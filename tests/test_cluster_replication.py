@@ -22,7 +22,7 @@ from kvstore.cluster.peer import PeerError
 from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY, HotCopies, lease_seconds, rendezvous
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
-from kvstore.commands import CommandError
+from kvstore.commands.table import CommandError
 from kvstore.commands.cluster_data import _from_a_node
 from kvstore.store.engine import Engine
 from tests.cluster_client import connect

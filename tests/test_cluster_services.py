@@ -23,7 +23,7 @@ def test_a_tick_step_that_raises_is_logged_and_the_loop_keeps_ticking(caplog):
         net = SimNetwork(NicModel(nic_bytes_per_s=1e9, latency_s=0.0))
         cluster = ClusterState(A, ADDRS[A])
         cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
-        server = SimpleNamespace(cluster=cluster, engine=Engine(1 << 20, prefault=False), config=Config())
+        server = SimpleNamespace(cluster=cluster, engine=Engine(1 << 20, prefault=False), tiers=None, config=Config())
         services = ClusterServices(server, cluster, net.peers_of(ADDRS[A]))
         real_run_once, runs, expiries = services.copies.run_once, [], []
 

@@ -16,7 +16,9 @@ import pytest
 
 from loadtest.command_grammar import entries
 from loadtest.fuzz_commands import BadReply, Incomplete, Session, fuzz, reply_end
-from kvstore.commands.table import all_commands
+from kvstore.commands.families import build_table
+
+TABLE = build_table()
 
 COMMANDS = 10_000
 SECONDS = 15                    # at most, after the sweep of every command: a loaded machine sends fewer
@@ -49,8 +51,8 @@ def test_checker_waits_for_a_whole_reply():
 
 def test_entries_are_every_command_and_subcommand():
     names = {f"{cmd.name}|{sub}" if sub else cmd.name for cmd, sub in entries()}
-    assert names == {c.name for c in all_commands() if not c.subcommands} | {
-        f"{c.name}|{sub}" for c in all_commands() for sub in c.subcommands}
+    assert names == {c.name for c in TABLE.all_commands() if not c.subcommands} | {
+        f"{c.name}|{sub}" for c in TABLE.all_commands() for sub in c.subcommands}
 
 
 def test_node_survives_generated_commands(server):

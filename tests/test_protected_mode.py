@@ -19,8 +19,11 @@ import time
 import pytest
 
 from kvstore.admin import acl
+from kvstore.commands.families import build_table
 from conftest import free_port
 from test_redis_compat import RespConnection
+
+CATALOG = acl.Catalog.of(build_table().all_commands())
 
 NETNS_ADDRESS = "10.77.0.1"     # exists only inside the test's own network namespace
 
@@ -30,9 +33,9 @@ NETNS_ADDRESS = "10.77.0.1"     # exists only inside the test's own network name
     ("127.0.0.1", False), ("127.9.9.9", False), ("::1", False), ("::ffff:127.0.0.1", False), (None, False),
 ])
 def test_only_remote_clients_of_a_passwordless_default_user_are_refused(peer, refused):
-    assert acl.protected_mode_refuses(acl.Users().default, peer) == refused
-    assert not acl.protected_mode_refuses(acl.Users("pw").default, peer)
-    users = acl.Users()
+    assert acl.protected_mode_refuses(acl.Users(CATALOG).default, peer) == refused
+    assert not acl.protected_mode_refuses(acl.Users(CATALOG, "pw").default, peer)
+    users = acl.Users(CATALOG)
     users.setuser("alice", ["on", ">pw", "~*", "+@all"])        # another user does not lift it
     assert acl.protected_mode_refuses(users.default, peer) == refused
 

@@ -46,7 +46,7 @@ def node(net: SimNetwork, node_id: str, owner: str):
     """A node holding map epoch 1 with the services a server runs, on ``net``."""
     cluster = ClusterState(node_id, ADDRS[node_id])
     cluster.apply(SlotMap.build(1, ADDRS, [owner] * SLOTS))
-    server = SimpleNamespace(cluster=cluster, engine=Engine(1 << 20, prefault=False), config=Config())
+    server = SimpleNamespace(cluster=cluster, engine=Engine(1 << 20, prefault=False), tiers=None, config=Config())
     server.services = ClusterServices(server, cluster, net.peers_of(ADDRS[node_id]))
     net.add(ADDRS[node_id], server)
     return server

@@ -41,10 +41,11 @@ import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
-from functools import cache
+from typing import Iterable
 
-from kvstore.commands.table import Command, CommandError, all_commands
 from kvstore.commands.glob import compile_pattern
+from kvstore.commands.table import Command, CommandError
+from kvstore.net.protocol.reader import ProtocolError, split_inline
 
 READ, WRITE = 1, 2
 READ_WRITE = READ | WRITE
@@ -136,6 +137,19 @@ class Catalog:
     by_category: dict[str, frozenset[str]]
     subcommands: dict[str, frozenset[str]]      # container -> its full subcommand names
 
+    @classmethod
+    def of(cls, commands: Iterable[Command]) -> Catalog:
+        """The catalog of a command table's commands (`CommandTable.all_commands`)."""
+        names, by_category, subs = set(), {c: set() for c in CATEGORIES}, {}
+        for cmd in commands:
+            entries = [(cmd.name, None)] + [(f"{cmd.name}|{s}", s) for s in cmd.subcommands]
+            subs[cmd.name] = frozenset(full for full, _ in entries[1:])
+            for full, sub in entries:
+                names.add(full)
+                for cat in command_categories(cmd, sub):
+                    by_category[cat].add(full)
+        return cls(frozenset(names), {c: frozenset(v) for c, v in by_category.items()}, subs)
+
 
 def command_categories(cmd: Command, sub: str | None = None) -> list[str]:
     """The ACL categories of a command or of one of its subcommands, as Redis lists them.
@@ -160,21 +174,6 @@ def command_categories(cmd: Command, sub: str | None = None) -> list[str]:
         if extra not in cats:
             cats.append(extra)
     return sorted(cats, key=CATEGORIES.index)
-
-
-@cache
-def catalog() -> Catalog:
-    """Built once, after every command family has filled the table."""
-    import kvstore.commands  # noqa: F401  (the families register themselves)
-    names, by_category, subs = set(), {c: set() for c in CATEGORIES}, {}
-    for cmd in all_commands():
-        entries = [(cmd.name, None)] + [(f"{cmd.name}|{s}", s) for s in cmd.subcommands]
-        subs[cmd.name] = frozenset(full for full, _ in entries[1:])
-        for full, sub in entries:
-            names.add(full)
-            for cat in command_categories(cmd, sub):
-                by_category[cat].add(full)
-    return Catalog(frozenset(names), {c: frozenset(v) for c, v in by_category.items()}, subs)
 
 
 def full_name(cmd: Command, args: list) -> str:
@@ -245,37 +244,38 @@ class User:
     channels: list[str] = field(default_factory=list)
     unrestricted: bool = False                                 # every command and every key
 
-    def apply(self, rules: list[str]) -> None:
-        """Apply ``rules`` in order, all or none: Redis's error for the first bad one."""
+    def apply(self, rules: list[str], catalog: Catalog) -> None:
+        """Apply ``rules`` in order, all or none: Redis's error for the first bad one;
+        ``catalog`` resolves command rules into command names."""
         draft = copy.deepcopy(self)
         for rule in rules:
             try:
-                draft._apply_one(rule)
+                draft._apply_one(rule, catalog)
             except AclError as exc:
                 raise RuleError(rule, str(exc)) from None
         self.__dict__.update(draft.__dict__)
 
-    def _apply_one(self, op: str) -> None:
+    def _apply_one(self, op: str, catalog: Catalog) -> None:
         if not op:
             raise AclError(SYNTAX)
         lowered = op.lower()
         simple = _SIMPLE_RULES.get(lowered)
         if simple is not None:
-            simple(self)
+            simple(self, catalog)
         elif op[0] in "><#!":
             self._password_rule(op)
         elif op[0] in "~%":
             self._add_pattern(_parse_key_rule(op))
         elif op == "&*":
-            _SIMPLE_RULES["allchannels"](self)
+            _SIMPLE_RULES["allchannels"](self, catalog)
         elif op[0] == "&":
             if not self.all_channels and op[1:] not in self.channels:
                 self.channels.append(op[1:])
         elif op[0] in "+-" and len(op) > 1:
-            self._command_rule(lowered[1:], op[0] == "+")
+            self._command_rule(lowered[1:], op[0] == "+", catalog)
         else:
             raise AclError(SYNTAX)
-        self.unrestricted = self.all_keys and self.allowed == catalog().names
+        self.unrestricted = self.all_keys and self.allowed == catalog.names
 
     # -- passwords
 
@@ -324,8 +324,8 @@ class User:
 
     # -- commands
 
-    def _command_rule(self, target: str, allow: bool) -> None:
-        names = _names_of(target)
+    def _command_rule(self, target: str, allow: bool, catalog: Catalog) -> None:
+        names = _names_of(target, catalog)
         if target == "@all":
             self.all_commands, self.command_rules = allow, []
             self.allowed = set(names) if allow else set()
@@ -371,10 +371,9 @@ class User:
         return " ".join(parts)
 
 
-def _names_of(target: str) -> frozenset[str]:
+def _names_of(target: str, cat: Catalog) -> frozenset[str]:
     """The full command names a rule target covers: ``@cat``, ``cmd`` (with its
     subcommands) or ``cmd|sub``."""
-    cat = catalog()
     if target.startswith("@"):
         if target == "@all":
             return cat.names
@@ -386,44 +385,45 @@ def _names_of(target: str) -> frozenset[str]:
     return frozenset({target}) | cat.subcommands.get(target, frozenset())
 
 
-def _reset_keys(user: User) -> None:
+def _reset_keys(user: User, catalog: Catalog) -> None:
     user.all_keys, user.patterns = False, []
 
 
-def _reset_pass(user: User) -> None:
+def _reset_pass(user: User, catalog: Catalog) -> None:
     user.nopass, user.passwords = False, []
 
 
-def _reset_channels(user: User) -> None:
+def _reset_channels(user: User, catalog: Catalog) -> None:
     user.all_channels, user.channels = False, []
 
 
-def _reset(user: User) -> None:
-    _reset_pass(user)
-    _reset_keys(user)
-    _reset_channels(user)
+def _reset(user: User, catalog: Catalog) -> None:
+    _reset_pass(user, catalog)
+    _reset_keys(user, catalog)
+    _reset_channels(user, catalog)
     user.enabled = False
     user.payload_flag = "sanitize-payload"
-    user._command_rule("@all", False)
+    user._command_rule("@all", False, catalog)
 
 
 def _set(**values):
     """A rule that sets fields (a fresh copy of each list for each user)."""
-    def rule(user: User) -> None:
+    def rule(user: User, catalog: Catalog) -> None:
         user.__dict__.update({name: copy.copy(value) for name, value in values.items()})
     return rule
 
 
+# Rules without an argument: fn(user, catalog); the catalog resolves the command rules among them.
 _SIMPLE_RULES = {
     "on": _set(enabled=True), "off": _set(enabled=False),
     "nopass": _set(nopass=True, passwords=[]), "resetpass": _reset_pass,
-    "allkeys": lambda u: u._add_pattern(KeyPattern(b"*", READ_WRITE)), "resetkeys": _reset_keys,
+    "allkeys": lambda u, _: u._add_pattern(KeyPattern(b"*", READ_WRITE)), "resetkeys": _reset_keys,
     "allchannels": _set(all_channels=True, channels=[]), "resetchannels": _reset_channels,
-    "allcommands": lambda u: u._command_rule("@all", True),
-    "nocommands": lambda u: u._command_rule("@all", False),
+    "allcommands": lambda u, catalog: u._command_rule("@all", True, catalog),
+    "nocommands": lambda u, catalog: u._command_rule("@all", False, catalog),
     "sanitize-payload": _set(payload_flag="sanitize-payload"),
     "skip-sanitize-payload": _set(payload_flag="skip-sanitize-payload"),
-    "clearselectors": lambda u: None, "reset": _reset,
+    "clearselectors": lambda u, _: None, "reset": _reset,
 }
 
 
@@ -498,9 +498,11 @@ def _parent_keys(args: list, start: int) -> list[bytes]:
 
 
 class Users:
-    """Every user of a node, by name; ``default`` always exists."""
+    """Every user of a node, by name; ``default`` always exists. ``catalog`` is the node's
+    command table as ACL rules name it (`Catalog.of`)."""
 
-    def __init__(self, requirepass: str | None = None):
+    def __init__(self, catalog: Catalog, requirepass: str | None = None):
+        self.catalog = catalog
         self.requirepass = requirepass
         self.by_name: dict[str, User] = {"default": self._fresh_default()}
 
@@ -511,13 +513,13 @@ class Users:
     def _fresh_default(self) -> User:
         user = User("default")
         user.apply(["on", "allkeys", "allchannels", "allcommands",
-                    *(["nopass"] if self.requirepass is None else [f">{self.requirepass}"])])
+                    *(["nopass"] if self.requirepass is None else [f">{self.requirepass}"])], self.catalog)
         return user
 
     def use_requirepass(self, password: str | None) -> None:
         """CONFIG SET requirepass: the default user's password, as Redis sets it."""
         self.requirepass = password
-        self.default.apply(["resetpass", "nopass" if password is None else f">{password}"])
+        self.default.apply(["resetpass", "nopass" if password is None else f">{password}"], self.catalog)
 
     def get(self, name: str) -> User | None:
         return self.by_name.get(name)
@@ -527,7 +529,7 @@ class Users:
         if any(c.isspace() or c == "\0" for c in name):
             raise AclError("Usernames can't contain spaces or null characters")
         user = self.by_name.get(name) or User(name)
-        user.apply(rules)
+        user.apply(rules, self.catalog)
         self.by_name.setdefault(name, user)
         return user
 
@@ -556,7 +558,7 @@ class Users:
         see the new rules); the users returned are gone. A file that does not
         name ``default`` leaves it as ``--requirepass`` makes it.
         """
-        loaded = parse_acl_file(path)
+        loaded = parse_acl_file(path, self.catalog)
         loaded.setdefault("default", self._fresh_default())
         removed = [user for name, user in self.by_name.items() if name not in loaded]
         for name, user in loaded.items():
@@ -582,9 +584,8 @@ class AclFileError(Exception):
     """An ACL file that cannot be loaded: Redis's text, every problem listed."""
 
 
-def parse_acl_file(path: str) -> dict[str, User]:
+def parse_acl_file(path: str, catalog: Catalog) -> dict[str, User]:
     """The users an ACL file defines; AclFileError lists every problem found."""
-    from kvstore.net.protocol.reader import ProtocolError, split_inline
     try:
         with open(path, encoding="utf-8", errors="surrogateescape") as f:
             lines = f.read().split("\n")
@@ -614,7 +615,7 @@ def parse_acl_file(path: str) -> dict[str, User]:
         user = User(name)
         for rule in words[2:]:
             try:
-                user.apply([rule])
+                user.apply([rule], catalog)
             except RuleError as exc:
                 errors.append(f"{path}:{number}: {exc.reason}. " if exc.reason == SYNTAX else
                               f"{path}:{number}: Error in applying operation '{rule}': {exc.reason}. ")

@@ -113,7 +113,7 @@ def kvcache_section(server) -> dict:
 def _tier_stats(server, tier: int) -> dict:
     """Hits and misses per tier: a read misses a tier when it has to go below it."""
     engine = server.engine
-    tiers = engine.tiers
+    tiers = server.tiers
     if tiers is None:
         return {"hits": engine.stats.hits, "misses": engine.stats.misses} if tier == DRAM else {}
     lower = tiers.stats[SSD].hits + tiers.stats[GPU].hits
@@ -135,13 +135,13 @@ def dram_section(server) -> dict:
     engine = server.engine
     section = _tier_section(server, "dram", DRAM, {"capacity": engine.limit, "used": engine.allocator.used,
                                                    "value_bytes": engine.tier_bytes[DRAM]})
-    if engine.tiers is None:
+    if server.tiers is None:
         section["dram_evictions"] = engine.stats.evictions
     return section
 
 
 def ssd_section(server) -> dict:
-    tiers = server.engine.tiers
+    tiers = server.tiers
     if tiers is None or tiers.ssd is None:
         return {"ssd_enabled": 0}
     ssd = tiers.ssd
@@ -152,7 +152,7 @@ def ssd_section(server) -> dict:
 
 
 def gpu_section(server) -> dict:
-    tiers = server.engine.tiers
+    tiers = server.tiers
     if tiers is None or tiers.gpu is None:
         return {"gpu_enabled": 0}
     gpu = tiers.gpu

@@ -106,7 +106,7 @@ def push_to_running(server) -> None:
     server.slowlog.configure(cfg.slowlog_log_slower_than, cfg.slowlog_max_len)
     for conn in server.clients.values():
         conn.reader.max_bulk_len = cfg.proto_max_bulk_len
-    tiers = engine.tiers
+    tiers = server.tiers
     if tiers is not None:
         tiers.cfg.high_watermark, tiers.cfg.low_watermark = cfg.high_watermark, cfg.low_watermark
         tiers.cfg.promote_hits, tiers.cfg.promote_window_s = cfg.promote_hits, cfg.promote_window_ms / 1000

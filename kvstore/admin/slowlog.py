@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from kvstore.store.engine import Extent
+from kvstore.store.arena import Extent
 from kvstore.net.protocol import writer
 
 MAX_ARGS = 32

@@ -135,8 +135,9 @@ class Migrator:
     """This node's part in slot moves: source (push, drop, report), target (guarded imports), sweeps, drain."""
 
     def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
-                 heat: Callable[[], dict[bytes, int]]):
+                 heat: Callable[[], dict[bytes, int]], tiers=None):
         self.engine = engine
+        self.tiers = tiers              # the node's TierManager: values on SSD or GPU are read through it
         self.cluster = cluster
         self.peers = peers
         self.config = config            # the node's live Config (cluster-move-budget)
@@ -182,7 +183,7 @@ class Migrator:
     async def _move(self, epoch: int, moving: dict[int, str]) -> None:
         started = loop_time()
         deadline = started + self.budget
-        engine, outbox, group = self.engine, Outbox(self._push), Gathered(self.engine)
+        engine, outbox, group = self.engine, Outbox(self._push), Gathered(self.engine, self.tiers)
         moved0, dropped0 = self.stats.moved_bytes, self.stats.dropped_bytes
         for i, key in enumerate(self._ordered_keys(moving)):
             if i % SCAN_CHUNK == SCAN_CHUNK - 1:

@@ -63,8 +63,9 @@ def full(count: int, size: int) -> bool:
 class Gathered:
     """Values of a move gathered in the move's order, read into host memory together, taken in order."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, tiers):
         self.engine = engine
+        self.tiers = tiers          # the node's TierManager (None: DRAM only)
         self.keys: list[bytes] = []
         self.size = 0
 
@@ -85,7 +86,7 @@ class Gathered:
         meanwhile is taken as it now is, or not at all; a value read but no
         longer wanted (its slot stopped moving) stays, its staged copy let go.
         """
-        engine, tiers = self.engine, self.engine.tiers
+        engine, tiers = self.engine, self.tiers
         keys, self.keys, self.size = self.keys, [], 0
         cold = tiers.pending_fetch(keys) if tiers is not None else []
         fetched = await tiers.fetch(cold) if cold else []

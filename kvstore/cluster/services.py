@@ -39,7 +39,7 @@ class ClusterServices:
         self.cluster = cluster
         # A simulation passes in-process links; with tls-cluster, nodes reach each other over TLS.
         self.peers = peers or Peers(server.config.requirepass, tls_context=server.cluster_tls_context())
-        self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads)
+        self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads, server.tiers)
         self.copies = HotCopies(server.engine, cluster, self.peers, config, self.moves.rescue)
         self.cascade = Cascade(server.engine, cluster, self.peers)
         self.copies.attach()

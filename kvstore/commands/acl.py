@@ -13,8 +13,10 @@ import logging
 
 from kvstore.admin import acl
 from kvstore.commands.args import SYNTAX, parse_int
-from kvstore.commands.table import CommandError, command, lookup
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 log = logging.getLogger("kvstore")
 
@@ -26,7 +28,7 @@ GENPASS_RANGE = ("ACL GENPASS argument must be the number of bits for the output
                  "up to 4096")
 
 
-@command("AUTH", -2, "noscript loading stale fast no-auth", "connection", "Authenticates the connection.",
+@FAMILY.command("AUTH", -2, "noscript loading stale fast no-auth", "connection", "Authenticates the connection.",
          keys=(0, 0, 0))
 def auth(conn, args):
     if len(args) > 3:
@@ -39,7 +41,7 @@ def auth(conn, args):
     return writer.OK
 
 
-@command("ACL", -2, "noscript loading stale", "server", "A container for Access List Control commands.",
+@FAMILY.command("ACL", -2, "noscript loading stale", "server", "A container for Access List Control commands.",
          keys=(0, 0, 0), subcommands={
              "cat": (-2, "Lists the ACL categories, or the commands inside a category."),
              "deluser": (-3, "Deletes ACL users, and terminates their connections."),
@@ -122,7 +124,7 @@ def _cat(conn, args):
     if len(args) == 2:
         return writer.bulk_array(list(acl.CATEGORIES))
     category = acl.text(args[2]).lower()
-    names = acl.catalog().by_category.get(category)
+    names = conn.server.users.catalog.by_category.get(category)
     if names is None:
         raise CommandError(f"Unknown category '{acl.text(args[2])}'")
     return writer.bulk_array(sorted(names))
@@ -141,7 +143,7 @@ def _dryrun(conn, args):
     user = conn.server.users.get(acl.text(args[2]))
     if user is None:
         raise CommandError(f"User '{acl.text(args[2])}' not found")
-    cmd = lookup(args[3])
+    cmd = conn.commands.lookup(args[3])
     if cmd is None:
         raise CommandError(f"Command '{acl.text(args[3])}' not found")
     request = args[3:]

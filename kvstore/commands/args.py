@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from kvstore.commands.table import CommandError
-from kvstore.store.engine import Extent
+from kvstore.store.arena import Extent
 from proto import fastpath as fp
 
 SYNTAX = "syntax error"

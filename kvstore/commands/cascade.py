@@ -26,9 +26,11 @@ from kvstore.cluster.cascade import CASCADE_MAX, KV_CASCADE, LINK_KEY_MAX
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.cluster import DISABLED
 from kvstore.commands.cluster_data import _from_a_node
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
 from proto.wire import KV_LINK, KV_LINK_MAX
+
+FAMILY = Family()
 
 
 def _cascade(cluster):
@@ -37,7 +39,7 @@ def _cascade(cluster):
     return cluster.cascade
 
 
-@command(KV_LINK, -3, "write fast", "kvcache", "Records that blocks on other nodes follow blocks of this node "
+@FAMILY.command(KV_LINK, -3, "write fast", "kvcache", "Records that blocks on other nodes follow blocks of this node "
          "in their chains, so they are dropped when these go.", keys=(1, -1, 2), spans_slots=True)
 def kv_link(conn, args):
     cascade = _cascade(conn.server.cluster)
@@ -53,7 +55,7 @@ def kv_link(conn, args):
     return writer.integer(sum(cascade.link(parent, child) for parent, child in zip(parents, children)))
 
 
-@command(KV_CASCADE, -3, "write fast", "cluster", "Drops blocks whose chain predecessor another node dropped "
+@FAMILY.command(KV_CASCADE, -3, "write fast", "cluster", "Drops blocks whose chain predecessor another node dropped "
          "(between nodes).", keys=(0, 0, 0))
 def kv_cascade(conn, args):
     cascade = _cascade(_from_a_node(conn))

@@ -16,7 +16,7 @@ from kvstore.admin import acl
 
 from kvstore.net import client_pause as pauses
 from kvstore.commands.args import SYNTAX, parse_int
-from kvstore.commands.table import CommandError, lookup
+from kvstore.commands.table import CommandError
 from kvstore.net.protocol import writer
 
 CLIENT_TYPES = (b"normal", b"master", b"replica", b"slave", b"pubsub")
@@ -96,11 +96,11 @@ def client_pause(conn, args: list) -> bytes:
     return writer.OK
 
 
-def command_getkeys(args: list) -> bytes:
+def command_getkeys(conn, args: list) -> bytes:
     """COMMAND GETKEYS command arg...: the key arguments, as the table locates them."""
     if len(args) < 4:       # as Redis 7.0: a command with no arguments is refused before it is looked up
         raise CommandError("wrong number of arguments for 'command|getkeys' command")
-    cmd = lookup(args[2])
+    cmd = conn.commands.lookup(args[2])
     if cmd is None:
         raise CommandError("Invalid command specified")
     target = args[2:]

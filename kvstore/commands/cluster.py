@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 
 from kvstore.cluster.slots import keyslot
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 DISABLED = "This instance has cluster support disabled"
 TOPOLOGY = ("addslots", "addslotsrange", "bumpepoch", "delslots", "delslotsrange", "failover", "flushslots", "forget",
@@ -75,7 +77,7 @@ def _host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@command("CLUSTER", -2, "loading stale", "cluster", "A container for Redis Cluster commands.", keys=(0, 0, 0),
+@FAMILY.command("CLUSTER", -2, "loading stale", "cluster", "A container for Redis Cluster commands.", keys=(0, 0, 0),
          subcommands=SUBCOMMANDS)
 def cluster_(conn, args):
     cluster = _cluster_of(conn)
@@ -161,7 +163,7 @@ def _info(conn, cluster) -> bytes:
     return conn.enc.verbatim("".join(f"{name}:{value}\r\n" for name, value in fields))
 
 
-@command("READONLY", 1, "fast loading stale", "cluster", "Enables read-only queries for a connection to a "
+@FAMILY.command("READONLY", 1, "fast loading stale", "cluster", "Enables read-only queries for a connection to a "
          "Redis Cluster replica node.", keys=(0, 0, 0))
 def readonly(conn, args):
     _cluster_of(conn)
@@ -169,7 +171,7 @@ def readonly(conn, args):
     return writer.OK
 
 
-@command("READWRITE", 1, "fast loading stale", "cluster", "Enables read-write queries for a connection to a "
+@FAMILY.command("READWRITE", 1, "fast loading stale", "cluster", "Enables read-write queries for a connection to a "
          "Redis Cluster replica node.", keys=(0, 0, 0))
 def readwrite(conn, args):
     _cluster_of(conn)
@@ -177,7 +179,7 @@ def readwrite(conn, args):
     return writer.OK
 
 
-@command("ASKING", 1, "fast", "cluster", "Signals that a cluster client is following an -ASK redirect.",
+@FAMILY.command("ASKING", 1, "fast", "cluster", "Signals that a cluster client is following an -ASK redirect.",
          keys=(0, 0, 0))
 def asking(conn, args):
     _cluster_of(conn)

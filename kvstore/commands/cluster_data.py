@@ -36,10 +36,12 @@ from kvstore.cluster.migration import KV_DRAIN, KV_IMPORT, KV_MIGRATED
 from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY
 from kvstore.commands.args import SYNTAX, parse_int, store
 from kvstore.commands.cluster import DISABLED
-from kvstore.commands.table import CommandError, command
-from kvstore.store.engine import Extent
+from kvstore.commands.table import CommandError, Family
+from kvstore.store.arena import Extent
 from kvstore.net.protocol import writer
 from proto.wire import KV_HOTKEYS
+
+FAMILY = Family()
 
 MAX_LEASE_MS = 3_600_000
 
@@ -75,7 +77,7 @@ def _size(value) -> int:
     return value.size if isinstance(value, Extent) else len(value)
 
 
-@command(KV_COPY, -5, "write denyoom", "cluster", "Keeps copies of an owner's hot blocks (between nodes).",
+@FAMILY.command(KV_COPY, -5, "write denyoom", "cluster", "Keeps copies of an owner's hot blocks (between nodes).",
          keys=(0, 0, 0), values=lambda i: i >= 4 and i % 2 == 0)
 def kv_copy(conn, args):
     cluster = _from_a_node(conn)
@@ -87,13 +89,13 @@ def kv_copy(conn, args):
     return writer.integer(kept)
 
 
-@command(KV_UNCOPY, -2, "write fast", "cluster", "Removes copies of hot blocks (between nodes).", keys=(0, 0, 0))
+@FAMILY.command(KV_UNCOPY, -2, "write fast", "cluster", "Removes copies of hot blocks (between nodes).", keys=(0, 0, 0))
 def kv_uncopy(conn, args):
     held = _from_a_node(conn).copies.held
     return writer.integer(sum(held.drop(key) for key in args[1:]))
 
 
-@command(KV_RENEW, -4, "write fast", "cluster", "Extends the leases of copies of hot blocks and returns "
+@FAMILY.command(KV_RENEW, -4, "write fast", "cluster", "Extends the leases of copies of hot blocks and returns "
          "their reads (between nodes).", keys=(0, 0, 0))
 def kv_renew(conn, args):
     held = _from_a_node(conn).copies.held
@@ -101,7 +103,7 @@ def kv_renew(conn, args):
     return writer.array([writer.integer(n) for n in reads])
 
 
-@command(KV_IMPORT, -5, "write denyoom", "cluster", "Stores values of a slot moving to this node, never "
+@FAMILY.command(KV_IMPORT, -5, "write denyoom", "cluster", "Stores values of a slot moving to this node, never "
          "over a newer write (between nodes).", keys=(0, 0, 0), values=lambda i: i > 1 and i % 3 == 1)
 def kv_import(conn, args):
     cluster = _from_a_node(conn)
@@ -122,7 +124,7 @@ def kv_import(conn, args):
     return writer.array([writer.integer(keys), writer.integer(size)])
 
 
-@command(KV_MIGRATED, 3, "admin fast", "cluster", "Tells the leader a node finished its part of a slot "
+@FAMILY.command(KV_MIGRATED, 3, "admin fast", "cluster", "Tells the leader a node finished its part of a slot "
          "move (between nodes).", keys=(0, 0, 0))
 def kv_migrated(conn, args):
     cluster = _from_a_node(conn)
@@ -130,7 +132,7 @@ def kv_migrated(conn, args):
     return writer.OK
 
 
-@command(KV_DRAIN, 2, "admin fast", "cluster", "Asks the leader to move a node's slots to the others "
+@FAMILY.command(KV_DRAIN, 2, "admin fast", "cluster", "Asks the leader to move a node's slots to the others "
          "(between nodes).", keys=(0, 0, 0))
 def kv_drain(conn, args):
     taking = _from_a_node(conn).drain_node(args[1].decode(errors="replace"))
@@ -139,7 +141,7 @@ def kv_drain(conn, args):
     return writer.integer(taking)
 
 
-@command(KV_HOTKEYS, -1, "readonly fast", "kvcache", "Returns the hot blocks this node owns and the nodes "
+@FAMILY.command(KV_HOTKEYS, -1, "readonly fast", "kvcache", "Returns the hot blocks this node owns and the nodes "
          "holding their copies; nil when the given version is current.", keys=(0, 0, 0))
 def kv_hotkeys(conn, args):
     copies = _cluster(conn).copies

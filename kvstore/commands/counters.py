@@ -12,8 +12,10 @@ import re
 import numpy as np
 
 from kvstore.commands.args import WRONG_TYPE_INT, parse_int
-from kvstore.commands.table import CommandError, command, first_key
+from kvstore.commands.table import CommandError, Family, first_key
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 NOT_FLOAT = "value is not a valid float"
 _FLOAT = re.compile(rb"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?inf(inity)?", re.IGNORECASE)
@@ -45,25 +47,25 @@ def _incr(conn, key: bytes, by: int) -> bytes:
     return writer.integer(total)
 
 
-@command("INCR", 2, "write denyoom fast", "string", "Increments the integer value of a key by one. Uses 0 as "
+@FAMILY.command("INCR", 2, "write denyoom fast", "string", "Increments the integer value of a key by one. Uses 0 as "
          "initial value if the key doesn't exist.", reads=first_key)
 def incr(conn, args):
     return _incr(conn, args[1], 1)
 
 
-@command("DECR", 2, "write denyoom fast", "string", "Decrements the integer value of a key by one. Uses 0 as "
+@FAMILY.command("DECR", 2, "write denyoom fast", "string", "Decrements the integer value of a key by one. Uses 0 as "
          "initial value if the key doesn't exist.", reads=first_key)
 def decr(conn, args):
     return _incr(conn, args[1], -1)
 
 
-@command("INCRBY", 3, "write denyoom fast", "string", "Increments the integer value of a key by a number. Uses 0 "
+@FAMILY.command("INCRBY", 3, "write denyoom fast", "string", "Increments the integer value of a key by a number. Uses 0 "
          "as initial value if the key doesn't exist.", reads=first_key)
 def incrby(conn, args):
     return _incr(conn, args[1], parse_int(args[2]))
 
 
-@command("DECRBY", 3, "write denyoom fast", "string", "Decrements a number from the integer value of a key. Uses 0 "
+@FAMILY.command("DECRBY", 3, "write denyoom fast", "string", "Decrements a number from the integer value of a key. Uses 0 "
          "as initial value if the key doesn't exist.", reads=first_key)
 def decrby(conn, args):
     by = parse_int(args[2])
@@ -90,7 +92,7 @@ def format_long_double(value: np.longdouble) -> bytes:
     return b"0" if text == "-0" else text.encode()
 
 
-@command("INCRBYFLOAT", 3, "write denyoom fast", "string", "Increment the floating point value of a key by a "
+@FAMILY.command("INCRBYFLOAT", 3, "write denyoom fast", "string", "Increment the floating point value of a key by a "
          "number. Uses 0 as initial value if the key doesn't exist.", reads=first_key)
 def incrbyfloat(conn, args):
     old = _current(conn, args[1], MAX_FLOAT_CHARS - 1, NOT_FLOAT)

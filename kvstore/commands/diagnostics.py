@@ -10,8 +10,10 @@ Prometheus metrics instead.
 from __future__ import annotations
 
 from kvstore.commands.args import parse_int
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 _HELP = [
     "LATENCY <subcommand> [<arg> [value] [opt] ...]. Subcommands are:",
@@ -33,7 +35,7 @@ _DOCTOR = ("kvstore does not sample latency events (as Redis with latency-monito
            "there is no latency report. INFO's stats section and the metrics endpoint count commands.\n")
 
 
-@command("LATENCY", -2, "", "server", "A container for latency diagnostics commands.", keys=(0, 0, 0),
+@FAMILY.command("LATENCY", -2, "", "server", "A container for latency diagnostics commands.", keys=(0, 0, 0),
          subcommands={"doctor": (2, "Returns a human-readable latency analysis report."),
                       "graph": (3, "Returns a latency graph for an event."),
                       "history": (3, "Returns timestamp-latency samples for an event."),
@@ -70,7 +72,7 @@ _SLOWLOG_HELP = [
 BAD_COUNT = "count should be greater than or equal to -1"
 
 
-@command("SLOWLOG", -2, "", "server", "A container for slow log commands.", keys=(0, 0, 0),
+@FAMILY.command("SLOWLOG", -2, "", "server", "A container for slow log commands.", keys=(0, 0, 0),
          subcommands={"get": (-2, "Returns the slow log's entries."),
                       "len": (2, "Returns the number of entries in the slow log."),
                       "reset": (2, "Clears all entries from the slow log."),

@@ -34,9 +34,10 @@ from time import perf_counter_ns
 from kvstore.admin import acl
 from kvstore.cluster.routing import redirect, redirect_slot
 from kvstore.cluster.slots import keys_by_slot
-from kvstore.commands.strings import set_plain
-from kvstore.commands.table import Command, CommandError, lookup
-from kvstore.store.engine import Extent, NeedsDemotion, OutOfMemory
+from kvstore.commands.strings import get, set_plain
+from kvstore.commands.table import Command, CommandError
+from kvstore.store.arena import Extent
+from kvstore.store.engine import NeedsDemotion, OutOfMemory
 from kvstore.net.protocol import writer
 from kvstore.tiers.manager import ARENA_READERS
 
@@ -66,7 +67,7 @@ def value_destination(conn, args: list, size: int):
     Values land in their final place (no copy at commit); anything else, and a
     value that would have to wait for room, is received on the heap.
     """
-    cmd = lookup(args[0]) if args else None
+    cmd = conn.commands.lookup(args[0]) if args else None
     if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
             and conn.authenticated:
         try:
@@ -119,7 +120,7 @@ def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_holders: 
     """Queue the error reply of a request that raised ``exc``; False when it was
     deferred instead, to run again (a write waiting for DRAM to make room)."""
     if isinstance(exc, NeedsDemotion):
-        conn.defer(conn.engine.tiers.make_room(exc.size),
+        conn.defer(conn.tiers.make_room(exc.size),
                    lambda _: dispatch(conn, args, None, has_holders))
         return False
     if isinstance(exc, Redirected):
@@ -154,16 +155,16 @@ def run_plain(conn) -> None:
     backlog = conn.backlog
     if not backlog or not _plain_allowed(conn):
         return
-    tiers, threshold = conn.engine.tiers, conn.server.slowlog.threshold_ns
+    tiers, threshold = conn.tiers, conn.server.slowlog.threshold_ns
     done = 0
     try:
         while backlog and conn.waiting is None and not conn.close_after_reply:
             args, failure, has_holders = backlog[0]
             plain = _PLAIN.get(args[0])
-            if plain is None or len(args) != plain[1] or failure is not None:
+            if plain is None or len(args) != plain[0] or failure is not None:
                 return
             backlog.popleft()
-            cmd, handler = plain[0], plain[2]
+            cmd, handler = conn.commands.lookup(args[0]), plain[1]
             try:
                 if tiers is not None and _fetch_first(conn, cmd, args, has_holders):
                     return      # counted when it runs, once its value is in DRAM
@@ -191,7 +192,7 @@ def _plain_allowed(conn) -> bool:
     """Whether this connection's requests need none of the checks `dispatch` makes before
     a GET or SET runs: authenticated as a user allowed everything, no MULTI, no ASKING,
     no CLIENT PAUSE, no cluster routing, no SSD index still loading."""
-    server, tiers = conn.server, conn.engine.tiers
+    server, tiers = conn.server, conn.tiers
     return conn.authenticated and conn.user.unrestricted and conn.multi is None and not conn.asking \
         and server.pause is None and server.cluster is None and (tiers is None or not tiers.loading)
 
@@ -199,7 +200,7 @@ def _plain_allowed(conn) -> bool:
 def _checked(conn, args: list) -> Command | None:
     """The request's command after Redis's checks; None when an error reply was queued
     that does not abort a transaction (NOAUTH)."""
-    cmd = lookup(args[0])
+    cmd = conn.commands.lookup(args[0])
     if cmd is None:
         raise CommandError(_unknown_command(args))
     if not cmd.arity_ok(len(args)):
@@ -211,7 +212,7 @@ def _checked(conn, args: list) -> Command | None:
         return None
     if not conn.user.unrestricted:
         acl.check_command(conn.user, cmd, args)
-    tiers = conn.engine.tiers
+    tiers = conn.tiers
     if tiers is not None and tiers.loading and "loading" not in cmd.flags:
         raise CommandError("kvstore is loading the dataset in memory", "LOADING")
     if conn.server.cluster is not None:
@@ -260,7 +261,7 @@ def _run(conn, cmd: Command, args: list) -> None:
         _log_slow(conn, cmd, args, elapsed)
     if reply is not None:
         conn.wbuf += reply
-    tiers = conn.engine.tiers
+    tiers = conn.tiers
     if tiers is not None and tiers.has_unacked():
         _wait_for_ssd(conn, tiers)
     cluster = conn.server.cluster
@@ -285,7 +286,7 @@ def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
     The keys the next pipelined commands read are fetched in the same batch,
     so their SSD reads overlap instead of running one command at a time.
     """
-    tiers = conn.engine.tiers
+    tiers = conn.tiers
     if tiers is None or cmd.reads is None:
         return False
     pending = tiers.pending_fetch(cmd.reads(conn, args))
@@ -300,7 +301,7 @@ def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
 def _reads_ahead(conn) -> list[bytes]:
     keys = []
     for queued_args, _, _ in islice(conn.backlog, 0, PREFETCH_COMMANDS):
-        cmd = lookup(queued_args[0])
+        cmd = conn.commands.lookup(queued_args[0])
         if cmd is not None and cmd.reads is not None and cmd.arity_ok(len(queued_args)):
             keys += cmd.reads(conn, queued_args)
     return keys
@@ -313,7 +314,7 @@ def _run_fetched(conn, fetched: list, args: list, has_holders: bool, own: int) -
     the others were read ahead for commands behind it and stay staged until
     the connection's backlog drains.
     """
-    tiers = conn.engine.tiers
+    tiers = conn.tiers
     staged = tiers.install(fetched[:own])
     conn.prefetched += tiers.install(fetched[own:])
     try:
@@ -374,7 +375,7 @@ def _unknown_command(args: list) -> str:
     return f"unknown command '{args[0][:128].decode(errors='replace')}', with args beginning with: {shown}"
 
 
-# Requests `run_plain` takes, by their name as clients send it: (command, the only argument
-# count, the handler for that form: SET's plain form is `set_plain`, without SET's options).
-_PLAIN = {name: (lookup(name), argc, handler) for base, argc, handler in
-          ((b"GET", 2, lookup(b"GET").handler), (b"SET", 3, set_plain)) for name in (base, base.lower())}
+# Requests `run_plain` takes, by their name as clients send it: (the only argument count, the
+# handler for that form: SET's plain form is `set_plain`, without SET's options).
+_PLAIN = {name: (argc, handler) for base, argc, handler in ((b"GET", 2, get), (b"SET", 3, set_plain))
+          for name in (base, base.lower())}

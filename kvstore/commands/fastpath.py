@@ -73,12 +73,14 @@ from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
 from kvstore.commands.args import check_arena_token, option_map, parse_ids, parse_int, parse_ttl_ms
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.store.engine import GPU, SSD, STAGED, OutOfMemory
 from kvstore.net.protocol import writer
 from proto import fastpath as fp
 
-@command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
+FAMILY = Family()
+
+@FAMILY.command(fp.KV_ARENA, 1, "fast", "fastpath", "Describes the DRAM arena for a local mapping; "
          "passes its fd over a Unix socket.", keys=(0, 0, 0))
 def kv_arena(conn, args):
     arena, words, index = conn.engine.arena, conn.server.leases.words, conn.server.shared_index
@@ -87,7 +89,7 @@ def kv_arena(conn, args):
     passed = conn.sock.family == socket.AF_UNIX
     if passed:
         conn.attach_fds([arena.fd, words.fd, index.fd])
-    tiers = conn.server.tiers
+    tiers = conn.tiers
     ssd_dir = os.path.abspath(tiers.ssd.path).encode() if tiers is not None and tiers.ssd is not None else b""
     return writer.array([writer.integer(arena.size), writer.integer(os.getpid()), writer.integer(arena.fd),
                          writer.integer(offset), writer.bulk(token), writer.integer(int(passed)),
@@ -99,7 +101,7 @@ def _lease_reads(conn, args: list) -> list[bytes]:
     return args[3:]
 
 
-@command(fp.KV_LEASE, -4, "readonly fast", "fastpath",
+@FAMILY.command(fp.KV_LEASE, -4, "readonly fast", "fastpath",
          "Pins values for a direct read from the arena; per key [lease id, offset, size, word, tag, "
          "hold ms] or nil.",
          keys=(3, -1, 1), spans_slots=True, reads=_lease_reads)
@@ -160,7 +162,7 @@ def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
     return DramLease(lease.id, token, size, lease.word, lease.tag)
 
 
-@command(fp.KV_RELEASE, -2, "fast", "fastpath",
+@FAMILY.command(fp.KV_RELEASE, -2, "fast", "fastpath",
          "Ends leases; per lease 1 when it was still valid, 0 when it had expired or was reclaimed.",
          keys=(0, 0, 0))
 def kv_release(conn, args):
@@ -168,7 +170,7 @@ def kv_release(conn, args):
     return writer.array([writer.ONE if table.release(i) else writer.ZERO for i in parse_ids(args[1:])])
 
 
-@command(fp.KV_RESERVE, -4, "write denyoom fast", "fastpath",
+@FAMILY.command(fp.KV_RESERVE, -4, "write denyoom fast", "fastpath",
          "Reserves arena extents for direct writes; per size [reservation id, offset].", keys=(0, 0, 0))
 def kv_reserve(conn, args):
     check_arena_token(conn, args[1])
@@ -191,7 +193,7 @@ PUBLISH_OPTIONS = {b"PARENT": 1, b"NX": 0, b"NEXT": 1}
 EXPIRED = ("reservation expired or unknown", "EXPIRED")
 
 
-@command(fp.KV_PUBLISH, -3, "write fast", "fastpath",
+@FAMILY.command(fp.KV_PUBLISH, -3, "write fast", "fastpath",
          "Commits a written reservation as the value of a key; NX keeps an existing value; NEXT reserves "
          "another extent of its size.", keys=(2, 2, 1))
 def kv_publish(conn, args):
@@ -205,7 +207,7 @@ def kv_publish(conn, args):
     return stored if next_ttl is None else writer.array([stored, _spare(conn, reservation.extent.size, next_ttl)])
 
 
-@command(fp.KV_MPUBLISH, -5, "write fast", "fastpath",
+@FAMILY.command(fp.KV_MPUBLISH, -5, "write fast", "fastpath",
          "Commits written reservations as the values of keys (a batch): NX|OVERWRITE id key parent ...; "
          "per value 1, 0 or EXPIRED.", keys=(3, -2, 3), spans_slots=True)
 def kv_mpublish(conn, args):
@@ -242,14 +244,14 @@ def _spare(conn, size: int, ttl_ms: int) -> bytes:
     return writer.array([writer.integer(reservation.id), writer.integer(reservation.extent.offset)])
 
 
-@command(fp.KV_UNRESERVE, -2, "write fast", "fastpath", "Gives back reservations that will not be published.",
+@FAMILY.command(fp.KV_UNRESERVE, -2, "write fast", "fastpath", "Gives back reservations that will not be published.",
          keys=(0, 0, 0))
 def kv_unreserve(conn, args):
     table = conn.server.leases
     return writer.integer(sum(table.cancel(i) for i in parse_ids(args[1:])))
 
 
-@command(fp.KV_TOUCH, -2, "readonly fast", "fastpath",
+@FAMILY.command(fp.KV_TOUCH, -2, "readonly fast", "fastpath",
          "Counts reads a local client served from the shared index as hits; how many keys exist.",
          keys=(1, -1, 1), spans_slots=True)
 def kv_touch(conn, args):
@@ -257,7 +259,7 @@ def kv_touch(conn, args):
     return writer.integer(sum(engine.get_slot(key) is not None for key in args[1:]))
 
 
-@command(fp.KV_LEASES, 1, "readonly fast", "fastpath",
+@FAMILY.command(fp.KV_LEASES, 1, "readonly fast", "fastpath",
          "Returns lease, reservation, partial-block and shared index counters.", keys=(0, 0, 0))
 def kv_leases(conn, args):
     server = conn.server
@@ -269,12 +271,12 @@ def kv_leases(conn, args):
 
 def _gpu_tier(conn):
     """The node's GPU tier while it serves (None without one, or once closed)."""
-    tiers = conn.engine.tiers
+    tiers = conn.tiers
     gpu = None if tiers is None else tiers.gpu
     return gpu if gpu is not None and gpu.generation is not None else None
 
 
-@command(fp.KV_GPUARENA, 1, "fast", "fastpath",
+@FAMILY.command(fp.KV_GPUARENA, 1, "fast", "fastpath",
          "Returns the GPU tier's device, PCI bus id, CUDA IPC handle, size and generation, or nil "
          "without a GPU tier.", keys=(0, 0, 0))
 def kv_gpuarena(conn, args):
@@ -312,7 +314,7 @@ class TierLease(NamedTuple):
     header: bytes              # a GPU value's first bytes (b"" for DRAM: the client reads its mapping)
 
 
-@command(fp.KV_LEASEGPU, -5, "readonly fast", "fastpath",
+@FAMILY.command(fp.KV_LEASEGPU, -5, "readonly fast", "fastpath",
          "Pins values where they live; per key [lease id, tier, offset, size, word, tag, header] or nil.",
          keys=(4, -1, 1), spans_slots=True, reads=_ssd_reads)
 def kv_leasegpu(conn, args):
@@ -338,7 +340,7 @@ def kv_leasegpu(conn, args):
 def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> TierLease:
     """Pin a GPU-tier value against demotion and hold its extent; a delete or move shows at release."""
     engine = conn.engine
-    tiers = engine.tiers
+    tiers = conn.tiers
     engine.get_slot(key)
     offset, size = tiers.hold_gpu_extent(slot), engine.size_of(slot)
     engine.eviction.hold(slot)

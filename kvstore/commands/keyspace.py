@@ -11,34 +11,36 @@ from __future__ import annotations
 import random
 
 from kvstore.commands.args import SYNTAX, options, parse_int
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.store.engine import now_ms
 from kvstore.commands.glob import matches
 from kvstore.net.protocol import writer
 from kvstore.store.watch import touched
 
+FAMILY = Family()
 
-@command("DEL", -2, "write", "keyspace", "Deletes one or more keys.", keys=(1, -1, 1))
+
+@FAMILY.command("DEL", -2, "write", "keyspace", "Deletes one or more keys.", keys=(1, -1, 1))
 def del_(conn, args):
     return writer.integer(sum(conn.engine.delete(k) for k in args[1:]))
 
 
-@command("UNLINK", -2, "write fast", "keyspace", "Asynchronously deletes one or more keys.", keys=(1, -1, 1))
+@FAMILY.command("UNLINK", -2, "write fast", "keyspace", "Asynchronously deletes one or more keys.", keys=(1, -1, 1))
 def unlink(conn, args):
     return del_(conn, args)
 
 
-@command("EXISTS", -2, "readonly fast", "keyspace", "Determines whether one or more keys exist.", keys=(1, -1, 1))
+@FAMILY.command("EXISTS", -2, "readonly fast", "keyspace", "Determines whether one or more keys exist.", keys=(1, -1, 1))
 def exists(conn, args):
     return writer.integer(sum(conn.engine.lookup(k) is not None for k in args[1:]))
 
 
-@command("TYPE", 2, "readonly fast", "keyspace", "Determines the type of value stored at a key.")
+@FAMILY.command("TYPE", 2, "readonly fast", "keyspace", "Determines the type of value stored at a key.")
 def type_(conn, args):
     return writer.simple("none" if conn.engine.lookup(args[1]) is None else "string")
 
 
-@command("TOUCH", -2, "readonly fast", "keyspace", "Returns the number of existing keys out of those specified "
+@FAMILY.command("TOUCH", -2, "readonly fast", "keyspace", "Returns the number of existing keys out of those specified "
          "after updating the time they were last accessed.", keys=(1, -1, 1))
 def touch(conn, args):
     engine, found = conn.engine, 0
@@ -53,7 +55,7 @@ def touch(conn, args):
 RANDOM_TRIES = 64
 
 
-@command("RANDOMKEY", 1, "readonly", "keyspace", "Returns a random key name from the database.", keys=(0, 0, 0))
+@FAMILY.command("RANDOMKEY", 1, "readonly", "keyspace", "Returns a random key name from the database.", keys=(0, 0, 0))
 def randomkey(conn, args):
     """A few random slots first (O(1) each); the index in order when they all miss."""
     engine = conn.engine
@@ -102,7 +104,7 @@ def _encoding(engine, slot: int) -> str:
     return "embstr" if size <= 44 else "raw"
 
 
-@command("OBJECT", -2, "", "keyspace", "A container for object introspection commands.", keys=(2, 2, 1),
+@FAMILY.command("OBJECT", -2, "", "keyspace", "A container for object introspection commands.", keys=(2, 2, 1),
          subcommands={"encoding": (3, "Returns the internal encoding of a Redis object."),
                       "freq": (3, "Returns the logarithmic access frequency counter of a Redis object."),
                       "idletime": (3, "Returns the time since the last access to a Redis object."),
@@ -153,22 +155,22 @@ def _expire(conn, args, unit_ms: int, absolute: bool = False):
     return writer.ONE
 
 
-@command("EXPIRE", -3, "write fast", "keyspace", "Sets the expiration time of a key in seconds.")
+@FAMILY.command("EXPIRE", -3, "write fast", "keyspace", "Sets the expiration time of a key in seconds.")
 def expire(conn, args):
     return _expire(conn, args, 1000)
 
 
-@command("PEXPIRE", -3, "write fast", "keyspace", "Sets the expiration time of a key in milliseconds.")
+@FAMILY.command("PEXPIRE", -3, "write fast", "keyspace", "Sets the expiration time of a key in milliseconds.")
 def pexpire(conn, args):
     return _expire(conn, args, 1)
 
 
-@command("EXPIREAT", -3, "write fast", "keyspace", "Sets the expiration time of a key to a Unix timestamp.")
+@FAMILY.command("EXPIREAT", -3, "write fast", "keyspace", "Sets the expiration time of a key to a Unix timestamp.")
 def expireat(conn, args):
     return _expire(conn, args, 1000, absolute=True)
 
 
-@command("PEXPIREAT", -3, "write fast", "keyspace", "Sets the expiration time of a key to a Unix milliseconds "
+@FAMILY.command("PEXPIREAT", -3, "write fast", "keyspace", "Sets the expiration time of a key to a Unix milliseconds "
          "timestamp.")
 def pexpireat(conn, args):
     return _expire(conn, args, 1, absolute=True)
@@ -184,28 +186,28 @@ def _ttl(conn, key: bytes, unit_ms: int, absolute: bool = False) -> bytes:
     return writer.integer((left + unit_ms // 2) // unit_ms)
 
 
-@command("EXPIRETIME", 2, "readonly fast", "keyspace", "Returns the expiration time of a key as a Unix timestamp.")
+@FAMILY.command("EXPIRETIME", 2, "readonly fast", "keyspace", "Returns the expiration time of a key as a Unix timestamp.")
 def expiretime(conn, args):
     return _ttl(conn, args[1], 1000, absolute=True)
 
 
-@command("PEXPIRETIME", 2, "readonly fast", "keyspace", "Returns the expiration time of a key as a Unix "
+@FAMILY.command("PEXPIRETIME", 2, "readonly fast", "keyspace", "Returns the expiration time of a key as a Unix "
          "milliseconds timestamp.")
 def pexpiretime(conn, args):
     return _ttl(conn, args[1], 1, absolute=True)
 
 
-@command("TTL", 2, "readonly fast", "keyspace", "Returns the expiration time in seconds of a key.")
+@FAMILY.command("TTL", 2, "readonly fast", "keyspace", "Returns the expiration time in seconds of a key.")
 def ttl(conn, args):
     return _ttl(conn, args[1], 1000)
 
 
-@command("PTTL", 2, "readonly fast", "keyspace", "Returns the expiration time in milliseconds of a key.")
+@FAMILY.command("PTTL", 2, "readonly fast", "keyspace", "Returns the expiration time in milliseconds of a key.")
 def pttl(conn, args):
     return _ttl(conn, args[1], 1)
 
 
-@command("PERSIST", 2, "write fast", "keyspace", "Removes the expiration time of a key.")
+@FAMILY.command("PERSIST", 2, "write fast", "keyspace", "Removes the expiration time of a key.")
 def persist(conn, args):
     if conn.engine.lookup(args[1]) is None or not conn.engine.persist(args[1]):
         return writer.ZERO
@@ -213,7 +215,7 @@ def persist(conn, args):
     return writer.ONE
 
 
-@command("DBSIZE", 1, "readonly fast loading", "server", "Returns the number of keys in the database.", keys=(0, 0, 0))
+@FAMILY.command("DBSIZE", 1, "readonly fast loading", "server", "Returns the number of keys in the database.", keys=(0, 0, 0))
 def dbsize(conn, args):
     return writer.integer(len(conn.engine.index))
 
@@ -225,17 +227,17 @@ def _flush(conn, args):
     return writer.OK
 
 
-@command("FLUSHDB", -1, "write", "server", "Removes all keys from the current database.", keys=(0, 0, 0))
+@FAMILY.command("FLUSHDB", -1, "write", "server", "Removes all keys from the current database.", keys=(0, 0, 0))
 def flushdb(conn, args):
     return _flush(conn, args)
 
 
-@command("FLUSHALL", -1, "write", "server", "Removes all keys from all databases.", keys=(0, 0, 0))
+@FAMILY.command("FLUSHALL", -1, "write", "server", "Removes all keys from all databases.", keys=(0, 0, 0))
 def flushall(conn, args):
     return _flush(conn, args)
 
 
-@command("SCAN", -2, "readonly", "keyspace", "Iterates over the key names in the database.", keys=(0, 0, 0))
+@FAMILY.command("SCAN", -2, "readonly", "keyspace", "Iterates over the key names in the database.", keys=(0, 0, 0))
 def scan(conn, args):
     try:
         cursor = int(args[1]) if args[1].isdigit() else -1
@@ -258,7 +260,7 @@ def scan(conn, args):
     return writer.array([writer.bulk(str(cursor)), writer.bulk_array(keys)])
 
 
-@command("KEYS", 2, "readonly", "keyspace", "Returns all key names that match a pattern.", keys=(0, 0, 0))
+@FAMILY.command("KEYS", 2, "readonly", "keyspace", "Returns all key names that match a pattern.", keys=(0, 0, 0))
 def keys(conn, args):
     engine = conn.engine
     found = [k for k in list(engine.index) if matches(args[1], k) and engine.lookup(k) is not None]

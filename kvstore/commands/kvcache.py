@@ -8,14 +8,16 @@ prefer leaves.
 from __future__ import annotations
 
 from kvstore.commands.args import SYNTAX, option_map, parse_int, store
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
 from proto import wire
+
+FAMILY = Family()
 
 DEFAULT_PIN_TTL_MS = 60_000
 
 
-@command(wire.KV_PUT, -3, "write denyoom", "kvcache",
+@FAMILY.command(wire.KV_PUT, -3, "write denyoom", "kvcache",
          "Stores a KV block, optionally linked to its parent block; NX keeps an existing one; "
          "PIN soft-pins it.", values=lambda i: i == 2)
 def kv_put(conn, args):
@@ -28,7 +30,7 @@ def kv_put(conn, args):
     return writer.ONE
 
 
-@command(wire.KV_PIN, -2, "write fast", "kvcache",
+@FAMILY.command(wire.KV_PIN, -2, "write fast", "kvcache",
          "Soft-pins a block for ttl-ms (default 60000): evicted last, the pin expires by itself.")
 def kv_pin(conn, args):
     if len(args) > 3:
@@ -39,18 +41,18 @@ def kv_pin(conn, args):
     return writer.integer(int(conn.engine.pin(args[1], ttl)))
 
 
-@command(wire.KV_UNPIN, 2, "write fast", "kvcache", "Removes a block's soft pin.")
+@FAMILY.command(wire.KV_UNPIN, 2, "write fast", "kvcache", "Removes a block's soft pin.")
 def kv_unpin(conn, args):
     return writer.integer(int(conn.engine.unpin(args[1])))
 
 
-@command(wire.KV_MATCH, -2, "readonly fast", "kvcache",
+@FAMILY.command(wire.KV_MATCH, -2, "readonly fast", "kvcache",
          "Returns how many leading keys of a block chain are cached.", keys=(1, -1, 1), spans_slots=True)
 def kv_match(conn, args):
     return writer.integer(conn.engine.match_prefix(args[1:]))
 
 
-@command(wire.KV_LOCATE, -2, "readonly fast", "kvcache",
+@FAMILY.command(wire.KV_LOCATE, -2, "readonly fast", "kvcache",
          "Returns, per key, the tier and size of the block or nil; in a cluster, to a READONLY "
          "connection, also the addresses of the nodes holding copies of it.", keys=(1, -1, 1), spans_slots=True)
 def kv_locate(conn, args):
@@ -70,7 +72,7 @@ def kv_locate(conn, args):
     return writer.array(items)
 
 
-@command(wire.KV_STATS, 1, "readonly fast", "kvcache", "Returns hit, miss and per-tier byte counters.",
+@FAMILY.command(wire.KV_STATS, 1, "readonly fast", "kvcache", "Returns hit, miss and per-tier byte counters.",
          keys=(0, 0, 0))
 def kv_stats(conn, args):
     return conn.enc.map([(writer.bulk(name), writer.integer(value))

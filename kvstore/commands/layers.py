@@ -25,11 +25,13 @@ from __future__ import annotations
 
 from kvstore.commands.args import check_arena_token, option_map, parse_int, parse_ttl_ms
 from kvstore.commands.fastpath import refuse_outside_arena
-from kvstore.commands.table import CommandError, command, first_key
-from kvstore.store.engine import Extent
+from kvstore.commands.table import CommandError, Family, first_key
+from kvstore.store.arena import Extent
 from kvstore.local.layers import LayerError, PartialBlock, parse_header
 from kvstore.net.protocol import writer
 from proto import fastpath as fp
+
+FAMILY = Family()
 
 PENDING = "pending"
 
@@ -44,7 +46,7 @@ def _layer_errors(fn):
     return run
 
 
-@command(fp.KV_BLOCK, -3, "write denyoom", "layers",
+@FAMILY.command(fp.KV_BLOCK, -3, "write denyoom", "layers",
          "Opens a block for layer-wise writing; its header declares dtype, shape and layers.")
 @_layer_errors
 def kv_block(conn, args):
@@ -64,7 +66,7 @@ def _layer_index(arg: bytes) -> int:
     return parse_int(arg, "layer index must be an integer")
 
 
-@command(fp.KV_PUTLAYER, 4, "write denyoom", "layers", "Writes one layer of an open block.",
+@FAMILY.command(fp.KV_PUTLAYER, 4, "write denyoom", "layers", "Writes one layer of an open block.",
          values=lambda i: i == 3)
 @_layer_errors
 def kv_putlayer(conn, args):
@@ -72,7 +74,7 @@ def kv_putlayer(conn, args):
     return writer.integer(conn.server.blocks.write(args[1], _layer_index(args[2]), data))
 
 
-@command(fp.KV_LAYERDONE, 4, "write fast", "layers",
+@FAMILY.command(fp.KV_LAYERDONE, 4, "write fast", "layers",
          "Marks a layer the client wrote straight into the block's extent as complete.", keys=(2, 2, 1))
 @_layer_errors
 def kv_layerdone(conn, args):
@@ -134,7 +136,7 @@ def _source(conn, found, start: int, stop: int) -> tuple[memoryview, memoryview,
     return header, value[first:last], first
 
 
-@command(fp.KV_GETLAYERS, -4, "readonly", "layers",
+@FAMILY.command(fp.KV_GETLAYERS, -4, "readonly", "layers",
          "Returns the header and a range of layers of a block; WAIT ms waits for them.",
          reads=first_key)
 @_layer_errors
@@ -147,7 +149,7 @@ def kv_getlayers(conn, args):
     return _read_layers(conn, args, 1, reply)
 
 
-@command(fp.KV_LEASELAYERS, -6, "readonly", "layers",
+@FAMILY.command(fp.KV_LEASELAYERS, -6, "readonly", "layers",
          "Leases a range of layers for a direct read: [lease id, offset, nbytes, header, word, tag]; "
          "WAIT ms waits.",
          keys=(3, 3, 1), reads=lambda conn, args: [args[3]])

@@ -14,8 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvstore.commands.args import SYNTAX, parse_int
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 _LCS_OPTIONS = {b"IDX", b"LEN", b"WITHMATCHLEN"}
 MAX_WALK = 256 * 1024       # bytes of both values together that the string and IDX replies walk back over
@@ -52,7 +54,7 @@ def _table(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return table
 
 
-@command("LCS", -3, "readonly", "string", "Finds the longest common substring.", keys=(1, 2, 1),
+@FAMILY.command("LCS", -3, "readonly", "string", "Finds the longest common substring.", keys=(1, 2, 1),
          reads=lambda conn, args: args[1:3])
 def lcs(conn, args):
     get_len, get_idx, with_len, min_len = _options(args)

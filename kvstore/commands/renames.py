@@ -12,8 +12,10 @@ as any overwrite does.
 from __future__ import annotations
 
 from kvstore.commands.args import SYNTAX, parse_int
-from kvstore.commands.table import CommandError, command, first_key
+from kvstore.commands.table import CommandError, Family, first_key
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 NO_SUCH_KEY = "no such key"
 
@@ -46,20 +48,20 @@ def _rename(conn, args: list, replace: bool) -> bool:
     return True
 
 
-@command("RENAME", 3, "write", "keyspace", "Renames a key and overwrites the destination.", keys=(1, 2, 1),
+@FAMILY.command("RENAME", 3, "write", "keyspace", "Renames a key and overwrites the destination.", keys=(1, 2, 1),
          reads=first_key)
 def rename(conn, args):
     _rename(conn, args, replace=True)
     return writer.OK
 
 
-@command("RENAMENX", 3, "write fast", "keyspace", "Renames a key only when the target key name doesn't exist.",
+@FAMILY.command("RENAMENX", 3, "write fast", "keyspace", "Renames a key only when the target key name doesn't exist.",
          keys=(1, 2, 1), reads=first_key)
 def renamenx(conn, args):
     return writer.integer(int(_rename(conn, args, replace=False)))
 
 
-@command("COPY", -3, "write denyoom", "keyspace", "Copies the value of a key to a new key.", keys=(1, 2, 1),
+@FAMILY.command("COPY", -3, "write denyoom", "keyspace", "Copies the value of a key to a new key.", keys=(1, 2, 1),
          reads=first_key)
 def copy(conn, args):
     replace, i = False, 3

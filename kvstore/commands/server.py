@@ -10,25 +10,28 @@ from __future__ import annotations
 from kvstore.admin import acl, info, live_config
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.client_kill import client_kill, client_pause, command_getkeys
-from kvstore.commands.table import CommandError, all_commands, command, lookup
+from kvstore.commands.glob import matches
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
+
+FAMILY = Family()
 
 COMPAT_VERSION = "7.0.0"
 
 
-@command("PING", -1, "fast loading stale", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
+@FAMILY.command("PING", -1, "fast loading stale", "connection", "Returns the server's liveliness response.", keys=(0, 0, 0))
 def ping(conn, args):
     if len(args) > 2:
         raise CommandError("wrong number of arguments for 'ping' command")
     return writer.PONG if len(args) == 1 else writer.bulk(args[1])
 
 
-@command("ECHO", 2, "fast loading stale", "connection", "Returns the given string.", keys=(0, 0, 0))
+@FAMILY.command("ECHO", 2, "fast loading stale", "connection", "Returns the given string.", keys=(0, 0, 0))
 def echo(conn, args):
     return writer.bulk(args[1])
 
 
-@command("SELECT", 2, "loading stale fast", "connection", "Changes the selected database.", keys=(0, 0, 0))
+@FAMILY.command("SELECT", 2, "loading stale fast", "connection", "Changes the selected database.", keys=(0, 0, 0))
 def select(conn, args):
     db = parse_int(args[1], "value is not an integer or out of range")
     if db != 0:
@@ -36,7 +39,7 @@ def select(conn, args):
     return writer.OK
 
 
-@command("HELLO", -1, "noscript loading stale fast no-auth", "connection", "Handshakes with the server.",
+@FAMILY.command("HELLO", -1, "noscript loading stale fast no-auth", "connection", "Handshakes with the server.",
          keys=(0, 0, 0))
 def hello(conn, args):
     protocol = conn.enc.protocol
@@ -69,7 +72,7 @@ def hello(conn, args):
         (b("modules"), writer.EMPTY_ARRAY)])
 
 
-@command("CLIENT", -2, "noscript loading stale", "connection", "A container for client connection commands.",
+@FAMILY.command("CLIENT", -2, "noscript loading stale", "connection", "A container for client connection commands.",
          keys=(0, 0, 0), subcommands={"setname": (3, "Sets the connection name."),
                                       "getname": (2, "Returns the name of the connection."),
                                       "id": (2, "Returns the unique client ID of the connection."),
@@ -106,7 +109,7 @@ def client(conn, args):
     return conn.set_lib_info(args[2], args[3])
 
 
-@command("CONFIG", -2, "admin noscript loading stale", "server", "A container for server configuration commands.",
+@FAMILY.command("CONFIG", -2, "admin noscript loading stale", "server", "A container for server configuration commands.",
          keys=(0, 0, 0), subcommands={"get": (-3, "Returns the effective values of configuration parameters."),
                                       "set": (-4, "Sets configuration parameters in-flight."),
                                       "resetstat": (2, "Resets the server's statistics.")})
@@ -123,7 +126,6 @@ def config(conn, args):
 
 
 def _config_get(conn, patterns: list[bytes]) -> bytes:
-    from kvstore.commands.glob import matches
     values = live_config.current(conn.server)
     found: dict[bytes, str] = {}
     for pattern in patterns:
@@ -149,7 +151,7 @@ def _config_set(conn, pairs: list[bytes]) -> bytes:
     return writer.OK
 
 
-@command("INFO", -1, "loading stale", "server", "Returns information and statistics about the server.",
+@FAMILY.command("INFO", -1, "loading stale", "server", "Returns information and statistics about the server.",
          keys=(0, 0, 0))
 def info_(conn, args):
     sections = [a.decode(errors="replace").lower() for a in args[1:]]
@@ -176,30 +178,30 @@ def _command_docs(conn, cmd) -> bytes:
     return conn.enc.map(fields)
 
 
-@command("COMMAND", -1, "loading stale", "server", "Returns detailed information about all commands.",
+@FAMILY.command("COMMAND", -1, "loading stale", "server", "Returns detailed information about all commands.",
          keys=(0, 0, 0), subcommands={"count": (2, "Returns a count of commands."),
                                       "docs": (-2, "Returns documentary information about one, multiple or all commands."),
                                       "info": (-2, "Returns information about one, multiple or all commands."),
                                       "list": (-2, "Returns a list of command names."),
                                       "getkeys": (-3, "Extracts the key names from an arbitrary command.")})
 def command_(conn, args):
-    commands = sorted(all_commands(), key=lambda c: c.name)
+    commands = sorted(conn.commands.all_commands(), key=lambda c: c.name)
     if len(args) == 1:
         return writer.array([_command_info(c) for c in commands])
     sub = args[1].lower()
     if sub == b"getkeys":
-        return command_getkeys(args)
+        return command_getkeys(conn, args)
     if sub == b"count":
         return writer.integer(len(commands))
     if sub == b"list":
         return writer.bulk_array([c.name for c in commands])
-    wanted = [lookup(a) for a in args[2:]] if len(args) > 2 else commands
+    wanted = [conn.commands.lookup(a) for a in args[2:]] if len(args) > 2 else commands
     if sub == b"info":
         return writer.array([conn.enc.null if c is None else _command_info(c) for c in wanted])
     return conn.enc.map([(writer.bulk(c.name), _command_docs(conn, c)) for c in wanted if c is not None])
 
 
-@command("MEMORY", -2, "readonly", "server", "A container for memory diagnostics commands.",
+@FAMILY.command("MEMORY", -2, "readonly", "server", "A container for memory diagnostics commands.",
          keys=(0, 0, 0), subcommands={"usage": (-3, "Estimates the memory usage of a key.")})
 def memory(conn, args):
     if len(args) not in (3, 5) or (len(args) == 5 and args[3].upper() != b"SAMPLES"):
@@ -212,13 +214,13 @@ def memory(conn, args):
     return writer.integer(conn.engine.memory_usage(args[2], slot))
 
 
-@command("QUIT", -1, "noscript loading stale fast no-auth", "connection", "Closes the connection.", keys=(0, 0, 0))
+@FAMILY.command("QUIT", -1, "noscript loading stale fast no-auth", "connection", "Closes the connection.", keys=(0, 0, 0))
 def quit_(conn, args):
     conn.close_after_reply = True
     return writer.OK
 
 
-@command("SHUTDOWN", -1, "admin noscript loading stale no_multi", "server", "Synchronously saves the database(s) to disk "
+@FAMILY.command("SHUTDOWN", -1, "admin noscript loading stale no_multi", "server", "Synchronously saves the database(s) to disk "
          "and shuts down the Redis server.", keys=(0, 0, 0))
 def shutdown(conn, args):
     for opt in args[1:]:

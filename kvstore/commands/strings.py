@@ -9,10 +9,12 @@ the arena through the connection. Replies match Redis 7 byte for byte.
 from __future__ import annotations
 
 from kvstore.commands.args import SYNTAX, options, parse_int, store
-from kvstore.commands.table import CommandError, all_keys, command, first_key
+from kvstore.commands.table import CommandError, Family, all_keys, first_key
 from kvstore.store.engine import now_ms
 from kvstore.net.protocol import writer
 from kvstore.store.watch import touched
+
+FAMILY = Family()
 
 MAX_EXPIRE_MS = 2**63 // 1000
 _SET_OPTIONS = {b"NX": 0, b"XX": 0, b"GET": 0, b"KEEPTTL": 0, b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1}
@@ -53,7 +55,7 @@ def _set_reads(conn, args: list) -> list[bytes]:
     return [args[1]] if any(a.upper() == b"GET" for a in args[3:]) else []
 
 
-@command("SET", -3, "write denyoom", "string", "Sets the string value of a key, ignoring its type.",
+@FAMILY.command("SET", -3, "write denyoom", "string", "Sets the string value of a key, ignoring its type.",
          values=lambda i: i == 2, reads=_set_reads)
 def set_(conn, args):
     key, value = args[1], args[2]
@@ -85,7 +87,7 @@ def set_plain(conn, args: list) -> bytes:
     return writer.OK
 
 
-@command("GET", 2, "readonly fast", "string", "Returns the string value of a key.", reads=first_key)
+@FAMILY.command("GET", 2, "readonly fast", "string", "Returns the string value of a key.", reads=first_key)
 def get(conn, args):
     slot = conn.engine.get_slot(args[1])
     if slot is None:
@@ -93,7 +95,7 @@ def get(conn, args):
     conn.write_value(slot)
 
 
-@command("GETDEL", 2, "write fast", "string", "Returns the string value of a key after deleting the key.",
+@FAMILY.command("GETDEL", 2, "write fast", "string", "Returns the string value of a key after deleting the key.",
          reads=first_key)
 def getdel(conn, args):
     slot = conn.engine.get_slot(args[1])
@@ -104,7 +106,7 @@ def getdel(conn, args):
     return reply
 
 
-@command("MGET", -2, "readonly fast", "string", "Atomically returns the string values of one or more keys.",
+@FAMILY.command("MGET", -2, "readonly fast", "string", "Atomically returns the string values of one or more keys.",
          keys=(1, -1, 1), reads=all_keys)
 def mget(conn, args):
     conn.write(b"*%d\r\n" % (len(args) - 1))
@@ -116,7 +118,7 @@ def mget(conn, args):
             conn.write_value(slot)
 
 
-@command("MSET", -3, "write denyoom", "string", "Atomically creates or modifies the string values of one or more keys.",
+@FAMILY.command("MSET", -3, "write denyoom", "string", "Atomically creates or modifies the string values of one or more keys.",
          keys=(1, -1, 2), values=lambda i: i % 2 == 0)
 def mset(conn, args):
     if len(args) % 2 == 0:
@@ -126,13 +128,13 @@ def mset(conn, args):
     return writer.OK
 
 
-@command("STRLEN", 2, "readonly fast", "string", "Returns the length of a string value.")
+@FAMILY.command("STRLEN", 2, "readonly fast", "string", "Returns the length of a string value.")
 def strlen(conn, args):
     slot = conn.engine.lookup(args[1])
     return writer.integer(0 if slot is None else conn.engine.size_of(slot))
 
 
-@command("GETRANGE", 4, "readonly", "string", "Returns a substring of the string stored at a key.",
+@FAMILY.command("GETRANGE", 4, "readonly", "string", "Returns a substring of the string stored at a key.",
          reads=first_key)
 def getrange(conn, args):
     start, end = parse_int(args[2]), parse_int(args[3])
@@ -157,19 +159,19 @@ def _set_with_ttl(conn, args: list, unit: bytes) -> bytes:
     return writer.OK
 
 
-@command("SETEX", 4, "write denyoom", "string", "Sets the string value and expiration time of a key.",
+@FAMILY.command("SETEX", 4, "write denyoom", "string", "Sets the string value and expiration time of a key.",
          values=lambda i: i == 3)
 def setex(conn, args):
     return _set_with_ttl(conn, args, b"EX")
 
 
-@command("PSETEX", 4, "write denyoom", "string",
+@FAMILY.command("PSETEX", 4, "write denyoom", "string",
          "Sets both string value and expiration time in milliseconds of a key.", values=lambda i: i == 3)
 def psetex(conn, args):
     return _set_with_ttl(conn, args, b"PX")
 
 
-@command("SETNX", 3, "write denyoom fast", "string", "Set the string value of a key only when the key doesn't exist.",
+@FAMILY.command("SETNX", 3, "write denyoom fast", "string", "Set the string value of a key only when the key doesn't exist.",
          values=lambda i: i == 2)
 def setnx(conn, args):
     if conn.engine.lookup(args[1]) is not None:
@@ -178,7 +180,7 @@ def setnx(conn, args):
     return writer.ONE
 
 
-@command("GETSET", 3, "write denyoom fast", "string", "Returns the previous string value of a key after setting it "
+@FAMILY.command("GETSET", 3, "write denyoom fast", "string", "Returns the previous string value of a key after setting it "
          "to a new value.", values=lambda i: i == 2, reads=first_key)
 def getset(conn, args):
     slot = conn.engine.lookup(args[1])
@@ -187,7 +189,7 @@ def getset(conn, args):
     return old
 
 
-@command("MSETNX", -3, "write denyoom", "string", "Atomically modifies the string values of one or more keys only "
+@FAMILY.command("MSETNX", -3, "write denyoom", "string", "Atomically modifies the string values of one or more keys only "
          "when all keys don't exist.", keys=(1, -1, 2), values=lambda i: i % 2 == 0)
 def msetnx(conn, args):
     if len(args) % 2 == 0:
@@ -202,7 +204,7 @@ def msetnx(conn, args):
 _GETEX_OPTIONS = {b"EX": 1, b"PX": 1, b"EXAT": 1, b"PXAT": 1, b"PERSIST": 0}
 
 
-@command("GETEX", -2, "write fast", "string", "Returns the string value of a key after setting its expiration time.",
+@FAMILY.command("GETEX", -2, "write fast", "string", "Returns the string value of a key after setting its expiration time.",
          reads=first_key)
 def getex(conn, args):
     chosen = [(opt, values) for opt, values in options(args, 2, _GETEX_OPTIONS)]
@@ -228,7 +230,7 @@ def getex(conn, args):
 MAX_STRING = 512 * 1024 * 1024     # Redis's proto-max-bulk-len default
 
 
-@command("APPEND", 3, "write denyoom fast", "string", "Appends a string to the value of a key. Creates the key if it "
+@FAMILY.command("APPEND", 3, "write denyoom fast", "string", "Appends a string to the value of a key. Creates the key if it "
          "doesn't exist.", reads=first_key)
 def append(conn, args):
     engine = conn.engine
@@ -242,7 +244,7 @@ def append(conn, args):
     return writer.integer(engine.splice(args[1], size, args[2]))
 
 
-@command("SETRANGE", 4, "write denyoom", "string", "Overwrites a part of a string value with another by an offset. "
+@FAMILY.command("SETRANGE", 4, "write denyoom", "string", "Overwrites a part of a string value with another by an offset. "
          "Creates the key if it doesn't exist.", reads=first_key)
 def setrange(conn, args):
     offset = parse_int(args[2])

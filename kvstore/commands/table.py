@@ -8,11 +8,16 @@ values (the reader receives those straight into the arena).
 
 Handlers take ``(conn, args)`` and return the encoded reply, or None when they
 queued the reply themselves (values sent from the arena).
+
+Each family module declares its commands on a `Family`; the table is built
+from the explicit list in commands/families.py, once per server, and handed
+to dispatch (``conn.commands``) and to ACL (its `Catalog`). Importing a module
+registers nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 
 class CommandError(Exception):
@@ -61,44 +66,53 @@ class Command:
             raise CommandError(f"wrong number of arguments for '{self.name}|{sub}' command")
 
 
-TABLE: dict[bytes, Command] = {}
+class Family:
+    """The commands one module defines (``FAMILY = Family()``, then ``@FAMILY.command(...)``
+    on each handler); `CommandTable` is built from a list of families."""
+
+    def __init__(self) -> None:
+        self.commands: list[Command] = []
+
+    def command(self, name: str, arity: int, flags: str, group: str, summary: str, *,
+                keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None, reads=None,
+                spans_slots: bool = False):
+        """Declare the decorated function as the handler of ``name``.
+
+        ``values(i)`` says whether argument ``i`` is a value to store (received
+        straight into the arena); ``reads(conn, args)`` names the keys whose
+        values the command reads (fetched into DRAM first when they live on SSD
+        or GPU, so handlers only ever see DRAM). ``spans_slots``: in a cluster the
+        command's keys need not share a hash slot, only be served by this node
+        (the SDK sends each node the keys of a prefix that live there, unlike
+        Redis's multi-key commands, which must stay in one slot).
+        """
+        def declare(fn: Callable) -> Callable:
+            self.commands.append(Command(name.lower(), arity, tuple(flags.split()), fn, group, summary,
+                                         *keys, value_args=values, reads=reads,
+                                         subcommands=subcommands or {}, spans_slots=spans_slots))
+            return fn
+        return declare
 
 
-def command(name: str, arity: int, flags: str, group: str, summary: str, *,
-            keys: tuple[int, int, int] = (1, 1, 1), values=None, subcommands=None, reads=None,
-            spans_slots: bool = False):
-    """Register the decorated function as the handler of ``name``.
+class CommandTable:
+    """Every command of the families it is built from, by name as clients send it
+    (upper or lower case; `lookup` also folds mixed case)."""
 
-    ``values(i)`` says whether argument ``i`` is a value to store (received
-    straight into the arena); ``reads(conn, args)`` names the keys whose
-    values the command reads (fetched into DRAM first when they live on SSD
-    or GPU, so handlers only ever see DRAM). ``spans_slots``: in a cluster the
-    command's keys need not share a hash slot, only be served by this node
-    (the SDK sends each node the keys of a prefix that live there, unlike
-    Redis's multi-key commands, which must stay in one slot).
-    """
-    def register(fn: Callable) -> Callable:
-        cmd = Command(name.lower(), arity, tuple(flags.split()), fn, group, summary,
-                      *keys, value_args=values, reads=reads, subcommands=subcommands or {},
-                      spans_slots=spans_slots)
-        TABLE[name.upper().encode()] = cmd
-        TABLE[name.lower().encode()] = cmd
-        return fn
-    return register
+    def __init__(self, families: Iterable[Family]):
+        self.by_name: dict[bytes, Command] = {}
+        for family in families:
+            for cmd in family.commands:
+                self.by_name[cmd.name.upper().encode()] = cmd
+                self.by_name[cmd.name.encode()] = cmd
 
+    def lookup(self, name: bytes) -> Command | None:
+        cmd = self.by_name.get(name)
+        if cmd is None:
+            cmd = self.by_name.get(name.upper())
+        return cmd
 
-def lookup(name: bytes) -> Command | None:
-    cmd = TABLE.get(name)
-    if cmd is None:
-        cmd = TABLE.get(name.upper())
-    return cmd
-
-
-def all_commands() -> list[Command]:
-    seen = {}
-    for cmd in TABLE.values():
-        seen[cmd.name] = cmd
-    return list(seen.values())
+    def all_commands(self) -> list[Command]:
+        return list({cmd.name: cmd for cmd in self.by_name.values()}.values())
 
 
 def first_key(conn, args: list) -> list[bytes]:

@@ -12,12 +12,14 @@ null reply when a watched key was touched (kvstore/store/watch.py).
 from __future__ import annotations
 
 from kvstore.commands import dispatch
-from kvstore.commands.table import CommandError, command
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
 from kvstore.store.watch import unwatch, watches_of
 
+FAMILY = Family()
 
-@command("MULTI", 1, "noscript loading stale fast", "transactions", "Starts a transaction.", keys=(0, 0, 0))
+
+@FAMILY.command("MULTI", 1, "noscript loading stale fast", "transactions", "Starts a transaction.", keys=(0, 0, 0))
 def multi(conn, args):
     if conn.multi is not None:
         raise CommandError("MULTI calls can not be nested")
@@ -25,7 +27,7 @@ def multi(conn, args):
     return writer.OK
 
 
-@command("EXEC", 1, "noscript loading stale skip_slowlog", "transactions", "Executes all commands in a transaction.",
+@FAMILY.command("EXEC", 1, "noscript loading stale skip_slowlog", "transactions", "Executes all commands in a transaction.",
          keys=(0, 0, 0))
 def exec_(conn, args):
     if conn.multi is None:
@@ -43,7 +45,7 @@ def exec_(conn, args):
     dispatch.run_transaction(conn, queued)
 
 
-@command("DISCARD", 1, "noscript loading stale fast", "transactions", "Discards a transaction.", keys=(0, 0, 0))
+@FAMILY.command("DISCARD", 1, "noscript loading stale fast", "transactions", "Discards a transaction.", keys=(0, 0, 0))
 def discard(conn, args):
     if conn.multi is None:
         raise CommandError("DISCARD without MULTI")
@@ -53,7 +55,7 @@ def discard(conn, args):
     return writer.OK
 
 
-@command("WATCH", -2, "noscript loading stale fast", "transactions", "Monitors changes to keys to determine the "
+@FAMILY.command("WATCH", -2, "noscript loading stale fast", "transactions", "Monitors changes to keys to determine the "
          "execution of a transaction.", keys=(1, -1, 1))
 def watch(conn, args):
     if conn.multi is not None:
@@ -64,7 +66,7 @@ def watch(conn, args):
     return writer.OK
 
 
-@command("UNWATCH", 1, "noscript loading stale fast", "transactions", "Forgets about watched keys of a transaction.",
+@FAMILY.command("UNWATCH", 1, "noscript loading stale fast", "transactions", "Forgets about watched keys of a transaction.",
          keys=(0, 0, 0))
 def unwatch_(conn, args):
     unwatch(conn)

@@ -22,7 +22,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from kvstore.store.engine import Extent
+from kvstore.store.arena import Extent
 from proto import fastpath as fp
 
 

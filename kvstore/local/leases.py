@@ -61,7 +61,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvstore.store.engine import Extent
+from kvstore.store.arena import Extent
 from proto.fastpath import VALIDITY_WORDS
 
 ARENA_TOKEN_BYTES = 16

@@ -37,9 +37,9 @@ from collections import deque
 from itertools import islice
 
 from kvstore.admin import acl
-from kvstore.commands import CommandError
+from kvstore.commands.table import CommandError
 from kvstore.commands.dispatch import dispatch, release_queued, run_plain, value_destination
-from kvstore.store.engine import Extent
+from kvstore.store.arena import Extent
 from kvstore.net.protocol import writer
 from kvstore.net.protocol.reader import ProtocolError, RequestReader
 
@@ -59,6 +59,8 @@ class Connection:
     def __init__(self, server, sock: socket.socket, conn_id: int):
         self.server = server
         self.engine = server.engine
+        self.tiers = server.tiers           # the TierManager, None without lower tiers
+        self.commands = server.commands
         self.sock = sock
         self.fd = sock.fileno()
         self.id = conn_id
@@ -245,7 +247,7 @@ class Connection:
             if backlog and self.waiting is None and not self.close_after_reply:
                 dispatch(self, *backlog.popleft())
         if self.prefetched and not backlog and self.waiting is None:
-            self.engine.tiers.unstage(self.prefetched)
+            self.tiers.unstage(self.prefetched)
             self.prefetched = []
         if not backlog and self.waiting is None and self.protocol_error is not None \
                 and not self.close_after_reply:
@@ -478,7 +480,7 @@ class Connection:
         release_queued(self.engine, [(args, has_holders) for args, _, has_holders in self.backlog])
         self.backlog.clear()
         if self.prefetched:
-            self.engine.tiers.unstage(self.prefetched)
+            self.tiers.unstage(self.prefetched)
             self.prefetched = []
         for _, lease in self.out:
             if lease is not None:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from kvstore.admin import acl
-
+from kvstore.commands.families import build_table
 from kvstore.net import tls
 from kvstore.cluster.membership import ClusterError
 from kvstore.admin.config import Config
@@ -53,7 +53,8 @@ class Server:
     def __init__(self, config: Config, config_file: str | None = None):
         self.config = config
         self.config_file = config_file
-        self.users = acl.Users(config.requirepass)
+        self.commands = build_table()
+        self.users = acl.Users(acl.Catalog.of(self.commands.all_commands()), config.requirepass)
         if config.aclfile:
             self.users.load(config.aclfile)
         self.tls_context = tls.server_context(config) if config.tls_port else None
@@ -61,7 +62,7 @@ class Server:
         self.slowlog = SlowLog(config.slowlog_log_slower_than, config.slowlog_max_len)
         self.pause = None       # CLIENT PAUSE in force (kvstore/net/client_pause.py)
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
-        self.tiers = open_tiers(self.engine, config)
+        self.tiers = open_tiers(self.engine, config)     # None without SSD and GPU tiers
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()
         self.listeners: list[socket.socket] = []

@@ -16,10 +16,21 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 PAGE = mmap.PAGESIZE
+
+
+@dataclass(slots=True)
+class Extent:
+    """A piece of the arena: reserved for an incoming value, or holding one."""
+
+    offset: int
+    size: int
+    view: memoryview
+    committed: bool = False
 
 
 class Arena:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store.allocator import BuddyAllocator
-from kvstore.store.arena import Arena
+from kvstore.store.arena import Arena, Extent
 from kvstore.store.deadlines import Deadlines
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
@@ -67,16 +67,6 @@ class NeedsDemotion(OutOfMemory):
     def __init__(self, size: int):
         super().__init__(f"waiting for the SSD tier to take {size} bytes")
         self.size = size
-
-
-@dataclass(slots=True)
-class Extent:
-    """A piece of the arena: reserved for an incoming value, or holding one."""
-
-    offset: int
-    size: int
-    view: memoryview
-    committed: bool = False
 
 
 @dataclass
@@ -108,7 +98,6 @@ class Engine:
         self.index: dict[bytes, int] = {}
         self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/store/deadlines.py)
         self.stats = EngineStats()
-        self.tiers = None               # the TierManager, for commands that reach it through the engine
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
         self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, slot) after a commit
         self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(slot, key) before a drop

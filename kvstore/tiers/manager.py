@@ -102,7 +102,6 @@ class TierManager:
         self._stalled = False              # demotion found nothing to move: writes may evict
         self._unacked: list[asyncio.Future] = []
         self._copies = ThreadPoolExecutor(2, thread_name_prefix="tier-copy") if gpu is not None else None
-        engine.tiers = self
         engine.can_demote = self.can_demote
         engine.commit_listeners.append(self.on_commit)
         engine.drop_listeners.append(self._on_drop)

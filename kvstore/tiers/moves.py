@@ -10,12 +10,9 @@ it, when the reader lets go.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from kvstore.store.arena import Extent
 from kvstore.store.slots import DRAM, GPU, ON_SSD, SSD, STAGED, SlotTable
-
-if TYPE_CHECKING:
-    from kvstore.store.engine import Extent
 
 
 class TierMoves:
