@@ -36,14 +36,14 @@ import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from client import KVClient
 from loadtest.procs import ProcessGroup, start_kvstore
-from loadtest.report import log
+from loadtest.report import Figure, log
+from loadtest.serving_replay import live_figures
 from workers.catalog import SMOLLM2, TINY
 from workers.decode import DecodeEngine
 from workers.kvio import make_connector
@@ -69,18 +69,6 @@ QUESTIONS = [
     "Summarise the Mooncake paper's scheduling idea in one paragraph.",
 ]
 RANDOM_LENGTHS = [32, 100, 200, 300, 450, 600, 700, 800, 900, 1024]
-
-
-@dataclass
-class Figure:
-    name: str
-    value: str
-    target: str
-    ok: bool | None
-
-    def line(self) -> str:
-        verdict = "" if self.ok is None else ("  ok" if self.ok else "  MISSED")
-        return f"{self.name:<58} {self.value:>18}   target {self.target}{verdict}"
 
 
 class Rig:
@@ -244,7 +232,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     figures = in_process(args, sections) if sections & {"exact", "reuse", "overlap"} else []
     if sections & {"replay", "rejection"}:
-        from loadtest.serving_replay import live_figures
         figures += live_figures(args, sections)
     print()
     for f in figures:

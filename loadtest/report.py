@@ -167,6 +167,20 @@ class Table:
                 "rows": rows, "notes": self.notes}
 
 
+@dataclass
+class Figure:
+    """One measured figure on a line of its own, beside its target (and whether it met it)."""
+
+    name: str
+    value: str
+    target: str
+    ok: bool | None
+
+    def line(self) -> str:
+        verdict = "" if self.ok is None else ("  ok" if self.ok else "  MISSED")
+        return f"{self.name:<58} {self.value:>18}   target {self.target}{verdict}"
+
+
 def turns(columns: dict[str, T], repeats: int) -> Iterator[tuple[str, T]]:
     """(column, what to measure it on) for every repeat, rotating which column goes first."""
     names = list(columns)

@@ -51,7 +51,7 @@ from conductor.admission import Slo
 from conductor.costmodel import fit_cost_model, read_timings
 from conductor.simulator import SimConfig, replay
 from conductor.trace import TraceRequest, load_trace
-from loadtest.report import log
+from loadtest.report import Figure, log
 from proto import grpc_codegen
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
@@ -249,7 +249,6 @@ def measured_run(model: str, policy: str, rejection: str, slo: Slo, calibrate: s
 
 
 def live_figures(args: argparse.Namespace, sections: set[str]) -> list:
-    from loadtest.bench_serving import Figure
     from workers.catalog import load_tokenizer
 
     tokenizer, _ = load_tokenizer(args.model)
