@@ -29,7 +29,7 @@ class StoreError(Exception):
 
 def cluster_nodes(url: str) -> list[str]:
     """"host:port" of the live nodes of the cluster at ``url`` (etcd://HOST:PORT/NAME)."""
-    from kvstore.cluster.cli import read_snapshot
+    from kvstore.cluster.subcommand import read_snapshot
     from kvstore.cluster.kv import Unavailable
     from kvstore.cluster.membership import ClusterError
     from kvstore.cluster.runner import ClusterURL

@@ -1,6 +1,6 @@
 """`python -m kvstore` is the `kvstore` command."""
 import sys
 
-from kvstore.cli import main
+from kvstore.subcommands import main
 
 sys.exit(main())

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from conductor.cli import tracegen_main
         return tracegen_main(argv[1:])
     if argv and argv[0] == "cluster":
-        from kvstore.cluster.cli import cluster_main
+        from kvstore.cluster.subcommand import cluster_main
         return cluster_main(argv[1:])
     if argv and argv[0] in ("worker", "gateway", "llm"):
         from workers import cli as workers_cli
