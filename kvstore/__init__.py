@@ -11,7 +11,7 @@ tiers/     below DRAM: the tier manager (manager), index moves (moves), gpu, ssd
 local/     what local clients share: leases, shared_index, layers
 cluster/   hash slots over etcd: slot map, membership, routing, copies, migration
 admin/     config, live_config, acl, info, metrics, slowlog
-subcommands.py  the `kvstore` command line (serve, cluster, conductor, worker, ...), the one door up
+cli.py     the `kvstore` command line (serve, cluster, conductor, ...), the one door up
 
 Words: a *block* is one block key's KV value; a *chain link* is its parent key; an
 *entry slot* is a key's row in the index; a *hash slot* is one of Redis Cluster's

@@ -1,6 +1,6 @@
 """`python -m kvstore` is the `kvstore` command."""
 import sys
 
-from kvstore.subcommands import main
+from kvstore.cli import main
 
 sys.exit(main())

@@ -158,6 +158,6 @@ def test_session_trees_branch():
 
 
 def test_kvstore_command_line_dispatches_tracegen(capsys):
-    from kvstore.subcommands import main
+    from kvstore.cli import main
     assert main(["tracegen", "--requests", "2", "--seed", "1"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2

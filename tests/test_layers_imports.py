@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("proto", "client", "kvstore", "conductor", "workers", "loadtest")
-DOORS_UP = {"kvstore.subcommands": {"conductor.cli", "workers.cli"}}
+DOORS_UP = {"kvstore.cli": {"conductor.cli", "workers.cli"}}
 KNOWN_CYCLES = {frozenset({"workers.cli", "workers.launcher"})}
 
 
