@@ -226,7 +226,7 @@ def test_a_command_cut_short_reports_its_holders():
     reader = RequestReader(DEFAULT_MAX_BULK, recorder)
     stream = encode_command("MSET", "a", BIG_VALUE, "b", BIG_VALUE)
     assert feed(reader, stream[:-100], (4096,)) == []
-    assert reader.pending_holders() == recorder.holders and len(recorder.holders) == 2
+    assert reader.pending_extents() == recorder.holders and len(recorder.holders) == 2
 
 
 # ----------------------------------------------------------------- inline
@@ -372,7 +372,7 @@ def test_resp_like_tokens_raise_only_protocol_error(tokens, sizes):
         pass
 
 
-# ----------------------------------------------------------------- the fast path for small commands
+# ----------------------------------------------------------------- the batch cut for small commands
 
 PIPELINE = b"".join(encode_command("SET", "key:%d" % i, "v" * 100) for i in range(16))
 
@@ -401,9 +401,9 @@ def test_a_huge_array_header_is_left_to_the_exact_parser(monkeypatch):
 
 def outcome(stream: bytes, fast: bool = True, monkeypatch=None) -> tuple[list, str | None]:
     """The commands parsed from ``stream`` in one piece and the protocol error, if any,
-    with or without the fast path."""
+    with or without the batch cut."""
     if not fast:
-        monkeypatch.setattr(RequestReader, "_split_small_commands", lambda self, out: None)
+        monkeypatch.setattr(RequestReader, "_cut_batch", lambda self, out: None)
     reader, parsed = RequestReader(DEFAULT_MAX_BULK, Recorder()), []
     try:
         feed(reader, stream, out=parsed)

@@ -1,4 +1,4 @@
-"""The reader's fast path for pipelined small commands (`RequestReader._split_small_commands`).
+"""The reader's batch cut for pipelined small commands (`RequestReader._cut_batch`).
 
 It splits a window of the buffer on CRLF and checks every ``$len`` header of
 the batch against its argument at once; whatever it takes must be exactly
@@ -45,8 +45,8 @@ def test_values_holding_line_ends_come_back_whole(value):
 
 def test_a_window_whose_check_fails_is_split_once(monkeypatch):
     splits = []
-    real = RequestReader._split_small_commands
-    monkeypatch.setattr(RequestReader, "_split_small_commands", lambda self, out: splits.append(1) or real(self, out))
+    real = RequestReader._cut_batch
+    monkeypatch.setattr(RequestReader, "_cut_batch", lambda self, out: splits.append(1) or real(self, out))
     cmds = [[b"SET", b"k%d" % i, b"a\r\nb" if i == 0 else b"v"] for i in range(30)]
     assert parse_all(b"".join(encode_command(*c) for c in cmds)) == cmds
     assert len(splits) == 1

@@ -18,9 +18,9 @@ What stays in `kvstore/net/connection.py`: the socket, the request and reply buf
 the backlog of parsed requests and the pause while a deferred command waits.
 Dispatch decides, the connection moves bytes.
 
-A request is ``(args, failure, has_holders)`` as the reader returns it:
+A request is ``(args, failure, has_extents)`` as the reader returns it:
 ``failure`` is an error found while parsing (a value too big for the arena)
-that must be reported in order, and ``has_holders`` says that some argument
+that must be reported in order, and ``has_extents`` says that some argument
 is an arena extent received straight from the socket (given back unless the
 handler committed it).
 """
@@ -79,7 +79,7 @@ def value_destination(conn, args: list, size: int):
     return memoryview(buf), buf
 
 
-def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bool = False) -> None:
+def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bool = False) -> None:
     """Run one request for ``conn``: its reply (or a deferral) is queued on the connection."""
     settled = True          # False while the request is queued in MULTI or deferred
     cmd = None
@@ -92,36 +92,36 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_holders: bo
         pause = conn.server.pause
         if pause is not None and pause.holds(cmd):
             settled = False     # CLIENT PAUSE: run again once it is over (kvstore/net/client_pause.py)
-            conn.defer(pause.over, lambda _: dispatch(conn, args, None, has_holders))
+            conn.defer(pause.over, lambda _: dispatch(conn, args, None, has_extents))
             return
         if conn.multi is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
             if "no_multi" in cmd.flags:
                 raise CommandError(NO_MULTI_ERROR)     # and EXEC answers EXECABORT
-            conn.multi.append((args, has_holders))
+            conn.multi.append((args, has_extents))
             conn.write(writer.QUEUED)
             settled = False
             return
-        if _fetch_first(conn, cmd, args, has_holders):
+        if _fetch_first(conn, cmd, args, has_extents):
             settled = False
             return
         _run(conn, cmd, args)
     except Exception as exc:
-        settled = _failed(conn, cmd, args, exc, has_holders)
+        settled = _failed(conn, cmd, args, exc, has_extents)
     finally:
         if settled:
             if conn.asking and conn.multi is None and args[0].lower() != b"asking":
                 conn.asking = False     # ASKING covers the next command only, as in Redis
-            if has_holders:
-                release_holders(conn.engine, args)
+            if has_extents:
+                release_extents(conn.engine, args)
             conn.server.stats.commands += 1
 
 
-def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_holders: bool) -> bool:
+def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_extents: bool) -> bool:
     """Queue the error reply of a request that raised ``exc``; False when it was
     deferred instead, to run again (a write waiting for DRAM to make room)."""
     if isinstance(exc, NeedsDemotion):
         conn.defer(conn.tiers.make_room(exc.size),
-                   lambda _: dispatch(conn, args, None, has_holders))
+                   lambda _: dispatch(conn, args, None, has_extents))
         return False
     if isinstance(exc, Redirected):
         _fail(conn, exc.reply)
@@ -159,14 +159,14 @@ def run_plain(conn) -> None:
     done = 0
     try:
         while backlog and conn.waiting is None and not conn.close_after_reply:
-            args, failure, has_holders = backlog[0]
+            args, failure, has_extents = backlog[0]
             plain = _PLAIN.get(args[0])
             if plain is None or len(args) != plain[0] or failure is not None:
                 return
             backlog.popleft()
             cmd, handler = conn.commands.lookup(args[0]), plain[1]
             try:
-                if tiers is not None and _fetch_first(conn, cmd, args, has_holders):
+                if tiers is not None and _fetch_first(conn, cmd, args, has_extents):
                     return      # counted when it runs, once its value is in DRAM
                 conn.last_command = cmd.name
                 start = perf_counter_ns()
@@ -179,10 +179,10 @@ def run_plain(conn) -> None:
                 if tiers is not None and tiers.has_unacked():
                     _wait_for_ssd(conn, tiers)
             except Exception as exc:
-                if not _failed(conn, cmd, args, exc, has_holders):
+                if not _failed(conn, cmd, args, exc, has_extents):
                     continue
-            if has_holders:
-                release_holders(conn.engine, args)
+            if has_extents:
+                release_extents(conn.engine, args)
             done += 1
     finally:
         conn.server.stats.commands += done
@@ -280,7 +280,7 @@ def _wait_for_ssd(conn, tiers) -> None:
     conn.defer(asyncio.gather(*tiers.take_unacked(), return_exceptions=True), _ordering_only)
 
 
-def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
+def _fetch_first(conn, cmd: Command, args: list, has_extents: bool) -> bool:
     """Defer the command while the values it reads come up from SSD/GPU; True when deferred.
 
     The keys the next pipelined commands read are fetched in the same batch,
@@ -294,7 +294,7 @@ def _fetch_first(conn, cmd: Command, args: list, has_holders: bool) -> bool:
         return False
     ahead = [p for p in tiers.pending_fetch(_reads_ahead(conn)) if p not in pending]
     conn.defer(tiers.fetch(pending + ahead, into_arena=cmd.name in ARENA_READERS),
-               lambda fetched: _run_fetched(conn, fetched, args, has_holders, len(pending)))
+               lambda fetched: _run_fetched(conn, fetched, args, has_extents, len(pending)))
     return True
 
 
@@ -307,7 +307,7 @@ def _reads_ahead(conn) -> list[bytes]:
     return keys
 
 
-def _run_fetched(conn, fetched: list, args: list, has_holders: bool, own: int) -> None:
+def _run_fetched(conn, fetched: list, args: list, has_extents: bool, own: int) -> None:
     """Run a command whose values were just copied into DRAM.
 
     The first ``own`` fetched values are this command's (unstaged once it ran);
@@ -318,7 +318,7 @@ def _run_fetched(conn, fetched: list, args: list, has_holders: bool, own: int) -
     staged = tiers.install(fetched[:own])
     conn.prefetched += tiers.install(fetched[own:])
     try:
-        dispatch(conn, args, None, has_holders)
+        dispatch(conn, args, None, has_extents)
     finally:
         tiers.unstage(staged)
 
@@ -331,7 +331,7 @@ def run_transaction(conn, queued: list) -> None:
     for room) holds the rest of the transaction, and its reply, in place.
     """
     conn.write(b"*%d\r\n" % len(queued))
-    conn.backlog.extendleft((args, None, has_holders) for args, has_holders in reversed(queued))
+    conn.backlog.extendleft((args, None, has_extents) for args, has_extents in reversed(queued))
 
 
 def _fail(conn, reply: bytes, aborts: bool = True) -> None:
@@ -348,7 +348,7 @@ def _abort_transaction(conn, refusal: CommandError) -> CommandError:
     return CommandError(f"Transaction discarded because of: {refusal.code} {refusal}", "EXECABORT")
 
 
-def release_holders(engine, args: list) -> None:
+def release_extents(engine, args: list) -> None:
     """Give back arena extents received for a request that did not commit them."""
     for arg in args:
         if isinstance(arg, Extent) and not arg.committed:
@@ -357,9 +357,9 @@ def release_holders(engine, args: list) -> None:
 
 def release_queued(engine, queued: list) -> None:
     """Give back the extents of queued requests that will never run."""
-    for args, has_holders in queued:
-        if has_holders:
-            release_holders(engine, args)
+    for args, has_extents in queued:
+        if has_extents:
+            release_extents(engine, args)
 
 
 def _ordering_only(result) -> None:

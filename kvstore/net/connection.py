@@ -472,12 +472,12 @@ class Connection:
         # The fd number may go to the next client at once: a wait that ends after this
         # must not touch the loop's registration for it.
         self.reading = self.writing = False
-        for holder in self.reader.pending_holders():
-            if isinstance(holder, Extent):
-                self.engine.release(holder)
+        for extent in self.reader.pending_extents():
+            if isinstance(extent, Extent):
+                self.engine.release(extent)
         if self.multi:
             release_queued(self.engine, self.multi)
-        release_queued(self.engine, [(args, has_holders) for args, _, has_holders in self.backlog])
+        release_queued(self.engine, [(args, has_extents) for args, _, has_extents in self.backlog])
         self.backlog.clear()
         if self.prefetched:
             self.tiers.unstage(self.prefetched)

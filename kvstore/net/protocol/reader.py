@@ -25,8 +25,8 @@ MAX_MULTIBULK = 2**31 - 1     # Redis's INT_MAX
 UNAUTH_MULTIBULK = 10
 UNAUTH_BULK = 16384
 INITIAL_BUFFER = 16 * 1024
-SPLIT_WINDOW = 8 * 1024       # bytes the small-command fast path looks at per pass (< BIG_BULK)
-MAX_SPLIT_ARGS = 1024         # arguments of a command the fast path takes; more go the exact way
+SPLIT_WINDOW = 8 * 1024       # bytes the batch cut looks at per pass (< BIG_BULK)
+MAX_SPLIT_ARGS = 1024         # arguments of a command the batch cut takes; more go the exact way
 # A bulk header of 10000 bytes or more near the start: that command is longer than the window, so the
 # split could not take it; the exact parser reads it without the split's pass over its value's bytes.
 # Looked for only when more than SHORT_SPLIT bytes wait: a split of fewer costs less than the look.
@@ -49,7 +49,8 @@ class ProtocolError(Exception):
     """Malformed input: the connection gets ``-ERR Protocol error: ...`` and is closed."""
 
 
-# allocate(args_so_far, size) -> (writable view, holder); holder becomes the arg.
+# allocate(args_so_far, size) -> (writable view, extent); the extent becomes the arg: an arena
+# extent when the value goes to the arena, else a heap bytearray standing in for one.
 Allocate = Callable[[list, int], tuple[memoryview, Any]]
 
 
@@ -187,11 +188,11 @@ class RequestReader:
         self.args: list | None = None   # arguments of the command being read
         self.want = 0                   # arguments still to come
         self.failure: Exception | None = None
-        self.has_holders = False
+        self.has_extents = False
         self.skip = 0                   # CRLF after a big bulk still to skip
         self.exact_until = 0            # the small-command split failed on the bytes before this
         self.big: memoryview | None = None
-        self.big_holder: Any = None
+        self.big_extent: Any = None
         self.big_got = 0
         self.discarding = 0             # bytes of a bulk with nowhere to go
         self.parsed_before_error: list = []
@@ -225,7 +226,7 @@ class RequestReader:
             self.big_got += take
             n -= take
             if self.big_got == len(self.big):
-                self._finish_big(self.big_holder)
+                self._finish_big(self.big_extent)
         elif self.discarding:
             take = min(n, self.discarding)
             self.discarding -= take
@@ -246,17 +247,17 @@ class RequestReader:
             self.buf, self.mv = bigger, memoryview(bigger)
         self.start, self.end = 0, live
 
-    def pending_holders(self) -> list:
+    def pending_extents(self) -> list:
         """Destinations of a command cut short (to give back when the client goes)."""
         held = [a for a in (self.args or []) if not isinstance(a, (bytes, type(None)))]
-        if self.big_holder is not None:
-            held.append(self.big_holder)
+        if self.big_extent is not None:
+            held.append(self.big_extent)
         return held
 
     # ------------------------------------------------------------ parsing
 
     def parse(self) -> list[tuple[list, Exception | None, bool]]:
-        """Complete commands as (args, failure, has_holders) tuples."""
+        """Complete commands as (args, failure, has_extents) tuples."""
         out = []
         try:
             self._parse_into(out)
@@ -278,17 +279,17 @@ class RequestReader:
                     break
             if self.args is None and self.authenticated and self.end - self.start > 4 \
                     and buf[self.start] == 42 and self.start >= self.exact_until:
-                self._split_small_commands(out)
+                self._cut_batch(out)
             if self.args is None and not self._begin_command(out):
                 break
             if self.args is not None:
                 if not self._read_bulks(buf):
                     break
-                out.append((self.args, self.failure, self.has_holders))
+                out.append((self.args, self.failure, self.has_extents))
                 self.args = None
 
-    def _split_small_commands(self, out: list) -> None:
-        """Fast path for pipelined batches of small commands: one C-level split of
+    def _cut_batch(self, out: list) -> None:
+        """The batch cut, for pipelined batches of small commands: one C-level split of
         the buffer on CRLF, then the commands are cut out of the parts, each
         ``$len`` header checked against its argument in C (`_lengths_match`): a
         long run of commands of one shape at once (`_uniform_commands`), else
@@ -344,7 +345,7 @@ class RequestReader:
             raise ProtocolError("unauthenticated multibulk length")
         self.start = nl + 2
         if n > 0:
-            self.args, self.want, self.failure, self.has_holders = [], n, None, False
+            self.args, self.want, self.failure, self.has_extents = [], n, None, False
         return True
 
     def _read_bulks(self, buf: bytearray) -> bool:
@@ -402,7 +403,7 @@ class RequestReader:
         """Start receiving a big bulk into its own destination."""
         take = min(self.end - self.start, size)
         try:
-            view, holder = self.allocate(self.args, size)
+            view, extent = self.allocate(self.args, size)
         except Exception as exc:                             # no room: drain, then fail
             self.failure = exc
             self.start += take
@@ -410,15 +411,15 @@ class RequestReader:
             if not self.discarding:
                 self._finish_big(None)
             return
-        self.has_holders = True
+        self.has_extents = True
         view[:take] = self.mv[self.start:self.start + take]
         self.start += take
-        self.big, self.big_holder, self.big_got = view, holder, take
+        self.big, self.big_extent, self.big_got = view, extent, take
         if take == size:
-            self._finish_big(holder)
+            self._finish_big(extent)
 
-    def _finish_big(self, holder) -> None:
-        self.args.append(bytes(holder) if isinstance(holder, bytearray) else holder)
-        self.big, self.big_holder, self.big_got = None, None, 0
+    def _finish_big(self, extent) -> None:
+        self.args.append(bytes(extent) if isinstance(extent, bytearray) else extent)
+        self.big, self.big_extent, self.big_got = None, None, 0
         self.want -= 1
         self.skip = 2
