@@ -5,7 +5,7 @@
 net/       the network front: server (accept loop, cron, shutdown; builds the node),
            connection, protocol/ (RESP reader and writer), tls, client_pause
 commands/  the command table, dispatch, and the command families as Redis groups them
-store/     the index and DRAM: engine, slots (the index's columns), eviction, holds,
+store/     the index and DRAM: engine, entries (the index's columns), eviction, holds,
            deadlines, allocator, arena, watch; knows nothing of RESP
 tiers/     below DRAM: the tier manager (manager), index moves (moves), gpu, ssd
 local/     what local clients share: leases, shared_index, layers
@@ -32,7 +32,7 @@ SET (a big value):
   MULTI, and runs commands/strings.set_ (a plain ``SET key value`` skips those
   checks when none can matter: dispatch.run_plain), which commits the extent
   (commands/args.store -> engine.commit): the index entry, its columns
-  (store/slots), the eviction policy's lists (store/eviction) and the tier
+  (store/entries), the eviction policy's lists (store/eviction) and the tier
   manager's listener (tiers/manager) learn of it; "+OK" goes to the connection's
   reply buffer and out with one send.
 GET:

@@ -24,7 +24,7 @@ from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.slots import SLOTS, SlotMap
 from kvstore.store.engine import Engine
-from kvstore.store.slots import GPU, SSD
+from kvstore.store.entries import GPU, SSD
 from kvstore.tiers.manager import TieringConfig, TierManager
 from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import SSDTier

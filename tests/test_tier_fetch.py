@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.store.engine import Engine
-from kvstore.store.slots import DRAM
+from kvstore.store.entries import DRAM
 from kvstore.tiers import manager as tiering
 from kvstore.tiers.manager import TieringConfig, TierManager
 from kvstore.tiers.ssd import SSDTier

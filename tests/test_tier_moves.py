@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.store.allocator import BuddyAllocator
 from kvstore.store.engine import Engine
-from kvstore.store.slots import GPU, ON_SSD
+from kvstore.store.entries import GPU, ON_SSD
 from kvstore.tiers.manager import TieringConfig, TierManager
 from tests.conftest import until
 

@@ -55,7 +55,7 @@ from kvstore.cluster.held_copies import HeldCopies
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
 from kvstore.cluster.slots import SlotMap, keyslot
-from kvstore.store.slots import DRAM, STAGED
+from kvstore.store.entries import DRAM, STAGED
 
 log = logging.getLogger("kvstore.cluster")
 

@@ -80,7 +80,7 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from kvstore.store.slots import DRAM, SSD
+from kvstore.store.entries import DRAM, SSD
 from proto import fastpath as fp
 
 _SEQ, _HASH, _OFFSET, _SIZE = fp.INDEX_SEQ, fp.INDEX_HASH, fp.INDEX_OFFSET, fp.INDEX_SIZE

@@ -1,6 +1,6 @@
 """The store's memory and index: what a key maps to and where its bytes sit in DRAM.
 
-`engine` (the key index, reserve/commit, eviction under pressure), `slots` (the
+`engine` (the key index, reserve/commit, eviction under pressure), `entries` (the
 index's columns), `eviction` (approximate LRU over chain leaves), `holds` (reads in
 flight that keep an extent in place), `deadlines` (keys with a TTL), `allocator`
 (the buddy allocator), `arena` (the shared-memory DRAM arena), `watch` (WATCH's

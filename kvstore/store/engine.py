@@ -2,7 +2,7 @@
 
 The engine knows nothing of RESP or sockets. A key maps to a small integer
 slot; per-slot facts (tier, arena offset, value size) live in the flat
-columns of kvstore/store/slots.py and the eviction policy keeps its own per-slot
+columns of kvstore/store/entries.py and the eviction policy keeps its own per-slot
 columns (access stamp, chain links, candidate lists). That layout keeps the
 metadata under 200 bytes a key, where a Python object per entry would cost
 twice that.
@@ -42,7 +42,7 @@ from kvstore.store.arena import Arena, Extent
 from kvstore.store.deadlines import Deadlines
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
-from kvstore.store.slots import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, SlotTable
+from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.tiers.moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 
@@ -90,7 +90,7 @@ class Engine:
         self.arena = Arena(dram_size, prefault=prefault)
         self.allocator = BuddyAllocator(dram_size, OFFSET_UNIT)
         self.eviction = SampledLRU(capacity=1024, places=len(TIERS))
-        self.slots = SlotTable(self.eviction)
+        self.slots = EntryTable(self.eviction)
         self.holds = ExtentHolds(self.allocator, self.eviction)
         self.moves = TierMoves(self.slots, self.holds.free)
         self.policy = policy

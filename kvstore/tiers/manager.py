@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvstore.store.engine import Engine, OutOfMemory
-from kvstore.store.slots import DRAM, GPU, ON_SSD, SSD, STAGED
+from kvstore.store.entries import DRAM, GPU, ON_SSD, SSD, STAGED
 from kvstore.tiers import CorruptValue, TierError, ValueTooLarge
 from proto.fastpath import HEADER_SIZE, KV_LEASE, KV_LEASEGPU, KV_LEASELAYERS
 

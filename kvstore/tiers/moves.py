@@ -2,7 +2,7 @@
 
 kvstore/tiers/manager.py decides what moves and copies the bytes on worker threads;
 when a copy is done it calls one of these, on the loop thread, to flip the
-slot's tier and flags (`SlotTable`) and to free or take over DRAM extents.
+slot's tier and flags (`EntryTable`) and to free or take over DRAM extents.
 That is all they need: the slot table and ``free_dram`` (``ExtentHolds.free``,
 kvstore/store/holds.py), which frees an extent now or, when a reader still holds
 it, when the reader lets go.
@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.store.arena import Extent
-from kvstore.store.slots import DRAM, GPU, ON_SSD, SSD, STAGED, SlotTable
+from kvstore.store.entries import DRAM, GPU, ON_SSD, SSD, STAGED, EntryTable
 
 
 class TierMoves:
     """Tier transitions of index slots (the engine builds one: ``engine.moves``)."""
 
-    def __init__(self, slots: SlotTable, free_dram: Callable[[int, int], None]):
+    def __init__(self, slots: EntryTable, free_dram: Callable[[int, int], None]):
         self.slots = slots
         self.free_dram = free_dram
         self.leave_listeners: list[Callable[[int], None]] = []   # fn(slot) before its DRAM home is let go

@@ -19,7 +19,7 @@ here and nowhere else:
   arena at ``offset_units`` or, when DRAM was full, on the heap
   (``heap_copies``).
 
-One owner: every change of a slot's tier or flags goes through `SlotTable`,
+One owner: every change of a slot's tier or flags goes through `EntryTable`,
 which keeps the per-tier counts and bytes that INFO reports and tells the
 eviction policy where each entry lives and whether it is clean (its candidate
 lists depend on both), so the three can never disagree.
@@ -40,7 +40,7 @@ OFFSET_SHIFT = 6
 OFFSET_UNIT = 1 << OFFSET_SHIFT
 
 
-class SlotTable:
+class EntryTable:
     """The columns of every slot, the free slot ids, and counts and bytes per tier."""
 
     def __init__(self, policy: SampledLRU):
