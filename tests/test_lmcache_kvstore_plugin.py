@@ -77,7 +77,7 @@ def test_lmcache_remote_backend_runs_on_the_plugin(rig, server):
 
 
 def test_batched_lookup_is_one_kv_match(rig, server):
-    connector, local = plugin(rig, server)
+    connector, local = plugin(rig, server, unix_socket=server.unix_socket)
     keys = [rig.key(i) for i in range(6)]
     chunks = [rig.chunk(local, i) for i in range(4)]
     rig.run(connector.batched_put(keys[:4], chunks))
@@ -163,7 +163,7 @@ def test_a_node_down_is_misses_and_one_log_line_then_the_node_is_used_again(rig,
             rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))       # dropped, no exception
             rig.run(connector.batched_put([rig.key(2)], [rig.chunk(local, 2)]))
             rig.run(asyncio.sleep(0.25))
-        down = [r for r in caplog.records if r.name == LOGGER and "unreachable" in r.getMessage()]
+        down = [r for r in caplog.records if r.name == LOGGER and "cannot be used" in r.getMessage()]
         assert len(down) == 1, [r.getMessage() for r in caplog.records]
         assert f"{node.host}:{node.port}" in down[0].getMessage() and down[0].levelno == logging.WARNING
 
@@ -197,7 +197,8 @@ def test_a_node_down_from_the_start_does_not_stop_lmcache(rig, tmp_path):
 
 
 @pytest.mark.parametrize("url", [None, "", "kvstore://127.0.0.1", "redis://127.0.0.1:6380", "kvstore://:6380",
-                                 "kvstore://127.0.0.1:notaport", "kvstore://127.0.0.1:6380/db"])
+                                 "kvstore://127.0.0.1:notaport", "kvstore://127.0.0.1:6380/db",
+                                 "kvstore://127.0.0.1:6380?db=1"])
 def test_a_missing_or_malformed_address_is_an_error_naming_the_setting(rig, url):
     extra = kvstore_plugin_config(url)
     with pytest.raises(ValueError, match=r"remote_storage_plugin\.kvstore\.url"):
@@ -214,3 +215,25 @@ def test_remote_url_with_the_kvstore_scheme_once_the_plugin_is_listed(rig, serve
     with pytest.raises(ValueError, match="remote_url"):
         rig.connector("kvstore://127.0.0.1", extra, ["kvstore"])
     release(got)
+
+
+def test_an_acl_password_in_the_address_and_a_wrong_one_logged_once(rig, tmp_path, caplog):
+    node = start_kvstore(tmp_path, password="s3cret")
+    try:
+        extra = kvstore_plugin_config(f"kvstore://:s3cret@{node.host}:{node.port}")
+        connector, local = rig.connector("plugin://kvstore", extra, ["kvstore"], "kvstore")
+        rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))
+        got = rig.run(connector.get(rig.key(1)))
+        assert rig.right(1, got)
+        release(got)
+
+        caplog.set_level(logging.INFO, logger=LOGGER)
+        extra = kvstore_plugin_config(f"kvstore://{node.host}:{node.port}", password="wrong")
+        connector, local = rig.connector("plugin://kvstore", extra, ["kvstore"], "kvstore")
+        for _ in range(3):
+            assert rig.run(connector.get(rig.key(1))) is None
+            assert connector.batched_contains([rig.key(1)]) == 0
+        lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+        assert len(lines) == 1 and "AuthenticationError" in lines[0], lines
+    finally:
+        node.stop()

@@ -16,6 +16,13 @@ LMCache then builds a `RemoteBackend` whose connector comes from
 `remote_url: kvstore://host:port` once the plugin is listed). `class_name:
 KVStoreConnector` works too: LMCache wraps a `RemoteConnector` subclass in
 its own adapter and builds it with ``(loop, local_cpu_backend, config)``.
+A plugin instance named ``kvstore.NAME`` reads its settings under
+``remote_storage_plugin.kvstore.NAME.*``. Besides ``url``
+(``kvstore://[[user]:password@]host:port``) they are: ``unix_socket`` (the
+node's socket path: used instead of TCP), ``username``/``password`` (an ACL
+user), ``timeout`` (seconds, 5), ``retries`` (1), ``pool_size``
+(connections, 16), ``retry_interval`` (seconds between tries of a node that
+is down, 1) and ``link_chunks`` (true).
 
 Layout: one store value per LMCache chunk, under the chunk key's string
 (`model@world_size@worker_id@chunk_hash@dtype`), holding exactly the chunk's
@@ -48,7 +55,7 @@ from typing import Any, Callable, Coroutine, List, Optional
 from urllib.parse import urlsplit
 
 from client import AsyncKVClient, KVClient
-from client.errors import BufferTooSmall, KVError
+from client.errors import AuthenticationError, BufferTooSmall, KVError
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
@@ -59,16 +66,18 @@ logger = logging.getLogger(__name__)
 SCHEME = "kvstore://"
 PLUGIN = "kvstore"
 DEFAULTS = {"timeout": 5.0, "retries": 1, "pool_size": 16, "retry_interval": 1.0, "link_chunks": True}
-UNREACHABLE = (ConnectionError, TimeoutError, OSError)   # the SDK's own classes derive from these
+UNUSABLE = (ConnectionError, TimeoutError, OSError, AuthenticationError)   # the SDK's errors derive from these
+REFUSAL_LOG_INTERVAL = 60.0      # seconds between two log lines about requests the node refuses
 
 
 def config_key(plugin_name: str, option: str) -> str:
     return f"remote_storage_plugin.{plugin_name}.{option}"
 
 
-def parse_address(url: Any, where: str) -> tuple[str, int]:
-    """(host, port) from ``kvstore://host:port`` (or ``host:port``); ValueError naming ``where``,
-    the setting the address came from, when it is missing or malformed."""
+def parse_address(url: Any, where: str) -> tuple[str, int, str | None, str | None]:
+    """(host, port, username, password) from ``kvstore://[[user]:password@]host:port`` (or
+    ``host:port``); ValueError naming ``where``, the setting the address came from, when it is
+    missing or malformed."""
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"kvstore connector: no store address: set {where} to kvstore://HOST:PORT")
     text = url.strip()
@@ -79,9 +88,10 @@ def parse_address(url: Any, where: str) -> tuple[str, int]:
         port = parts.port
     except ValueError as exc:
         raise ValueError(f"kvstore connector: {where}={url!r} is not kvstore://HOST:PORT ({exc})") from None
-    if parts.scheme != PLUGIN or not parts.hostname or port is None or parts.path not in ("", "/"):
+    if parts.scheme != PLUGIN or not parts.hostname or port is None or parts.path not in ("", "/") \
+            or parts.query or parts.fragment:
         raise ValueError(f"kvstore connector: {where}={url!r} is not kvstore://HOST:PORT")
-    return parts.hostname, port
+    return parts.hostname, port, parts.username or None, parts.password or None
 
 
 def _extra(config: Any) -> dict:
@@ -125,7 +135,7 @@ class _Reachability:
             if self._down_since is not None:
                 return
             self._down_since = now
-        logger.warning("kvstore at %s is unreachable (%s: %s): LMCache's remote reads miss and its "
+        logger.warning("kvstore at %s cannot be used (%s: %s): LMCache's remote reads miss and its "
                        "writes are dropped; trying again every %.1f s",
                        self.where, type(exc).__name__, exc, self.retry_interval)
 
@@ -150,7 +160,7 @@ class KVStoreConnector(RemoteConnector):
         where = "remote_url"
         if url is None:
             url, where = address_from_config(config, plugin_name)
-        self.host, self.port = parse_address(url, where)
+        self.host, self.port, username, password = parse_address(url, where)
         extra = _extra(config)
 
         def option(name: str, kind: Callable[[Any], Any]) -> Any:
@@ -164,15 +174,19 @@ class KVStoreConnector(RemoteConnector):
         def flag(value: Any) -> bool:
             return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
 
-        password = extra.get(config_key(plugin_name, "password")) or None
+        username = extra.get(config_key(plugin_name, "username")) or username
+        password = extra.get(config_key(plugin_name, "password")) or password
         self.link_chunks = option("link_chunks", flag)
-        common = dict(password=password, timeout=option("timeout", float), retries=option("retries", int),
-                      pool_size=option("pool_size", int))
+        common = dict(username=username, password=password, timeout=option("timeout", float),
+                      retries=option("retries", int), pool_size=option("pool_size", int),
+                      unix_socket=extra.get(config_key(plugin_name, "unix_socket")) or None)
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.store = AsyncKVClient(self.host, self.port, **common)     # used on `loop` only
         self.sync_store = KVClient(self.host, self.port, **common)     # for the synchronous lookups
         self.reach = _Reachability(f"{self.host}:{self.port}", option("retry_interval", float))
+        self._refusal_lock = threading.Lock()
+        self._refusals, self._refusal_logged = 0, -REFUSAL_LOG_INTERVAL
         logger.info("kvstore connector for %s:%d (plugin %s)", self.host, self.port, plugin_name)
 
     # ------------------------------------------------------------------ guards
@@ -182,12 +196,11 @@ class KVStoreConnector(RemoteConnector):
             return miss
         try:
             result = await call()
-        except UNREACHABLE as exc:
+        except UNUSABLE as exc:
             self.reach.failed(exc)
             return miss
         except KVError as exc:          # the node refused this one request (e.g. out of memory)
-            self.reach.answered()
-            logger.warning("kvstore at %s:%d refused a request: %s", self.host, self.port, exc)
+            self._refused(exc)
             return miss
         self.reach.answered()
         return result
@@ -197,15 +210,26 @@ class KVStoreConnector(RemoteConnector):
             return miss
         try:
             result = call()
-        except UNREACHABLE as exc:
+        except UNUSABLE as exc:
             self.reach.failed(exc)
             return miss
         except KVError as exc:
-            self.reach.answered()
-            logger.warning("kvstore at %s:%d refused a request: %s", self.host, self.port, exc)
+            self._refused(exc)
             return miss
         self.reach.answered()
         return result
+
+    def _refused(self, exc: KVError) -> None:
+        """A request the node answered with an error: a miss; logged once a `REFUSAL_LOG_INTERVAL`."""
+        self.reach.answered()
+        now = time.monotonic()
+        with self._refusal_lock:
+            self._refusals += 1
+            if now - self._refusal_logged < REFUSAL_LOG_INTERVAL:
+                return
+            count, self._refusals, self._refusal_logged = self._refusals, 0, now
+        logger.warning("kvstore at %s:%d refused %d request(s), taken as misses; the last: %s",
+                       self.host, self.port, count, exc)
 
     # ------------------------------------------------------------------ lookups
 
@@ -259,6 +283,8 @@ class KVStoreConnector(RemoteConnector):
         return None
 
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        if not self.reach.worth_trying():
+            return None
         memory_obj = self._allocate()
         if memory_obj is None:
             return None
@@ -276,6 +302,8 @@ class KVStoreConnector(RemoteConnector):
 
     async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
         """One chunk or None per key, received in pipelined round trips."""
+        if not self.reach.worth_trying():
+            return [None] * len(keys)
         memory_objs = []
         for _ in keys:
             memory_obj = self._allocate()
