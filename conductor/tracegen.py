@@ -5,8 +5,10 @@ lets every claim be checked on traces of other shapes. A trace here is a
 stream of requests whose parts are chosen separately:
 
 - **When** (`arrival`): the request times of a Poisson process, of a gamma
-  renewal process whose gaps have a coefficient of variation `burst_cv` > 1
-  (requests come in clumps), or of a Poisson process whose rate swings as
+  renewal process whose gaps have a coefficient of variation `burst_cv`
+  (`bursty` or `gamma`: above 1 requests come in clumps, 1 is Poisson, below
+  1 they come steadier than Poisson, near 0 like a clock), or of a Poisson
+  process whose rate swings as
   ``rate * (1 + amplitude * sin(2 pi t / period_s))`` (a compressed day).
   `tick_s` rounds times down to a grid, as logged traces do.
 - **What is shared** (the prefix structure). A new conversation starts with
@@ -20,6 +22,13 @@ stream of requests whose parts are chosen separately:
   conversation a tree whose branches share the common part.
 - **How long**: messages, documents, system prompts and answers each have a
   length distribution (`Lengths`: a mixture of clipped log-normals).
+- **Length and reuse apart** (`reuse` >= 0). The structure above ties how much
+  of a prompt is shared to how long it is (a document is long, a message
+  short). With `reuse` set, an opening prompt's whole length is drawn from
+  `first_tokens` and its first `reuse` share is the head of one of
+  `system_prompts` long shared contexts (Zipf `system_zipf`); the rest is its
+  own. So the prompt length, the share of it that others also send, and the
+  answer length are three separate knobs.
 
 Block ids follow from the content: a prompt is a path in a tree of content
 segments (system prompt, document, message, answer), and a 512-token block
@@ -46,7 +55,7 @@ import numpy as np
 
 from conductor.trace import BLOCK_TOKENS, TraceRequest
 
-ARRIVALS = ("poisson", "bursty", "diurnal")
+ARRIVALS = ("poisson", "bursty", "gamma", "diurnal")
 _CHUNK = 4096
 
 
@@ -101,10 +110,12 @@ class TraceSpec:
 
     requests: int = field(default=4000, metadata={"help": "requests to generate"})
     seed: int = field(default=0, metadata={"help": "random seed (same seed, same trace)"})
-    arrival: str = field(default="poisson", metadata={"help": "poisson, bursty or diurnal"})
+    arrival: str = field(default="poisson", metadata={
+        "help": "poisson, bursty or gamma (gamma gaps with CV burst_cv), or diurnal"})
     rate: float = field(default=3.4, metadata={"help": "mean requests per second"})
     burst_cv: float = field(default=3.0, metadata={
-        "help": "bursty: coefficient of variation of the gaps between requests (> 1)"})
+        "help": "bursty/gamma: coefficient of variation of the gaps between requests "
+                "(> 1 clumps, 1 Poisson, < 1 steadier)"})
     period_s: float = field(default=600.0, metadata={"help": "diurnal: period of the rate"})
     amplitude: float = field(default=0.6, metadata={
         "help": "diurnal: rate swings by this share of its mean (0-1)"})
@@ -134,6 +145,10 @@ class TraceSpec:
         "help": "seconds between an answer and its follow-up"})
     max_input: int = field(default=131_072, metadata={
         "help": "longest prompt; a conversation that would outgrow it ends"})
+    reuse: float = field(default=-1.0, metadata={
+        "help": "share of an opening prompt (its length from first_tokens) that is the head "
+                "of one of system_prompts shared contexts; -1: off (system prompt, document "
+                "and message as set)"})
 
     def __post_init__(self) -> None:
         checks = [
@@ -154,6 +169,7 @@ class TraceSpec:
             (self.continue_p / (1 - self.branch_p) < 1,
              "continue_p / (1 - branch_p), the mean follow-ups per request, must be below 1"),
             (self.max_input >= 1, "max_input must be at least 1"),
+            (self.reuse == -1.0 or 0 <= self.reuse <= 1, "reuse must be within 0-1 (or -1: off)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -220,7 +236,7 @@ def arrival_times(spec: TraceSpec, seed: np.random.SeedSequence) -> Iterator[flo
     while left:
         if spec.arrival == "poisson":
             times = t + np.cumsum(rng.exponential(1 / spec.rate, _CHUNK))
-        elif spec.arrival == "bursty":
+        elif spec.arrival in ("bursty", "gamma"):
             shape = 1 / spec.burst_cv ** 2
             times = t + np.cumsum(rng.gamma(shape, 1 / (spec.rate * shape), _CHUNK))
         else:   # thinning a Poisson process at the peak rate
@@ -274,8 +290,9 @@ class TraceGenerator:
         self._think = _Draws(next(seeds), s.think_s.sample)
         self._pool_rng = np.random.default_rng(next(seeds))
         self._next_id = 0
-        self._systems = [self._extend(_Prefix([], 0), int(n)) for n in
-                         s.system_tokens.sample(self._pool_rng, s.system_prompts)]
+        heads = ([s.max_input] * s.system_prompts if s.reuse >= 0
+                 else s.system_tokens.sample(self._pool_rng, s.system_prompts))
+        self._systems = [self._extend(_Prefix([], 0), int(n)) for n in heads]
         self._doc_tokens = s.document_tokens.sample(self._pool_rng, max(1, s.documents))
         self._docs: dict[tuple[int, int], _Prefix] = {}
         self._waiting: list[tuple[float, int, _Turn]] = []
@@ -315,6 +332,8 @@ class TraceGenerator:
     def _opening_prompt(self) -> _Prefix:
         system = int(self._system())
         head = self._systems[system]
+        if self.spec.reuse >= 0:
+            return self._shared_head_prompt(head)
         if self._has_document():
             key = (system, int(self._document()))
             if key not in self._docs:
@@ -322,6 +341,13 @@ class TraceGenerator:
             head = self._docs[key]
         message = min(int(self._first()), max(1, self.spec.max_input - head.tokens))
         return self._extend(head, message)
+
+    def _shared_head_prompt(self, context: _Prefix) -> _Prefix:
+        """A prompt of `first_tokens` whose first `reuse` share is the head of ``context``."""
+        length = max(1, min(int(self._first()), self.spec.max_input))
+        shared = min(round(self.spec.reuse * length), length)
+        head = _Prefix(context.full_ids[:shared // self.block], shared)
+        return self._extend(head, length - shared)
 
     def _followup_prompt(self, parent: _Turn) -> _Prefix | None:
         """The previous prompt, its answer and a new message; None when too long."""

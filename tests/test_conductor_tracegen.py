@@ -161,3 +161,34 @@ def test_kvstore_command_line_dispatches_tracegen(capsys):
     from kvstore.cli import main
     assert main(["tracegen", "--requests", "2", "--seed", "1"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_gamma_arrivals_range_from_steady_to_bursty():
+    def gap_cv(cv: float) -> float:
+        times = np.array([r.arrival_s for r in take(TraceSpec(requests=3000, arrival="gamma",
+                                                              burst_cv=cv, continue_p=0.0))])
+        gaps = np.diff(times)
+        return gaps.std() / gaps.mean()
+    assert gap_cv(0.3) == pytest.approx(0.3, rel=0.1)
+    assert gap_cv(1.0) == pytest.approx(1.0, rel=0.1)
+    assert gap_cv(4.0) > 2.5
+
+
+@pytest.mark.parametrize("reuse", [0.0, 0.5, 0.9])
+def test_reuse_sets_the_shared_share_apart_from_the_prompt_length(reuse):
+    spec = spec_from(None, requests=1500, seed=2, reuse=reuse, system_prompts=4,
+                     continue_p=0.0, first_tokens=Lengths.parse("12000:0.5@64-60000"))
+    requests = take(spec)
+    shared, total = reusable_blocks(requests)
+    assert shared / total == pytest.approx(reuse, abs=0.06)
+    assert np.median([r.input_length for r in requests]) == pytest.approx(12000, rel=0.1)
+    # the shared part is a prefix of one of the contexts: ids chain as everywhere else
+    prefix_of = {}
+    for r in requests:
+        for i, block in enumerate(r.hash_ids):
+            assert prefix_of.setdefault(block, r.hash_ids[:i]) == r.hash_ids[:i]
+
+
+def test_reuse_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="reuse"):
+        TraceSpec(reuse=1.5)
