@@ -33,6 +33,14 @@ def rig():
     rig.close()
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One node for the tests that use distinct keys (a node start costs a second on a busy host)."""
+    daemon = start_kvstore(tmp_path_factory.mktemp("lmcache-node"))
+    yield daemon
+    daemon.stop()
+
+
 @pytest.fixture
 def small_node(tmp_path):
     daemon = start_kvstore(tmp_path, "--dram-size", "16mb")              # ~30 chunks of 512 KiB
@@ -128,7 +136,7 @@ async def _reads_under_writes(rig, connector, backend, stored: int, tally: dict)
         chunk = rig.chunk(backend, i)
         await connector.put(rig.key(i), chunk)
 
-    for _ in range(12):
+    for _ in range(8):
         await asyncio.gather(*(read(rng.randrange(new)) for _ in range(6)), *(write(new + j) for j in range(3)))
         new += 3
 
@@ -164,3 +172,20 @@ def test_resp_connector_under_eviction_reads_a_miss_never_wrong_bytes(rig, small
     assert tally["wrong"] == 0, tally
     assert tally["hits"] > 0 and tally["misses"] > 0, f"no eviction or no hit: the test proves nothing {tally}"
     assert rig.run(connector.batched_async_contains("l", [rig.key(i) for i in range(80)])) < 80
+
+
+def test_redis_plugin_form_through_lmcache_remote_backend(rig, server):
+    """`remote_storage_plugins: ["redis"]` + `remote_storage_plugin.redis.redis_url`, as
+    docs/engines_lmcache.md gives it: LMCache's RemoteBackend on its own RedisConnector."""
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+    config = rig.config(extra={"remote_storage_plugin.redis.redis_url": f"redis://{server.host}:{server.port}"},
+                        plugins=["redis"])
+    local = rig.backend(config)
+    backend = RemoteBackend(config, rig.metadata, rig.loop, local, "cpu", plugin_name="redis")
+    assert type(backend.connection.getWrappedConnector()).__name__ == "RedisConnector"
+    backend.submit_put_task(rig.key(700), rig.chunk(local, 700)).result(10)
+    assert backend.contains(rig.key(700))
+    got = backend.get_blocking(rig.key(700))
+    assert rig.right(700, got)
+    release(got)
