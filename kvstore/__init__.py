@@ -14,7 +14,7 @@ admin/     config, live_config, acl, info, metrics, slowlog
 cli.py     the `kvstore` command line (serve, cluster, conductor, ...), the one door up
 
 Words: a *block* is one block key's KV value; a *chain link* is its parent key; an
-*entry slot* is a key's row in the index; a *hash slot* is one of Redis Cluster's
+*entry* is a key's row in the index; a *hash slot* is one of Redis Cluster's
 16,384 key ranges; an *extent* is a piece of an arena; a *hold* keeps an extent in
 place while the node reads it; a *lease* is a local client's; a *tier* is where a
 value lives (GPU, DRAM, SSD).
@@ -38,7 +38,7 @@ SET (a big value):
 GET:
   dispatch asks the tier manager whether the value must first come up from SSD or
   GPU (the client waits, its later commands queued, while a worker thread copies it
-  into DRAM); commands/strings.get finds the entry (engine.get_slot, which refreshes
+  into DRAM); commands/strings.get finds the entry (engine.get_entry, which refreshes
   recency) and connection.write_value copies the value into the reply buffer while a
   few MiB are queued for the client, else queues a memoryview of the arena under a
   hold, released when the kernel has taken its last byte (sendmsg).

@@ -251,7 +251,7 @@ class ClusterSim:
             holder = self.up(node.cluster.addr_of(holders[pick - 1])) if pick else None
             if holder is not None and holder.services and holder.services.copies.held.serves([key]):
                 node = holder
-        hit = node.engine.get_slot(key) is not None
+        hit = node.engine.get_entry(key) is not None
         node.reads += hit
         return hit
 

@@ -177,7 +177,7 @@ def move_values_on_gpu(engine: Engine, tiers: TierManager, keys: list[bytes]) ->
     async def scenario():
         for key in keys:
             engine.put(key, value_of(key))
-            engine.get_slot(key)                                            # promote-hits 1: up it goes
+            engine.get_entry(key)                                            # promote-hits 1: up it goes
             await until(lambda: engine.tier_code(engine.lookup(key)) == GPU)
         engine.put(b"in-dram", value_of(b"in-dram"))
         cluster, moves, links = migrator(engine, tiers)

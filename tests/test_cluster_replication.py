@@ -93,7 +93,7 @@ def node(me: str, *, owners=None, hot_reads: float = 5, dram: int = 4 * MiB, res
 
 def read(engine: Engine, key: bytes, times: int) -> None:
     for _ in range(times):
-        assert engine.get_slot(key) is not None
+        assert engine.get_entry(key) is not None
 
 
 def test_a_block_read_past_the_threshold_is_copied_to_its_two_rendezvous_nodes():

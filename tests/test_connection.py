@@ -160,5 +160,5 @@ def test_a_single_big_value_is_copied_and_holds_nothing(pair):
     engine.put(b"k", value)
     slot = engine.lookup(b"k")
     pair.conn.write_value(slot)
-    assert not pair.conn.out and not engine.holds.is_held(engine.slots.dram_offset(slot))
+    assert not pair.conn.out and not engine.holds.is_held(engine.entries.dram_offset(slot))
     assert pair.conn.wbuf == b"$%d\r\n" % VALUE_SIZE + value + b"\r\n"

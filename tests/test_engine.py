@@ -53,7 +53,7 @@ def pattern(seed: int, size: int = VALUE_SIZE) -> bytes:
 
 
 def get(engine: Engine, key: bytes) -> bytes | None:
-    slot = engine.get_slot(key)
+    slot = engine.get_entry(key)
     return None if slot is None else engine.value(slot)
 
 
@@ -317,7 +317,7 @@ def test_the_newest_chain_survives_whole(make_engine):
 def test_a_held_value_outlives_its_delete(make_engine):
     engine = make_engine(1 * MiB, "noeviction")
     engine.put(b"k", pattern(7, 512 * KiB))
-    slot = engine.get_slot(b"k")
+    slot = engine.get_entry(b"k")
     sending = engine.view(slot)
     token = engine.hold(slot)
     assert engine.delete(b"k") and engine.lookup(b"k") is None
@@ -334,7 +334,7 @@ def test_a_held_value_outlives_its_delete(make_engine):
 def test_a_held_value_is_not_overwritten_in_place(make_engine):
     engine = make_engine()
     engine.put(b"k", pattern(1))
-    slot = engine.get_slot(b"k")
+    slot = engine.get_entry(b"k")
     sending = engine.view(slot)
     token = engine.hold(slot)
     engine.put(b"k", pattern(2))                         # same size: would fit in place
@@ -347,7 +347,7 @@ def test_a_held_value_is_not_overwritten_in_place(make_engine):
 def test_a_held_value_is_not_evicted(make_engine):
     engine = make_engine(1 * MiB)
     engine.put(b"held", pattern(0))
-    slot = engine.get_slot(b"held")
+    slot = engine.get_entry(b"held")
     token = engine.hold(slot)
     for i in range(1, 64):
         engine.put(b"k%d" % i, pattern(i))
@@ -361,7 +361,7 @@ def test_a_held_value_is_not_evicted(make_engine):
 def test_two_holds_free_on_the_last(make_engine):
     engine = make_engine()
     engine.put(b"k", pattern(1))
-    slot = engine.get_slot(b"k")
+    slot = engine.get_entry(b"k")
     first, second = engine.hold(slot), engine.hold(slot)
     engine.delete(b"k")
     engine.release_hold(first)

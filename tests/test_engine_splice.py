@@ -17,7 +17,7 @@ def engine():
 
 
 def offset_of(engine: Engine, key: bytes) -> int:
-    return engine.slots.dram_offset(engine.lookup(key))
+    return engine.entries.dram_offset(engine.lookup(key))
 
 
 def test_growth_within_the_chunk_is_in_place_and_signalled(engine):

@@ -67,9 +67,9 @@ def test_count_follows_inserts_and_removes():
     assert 3 not in evict(policy)
 
 
-def test_nbytes_per_slot_is_the_column_widths():
+def test_nbytes_per_entry_is_the_column_widths():
     policy = SampledLRU()
-    assert 0 < policy.nbytes_per_slot() <= 32
+    assert 0 < policy.nbytes_per_entry() <= 32
 
 
 # ----------------------------------------------------------------- chains

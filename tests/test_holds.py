@@ -44,7 +44,7 @@ def test_a_hold_outliving_its_slot_leaves_the_next_value_alone():
     old = allocator.alloc(UNIT)
     policy.insert(0)
     holds.hold(old, 0)
-    holds.forget_slot(0)
+    holds.forget_entry(0)
     policy.remove(0)
     policy.insert(0)                          # the slot id goes to another value
     new = allocator.alloc(UNIT)

@@ -61,7 +61,7 @@ def test_a_committed_value_is_published_where_the_engine_has_it(node):
     engine.put(b"k", value(1))
     at, seq, offset, size = view.find(b"k")
     slot = engine.index[b"k"]
-    assert (offset, size) == (engine.slots.dram_offset(slot), 64 * KiB) and seq % 2 == 0
+    assert (offset, size) == (engine.entries.dram_offset(slot), 64 * KiB) and seq % 2 == 0
     assert read(engine, view, b"k") == value(1)
     assert view.find(b"absent") is None
     assert index.info()["index_entries"] == 1
@@ -88,9 +88,9 @@ def test_an_overwrite_in_place_is_retracted_before_the_bytes_change(node):
     offset = view.find(b"k")[2]
     seen = changed_first(engine, view, b"k", engine.overwrite_listeners)
     engine.put(b"k", value(2))                            # same size, not held: rewritten in place
-    assert seen == [True] and engine.slots.dram_offset(engine.index[b"k"]) == offset
+    assert seen == [True] and engine.entries.dram_offset(engine.index[b"k"]) == offset
     assert view.find(b"k") is None                        # until its next hit
-    engine.get_slot(b"k")
+    engine.get_entry(b"k")
     assert read(engine, view, b"k") == value(2)
 
 
@@ -100,10 +100,10 @@ def test_a_key_with_an_expiry_is_never_published(node):
     seen = changed_first(engine, view, b"k", engine.expire_listeners)
     engine.set_expire(b"k", 2**62)
     assert seen == [True] and view.find(b"k") is None
-    engine.get_slot(b"k")
+    engine.get_entry(b"k")
     assert view.find(b"k") is None                        # a hit does not publish it
     engine.persist(b"k")
-    engine.get_slot(b"k")
+    engine.get_entry(b"k")
     assert read(engine, view, b"k") == value(1)           # without the expiry it is published again
 
 
@@ -244,7 +244,7 @@ def test_keys_sharing_a_hash_stay_apart_and_a_full_set_is_a_miss(node, monkeypat
         assert read(engine, view, key) == value(n, 4 * KiB)
     assert view.find(keys[-1]) is None and index.stats.index_set_full == 1
     engine.delete(keys[0])                                # a bucket frees; the next hit takes it
-    engine.get_slot(keys[-1])
+    engine.get_entry(keys[-1])
     assert read(engine, view, keys[-1]) == value(fp.INDEX_WAYS, 4 * KiB)
 
 
@@ -271,7 +271,7 @@ def test_nothing_is_published_before_the_first_mapping():
         index.activate()                                  # once only
         view = SharedIndexView(index.fd, index.buckets)
         assert view.find(b"early") is None                # committed before: published on a hit
-        engine.get_slot(b"early")
+        engine.get_entry(b"early")
         assert read(engine, view, b"early") == value(7)
         assert engine.commit_listeners.count(index._on_commit) == 1
     finally:

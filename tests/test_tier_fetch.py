@@ -108,7 +108,7 @@ def test_values_for_a_socket_reply_are_rocksdbs_own_bytes_and_take_no_extent(nod
     staged = fetch_and_install(tiers, keys, into_arena=False)
     assert calls == ["get_many"] * tiers.worker.readers
     assert engine.allocator.used == used
-    assert all(engine.lookup(key) in engine.slots.heap_copies for key in keys)     # outside the arena
+    assert all(engine.lookup(key) in engine.entries.heap_copies for key in keys)     # outside the arena
     assert [engine.value(engine.lookup(key)) for key in keys] == [value_of(key) for key in keys]
     tiers.unstage(staged)
     assert all(engine.tier_code(engine.lookup(key)) != DRAM for key in keys)
@@ -122,12 +122,12 @@ def test_socket_staging_is_bounded_on_the_node_and_the_rest_go_to_the_arena(node
     store_on_ssd(engine, tier, keys + later)
     calls = count_reads(tiers)
     staged = fetch_and_install(tiers, keys, into_arena=False)
-    on_heap = [key for key in keys if engine.lookup(key) in engine.slots.heap_copies]
+    on_heap = [key for key in keys if engine.lookup(key) in engine.entries.heap_copies]
     assert on_heap == keys[:3] and engine.moves.heap_bytes == 3 * SIZE
     assert sorted(set(calls)) == ["get_many", "get_many_into"]
     assert [engine.value(engine.lookup(key)) for key in keys] == [value_of(key) for key in keys]
     staged_later = fetch_and_install(tiers, later, into_arena=False)     # while the first three stay staged
-    assert not any(engine.lookup(key) in engine.slots.heap_copies for key in later)
+    assert not any(engine.lookup(key) in engine.entries.heap_copies for key in later)
     tiers.unstage(staged + staged_later)
     assert engine.moves.heap_bytes == 0
     assert fetch_and_install(tiers, later, into_arena=False) and engine.moves.heap_bytes == 2 * SIZE

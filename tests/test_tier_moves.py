@@ -80,7 +80,7 @@ async def node_with_values_on_gpu(keys: list[bytes], gpu_capacity: int) -> tuple
     for key in keys:
         engine.put(key, value_of(key))
     for key in keys:
-        engine.get_slot(key)
+        engine.get_entry(key)
         await until(lambda: engine.tier_code(engine.lookup(key)) == GPU)
     return engine, tiers, gpu
 
@@ -115,7 +115,7 @@ def test_a_value_leaving_the_gpu_gives_its_extent_back_and_keeps_its_ssd_copy():
         tiers = TierManager(engine, TieringConfig(promote_hits=1), gpu=gpu)
         engine.put(b"k", value_of(b"k"))
         engine.moves.mark_on_ssd(engine.lookup(b"k"))       # as if written through to SSD
-        engine.get_slot(b"k")
+        engine.get_entry(b"k")
         await until(lambda: engine.tier_code(engine.lookup(b"k")) == GPU)
         tiers.cron()
         await until(lambda: engine.tier_of(engine.lookup(b"k")) == "dram")

@@ -136,10 +136,10 @@ class Cascade:
     def link(self, parent: bytes, child: bytes) -> bool:
         """Record that ``child`` (on another node) follows ``parent`` (here); False when ``parent``
         is not cached, the link is there already, or the node's budget is spent."""
-        slot = self.engine.lookup(parent)
-        if slot is None or child == parent:
+        entry = self.engine.lookup(parent)
+        if entry is None or child == parent:
             return False
-        key = self.engine.key_of(slot)          # the index's own key object: no second copy
+        key = self.engine.key_of(entry)          # the index's own key object: no second copy
         children = self.children.get(key, [])
         if child in children:
             return False
@@ -157,7 +157,7 @@ class Cascade:
 
     # ------------------------------------------------------------ what the engine tells
 
-    def _on_commit(self, key: bytes, slot: int = -1) -> None:
+    def _on_commit(self, key: bytes, entry: int = -1) -> None:
         """Remember when ``key`` was written (a commit, or a rewrite in place, which commits nothing)."""
         commits, now = self.commits, now_us()
         commits[key] = now
@@ -166,14 +166,14 @@ class Cascade:
         while len(commits) > self.fresh_keys or next(iter(commits.values())) < oldest:
             commits.popitem(last=False)
 
-    def _on_final_drop(self, slot: int, key: bytes) -> None:
+    def _on_final_drop(self, entry: int, key: bytes) -> None:
         remote = self.children.pop(key, ())
         self.link_count -= len(remote)
         if not self._serves(key):
-            return              # a copy of another node's block, or a value leaving with its slot
+            return              # a copy of another node's block, or a value leaving with its entry
         at = now_us()
         engine = self.engine
-        for child in engine.eviction.children_of(slot):
+        for child in engine.eviction.children_of(entry):
             self._queue(engine.key_of(child), at)
         for child in remote:
             self._send_later(child, at)

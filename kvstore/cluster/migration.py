@@ -154,8 +154,8 @@ class Migrator:
 
     def attach(self) -> None:
         engine = self.engine
-        engine.commit_listeners.append(lambda key, slot: self.guard.touch(key))
-        engine.drop_listeners.append(lambda slot, key: self.guard.touch(key))
+        engine.commit_listeners.append(lambda key, entry: self.guard.touch(key))
+        engine.drop_listeners.append(lambda entry, key: self.guard.touch(key))
         engine.overwrite_listeners.append(self.guard.touch)
         self.cluster.add_listener(self._on_map)
         self.cluster.moves = self
@@ -188,13 +188,13 @@ class Migrator:
         for i, key in enumerate(self._ordered_keys(moving)):
             if i % SCAN_CHUNK == SCAN_CHUNK - 1:
                 await asyncio.sleep(0)
-            slot = engine.lookup(key)
-            if slot is None or not self._still_moving(key, moving):
+            entry = engine.lookup(key)
+            if entry is None or not self._still_moving(key, moving):
                 continue
             if loop_time() >= deadline:
-                self._dropped(1, engine.size_of(slot))
+                self._dropped(1, engine.size_of(entry))
                 engine.delete(key)
-            elif group.add(key, engine.size_of(slot)):
+            elif group.add(key, engine.size_of(entry)):
                 await self._send_group(group, moving, outbox)
         await self._send_group(group, moving, outbox)
         await outbox.flush()
@@ -282,8 +282,8 @@ class Migrator:
     def rescue(self, owner: str, keys: list[bytes]) -> None:
         """Push the copies ``keys`` (this node held for a node that died) to the slot's new ``owner``."""
         engine = self.engine
-        batch = [take(engine, key, slot) for key in keys
-                 if (slot := engine.lookup(key)) is not None and in_host_memory(engine, slot)]
+        batch = [take(engine, key, entry) for key in keys
+                 if (entry := engine.lookup(key)) is not None and in_host_memory(engine, entry)]
         self._tasks.spawn(self._send(owner, batch))
 
     # ------------------------------------------------------------ target

@@ -39,18 +39,18 @@ class Taken(NamedTuple):
     size: int
 
 
-def in_host_memory(engine, slot: int) -> bool:
-    """Whether the value of ``slot`` can be sent as it is: in DRAM, or staged there for a read."""
-    return engine.tier_code(slot) == DRAM or bool(engine.flags_of(slot) & STAGED)
+def in_host_memory(engine, entry: int) -> bool:
+    """Whether the value of ``entry`` can be sent as it is: in DRAM, or staged there for a read."""
+    return engine.tier_code(entry) == DRAM or bool(engine.flags_of(entry) & STAGED)
 
 
-def take(engine, key: bytes, slot: int) -> Taken:
-    """Take the value of ``key`` (in host memory at ``slot``) out of the index, held for sending."""
-    parent_slot = engine.eviction.parent_of(slot)
-    parent = engine.key_of(parent_slot) if parent_slot != NO_PARENT else b""
-    hold = engine.hold(slot)
-    view = engine.view(slot)
-    size = engine.size_of(slot)
+def take(engine, key: bytes, entry: int) -> Taken:
+    """Take the value of ``key`` (in host memory at ``entry``) out of the index, held for sending."""
+    parent_entry = engine.eviction.parent_of(entry)
+    parent = engine.key_of(parent_entry) if parent_entry != NO_PARENT else b""
+    hold = engine.hold(entry)
+    view = engine.view(entry)
+    size = engine.size_of(entry)
     engine.delete(key)              # from now on the key is asked for at the target
     return Taken(key, parent, view, hold, size)
 
@@ -90,21 +90,21 @@ class Gathered:
         keys, self.keys, self.size = self.keys, [], 0
         cold = tiers.pending_fetch(keys) if tiers is not None else []
         fetched = await tiers.fetch(cold) if cold else []
-        lost = [engine.size_of(slot) for key, slot, _, result in fetched
+        lost = [engine.size_of(entry) for key, entry, _, result in fetched
                 if (result is None or isinstance(result, BaseException))
-                and engine.index.get(key) == slot and not in_host_memory(engine, slot)]
+                and engine.index.get(key) == entry and not in_host_memory(engine, entry)]
         staged = set(tiers.install(fetched)) if fetched else set()
         taken = []
         for key in keys:
-            slot = engine.lookup(key)
-            if slot is None or not wanted(key):
+            entry = engine.lookup(key)
+            if entry is None or not wanted(key):
                 continue
-            if in_host_memory(engine, slot):
-                staged.discard(slot)
-                taken.append(take(engine, key, slot))
+            if in_host_memory(engine, entry):
+                staged.discard(entry)
+                taken.append(take(engine, key, entry))
             else:
-                lost.append(engine.size_of(slot))
-                engine.drop(slot)
+                lost.append(engine.size_of(entry))
+                engine.drop(entry)
         if staged:
             tiers.unstage(list(staged))
         return taken, len(lost), sum(lost)

@@ -131,14 +131,14 @@ class HotCopies:
 
     # ------------------------------------------------------------ reads (hot path)
 
-    def _on_hit(self, slot: int) -> None:
-        key = self.engine.key_of(slot)
+    def _on_hit(self, entry: int) -> None:
+        key = self.engine.key_of(entry)
         if self.held.read(key):
             return
         n = self.counts.get(key, 0) + 1
         self.counts[key] = n
         if n == self._trigger and key not in self.replicated:
-            self._replicate(key, slot)
+            self._replicate(key, entry)
 
     # ------------------------------------------------------------ owner: making copies
 
@@ -148,14 +148,14 @@ class HotCopies:
         others = [node_id for node_id in cluster.map.nodes if node_id != cluster.my_id and node_id in cluster.nodes]
         return rendezvous(key, others, self._replicas)
 
-    def _replicate(self, key: bytes, slot: int) -> None:
+    def _replicate(self, key: bytes, entry: int) -> None:
         cluster = self.cluster
         key_slot = keyslot(key)
         if len(self.replicated) >= MAX_HOT_KEYS or key in self.inflight or not cluster.ok \
                 or not cluster.is_mine(key_slot) or cluster.migrating_to(key_slot) is not None:
             return
         engine = self.engine
-        if engine.tier_code(slot) != DRAM and not engine.flags_of(slot) & STAGED:
+        if engine.tier_code(entry) != DRAM and not engine.flags_of(entry) & STAGED:
             return                                  # a value on SSD or GPU is copied once a read stages it
         holders = self.targets(key)
         if not holders:
@@ -163,8 +163,8 @@ class HotCopies:
         self.replicated[key] = holders
         self.version += 1
         self.stats.copies_made += len(holders)
-        token = engine.hold(slot)                   # the value stays in place while it is sent
-        self._tasks.spawn(self._push(key, engine.view(slot), token, holders))
+        token = engine.hold(entry)                   # the value stays in place while it is sent
+        self._tasks.spawn(self._push(key, engine.view(entry), token, holders))
 
     async def _push(self, key: bytes, value: memoryview, token, holders: tuple[str, ...]) -> None:
         lease_ms = int(self.lease * 1000)
@@ -186,7 +186,7 @@ class HotCopies:
 
     # ------------------------------------------------------------ owner: removing copies
 
-    def _on_drop(self, slot: int, key: bytes) -> None:
+    def _on_drop(self, entry: int, key: bytes) -> None:
         if not self.held.forget(key) and key in self.replicated:
             self._remove_copies(key)
 
@@ -194,7 +194,7 @@ class HotCopies:
         if key in self.replicated:
             self._remove_copies(key)
 
-    def _on_commit(self, key: bytes, slot: int) -> None:
+    def _on_commit(self, key: bytes, entry: int) -> None:
         removal = self.inflight.get(key)
         if removal is not None:         # a write of a key whose copies are still being removed waits
             self.unacked.append(removal)

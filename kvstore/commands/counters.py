@@ -25,12 +25,12 @@ MAX_INT_CHARS = 20              # "-9223372036854775808"
 
 def _current(conn, key: bytes, longest: int, message: str) -> bytes | None:
     """The value of ``key`` (None when absent); one longer than any number refused before it is copied."""
-    slot = conn.engine.lookup(key)
-    if slot is None:
+    entry = conn.engine.lookup(key)
+    if entry is None:
         return None
-    if conn.engine.size_of(slot) > longest:
+    if conn.engine.size_of(entry) > longest:
         raise CommandError(message)
-    return conn.engine.value(slot)
+    return conn.engine.value(entry)
 
 
 def _store(conn, key: bytes, value: bytes) -> None:

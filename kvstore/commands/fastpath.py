@@ -153,12 +153,12 @@ class DramLease:
 def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
     """Lease the DRAM copy of ``key`` (ended early if the value leaves the index), or None when absent."""
     engine = conn.engine
-    slot = engine.get_slot(key)
-    if slot is None:
+    entry = engine.get_entry(key)
+    if entry is None:
         return None
-    size = engine.size_of(slot)
-    token = engine.hold(slot)
-    lease = table.grant(conn, size, ttl_ms, lambda: engine.release_hold(token), slot=slot)
+    size = engine.size_of(entry)
+    token = engine.hold(entry)
+    lease = table.grant(conn, size, ttl_ms, lambda: engine.release_hold(token), entry=entry)
     return DramLease(lease.id, token, size, lease.word, lease.tag)
 
 
@@ -256,7 +256,7 @@ def kv_unreserve(conn, args):
          keys=(1, -1, 1), spans_slots=True)
 def kv_touch(conn, args):
     engine = conn.engine
-    return writer.integer(sum(engine.get_slot(key) is not None for key in args[1:]))
+    return writer.integer(sum(engine.get_entry(key) is not None for key in args[1:]))
 
 
 @FAMILY.command(fp.KV_LEASES, 1, "readonly fast", "fastpath",
@@ -299,7 +299,7 @@ def _check_gpu_generation(conn, generation: bytes) -> None:
 def _ssd_reads(conn, args: list) -> list[bytes]:
     """Only SSD values are brought up first: GPU values are leased where they are."""
     engine = conn.engine
-    return [k for k in args[4:] if (slot := engine.lookup(k)) is not None and engine.tier_code(slot) == SSD]
+    return [k for k in args[4:] if (entry := engine.lookup(k)) is not None and engine.tier_code(entry) == SSD]
 
 
 class TierLease(NamedTuple):
@@ -323,9 +323,9 @@ def kv_leasegpu(conn, args):
     ttl = parse_ttl_ms(args[3])
     table, engine, granted = conn.server.leases, conn.engine, []
     for key in args[4:]:
-        slot = engine.lookup(key)
-        if slot is not None and engine.tier_code(slot) == GPU and not engine.flags_of(slot) & STAGED:
-            granted.append(_gpu_lease(conn, table, key, slot, ttl))
+        entry = engine.lookup(key)
+        if entry is not None and engine.tier_code(entry) == GPU and not engine.flags_of(entry) & STAGED:
+            granted.append(_gpu_lease(conn, table, key, entry, ttl))
         elif (lease := dram_lease(conn, table, key, ttl)) is None:
             granted.append(None)
         else:
@@ -337,22 +337,22 @@ def kv_leasegpu(conn, args):
          writer.integer(g.word), writer.integer(g.tag), writer.bulk(g.header)]) for g in granted])
 
 
-def _gpu_lease(conn, table, key: bytes, slot: int, ttl_ms: int) -> TierLease:
+def _gpu_lease(conn, table, key: bytes, entry: int, ttl_ms: int) -> TierLease:
     """Pin a GPU-tier value against demotion and hold its extent; a delete or move shows at release."""
     engine = conn.engine
     tiers = conn.tiers
-    engine.get_slot(key)
-    offset, size = tiers.hold_gpu_extent(slot), engine.size_of(slot)
-    engine.eviction.hold(slot)
+    engine.get_entry(key)
+    offset, size = tiers.hold_gpu_extent(entry), engine.size_of(entry)
+    engine.eviction.hold(entry)
 
     def unpin() -> None:
         tiers.let_go_gpu_extent(offset)
-        if engine.index.get(key) == slot:
-            engine.eviction.release_hold(slot)
+        if engine.index.get(key) == entry:
+            engine.eviction.release_hold(entry)
 
     def unchanged() -> bool:
-        return (engine.index.get(key) == slot and engine.tier_code(slot) == GPU
-                and tiers.gpu_offset(slot) == offset)
+        return (engine.index.get(key) == entry and engine.tier_code(entry) == GPU
+                and tiers.gpu_offset(entry) == offset)
 
     lease = table.grant(conn, size, ttl_ms, unpin, unchanged)
-    return TierLease(lease.id, b"gpu", offset, size, lease.word, lease.tag, tiers.gpu_header(slot))
+    return TierLease(lease.id, b"gpu", offset, size, lease.word, lease.tag, tiers.gpu_header(entry))

@@ -45,9 +45,9 @@ def type_(conn, args):
 def touch(conn, args):
     engine, found = conn.engine, 0
     for key in args[1:]:
-        slot = engine.lookup(key)
-        if slot is not None:
-            engine.eviction.touch(slot)
+        entry = engine.lookup(key)
+        if entry is not None:
+            engine.eviction.touch(entry)
             found += 1
     return writer.integer(found)
 
@@ -57,9 +57,9 @@ RANDOM_TRIES = 64
 
 @FAMILY.command("RANDOMKEY", 1, "readonly", "keyspace", "Returns a random key name from the database.", keys=(0, 0, 0))
 def randomkey(conn, args):
-    """A few random slots first (O(1) each); the index in order when they all miss."""
+    """A few random entries first (O(1) each); the index in order when they all miss."""
     engine = conn.engine
-    names = engine.slots.keys
+    names = engine.entries.keys
     for _ in range(RANDOM_TRIES if names else 0):
         key = names[random.randrange(len(names))]
         if key is not None and engine.index.get(key) is not None and engine.lookup(key) is not None:
@@ -92,12 +92,12 @@ NO_LFU = ("An LFU maxmemory policy is not selected, access frequency not tracked
 NO_IDLE_TIME = "kvstore keeps the order of accesses, not their times: the idle time of a key is not tracked"
 
 
-def _encoding(engine, slot: int) -> str:
+def _encoding(engine, entry: int) -> str:
     """Redis's encoding of a string it was given whole: int, embstr (up to 44 bytes) or raw."""
-    size = engine.size_of(slot)
+    size = engine.size_of(entry)
     if size <= 20:
         try:
-            parse_int(engine.value(slot))
+            parse_int(engine.value(entry))
             return "int"
         except CommandError:
             pass
@@ -114,11 +114,11 @@ def object_(conn, args):
     sub = args[1].lower()
     if sub == b"help":
         return writer.array([writer.simple(line) for line in _OBJECT_HELP])
-    slot = conn.engine.lookup(args[2])
-    if slot is None:
+    entry = conn.engine.lookup(args[2])
+    if entry is None:
         return conn.enc.null
     if sub == b"encoding":
-        return writer.bulk(_encoding(conn.engine, slot))
+        return writer.bulk(_encoding(conn.engine, entry))
     if sub == b"refcount":
         return writer.ONE
     raise CommandError(NO_LFU if sub == b"freq" else NO_IDLE_TIME)

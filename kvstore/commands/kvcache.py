@@ -61,14 +61,14 @@ def kv_locate(conn, args):
     copies = cluster.copies if cluster is not None and conn.readonly else None
     items = []
     for key in args[1:]:
-        slot = engine.lookup(key)
-        if slot is None:
+        entry = engine.lookup(key)
+        if entry is None:
             items.append(conn.enc.null)
             continue
-        entry = [writer.bulk(engine.tier_of(slot)), writer.integer(engine.size_of(slot))]
+        located = [writer.bulk(engine.tier_of(entry)), writer.integer(engine.size_of(entry))]
         if copies is not None:      # a third element only for readers that can use copies
-            entry.append(writer.bulk_array(copies.copies_of(key)))
-        items.append(writer.array(entry))
+            located.append(writer.bulk_array(copies.copies_of(key)))
+        items.append(writer.array(located))
     return writer.array(items)
 
 

@@ -85,7 +85,7 @@ def kv_layerdone(conn, args):
 # ------------------------------------------------------------------ reads
 
 def _find(conn, key: bytes, start: int, stop: int):
-    """The partial block holding the range, the engine slot of the finished block,
+    """The partial block holding the range, the engine entry of the finished block,
     PENDING when the block is open but the range is not in yet, or None."""
     block = conn.server.blocks.blocks.get(key)
     if block is not None:
@@ -164,15 +164,15 @@ def kv_leaselayers(conn, args):
         header, data, first = _source(conn, found, start, stop)
         engine = conn.engine
         if isinstance(found, PartialBlock):
-            base, unpin, slot = found.extent.offset, conn.server.blocks.pin(found), None
+            base, unpin, entry = found.extent.offset, conn.server.blocks.pin(found), None
         else:
-            key, slot = engine.key_of(found), found
-            engine.get_slot(key)
+            key, entry = engine.key_of(found), found
+            engine.get_entry(key)
             base = engine.hold(found)         # the token is the value's arena offset
             if base is None:
                 refuse_outside_arena(conn.server.leases, [])
             unpin = lambda: engine.release_hold(base)    # noqa: E731
-        lease = conn.server.leases.grant(conn, len(data), ttl, unpin, slot=slot)
+        lease = conn.server.leases.grant(conn, len(data), ttl, unpin, entry=entry)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
                              writer.bulk(bytes(header)), writer.integer(lease.word), writer.integer(lease.tag)])
     return _read_layers(conn, args, 3, reply)

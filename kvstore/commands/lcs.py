@@ -60,8 +60,8 @@ def lcs(conn, args):
     get_len, get_idx, with_len, min_len = _options(args)
     values = []
     for key in args[1:3]:
-        slot = conn.engine.lookup(key)
-        values.append(b"" if slot is None else conn.engine.value(slot))
+        entry = conn.engine.lookup(key)
+        values.append(b"" if entry is None else conn.engine.value(entry))
     a, b = (np.frombuffer(v, dtype=np.uint8) for v in values)
     if (len(a) + 1) * (len(b) + 1) * 4 > conn.server.config.proto_max_bulk_len:
         raise CommandError("Insufficient memory, transient memory for LCS exceeds proto-max-bulk-len")

@@ -23,11 +23,11 @@ NO_SUCH_KEY = "no such key"
 def _copy_value(conn, src: bytes, dst: bytes) -> None:
     """Put the live value of ``src`` (and its TTL) under ``dst``."""
     engine = conn.engine
-    slot = engine.lookup(src)
+    entry = engine.lookup(src)
     deadline = engine.expires.get(src)
-    hold = engine.hold(slot)
+    hold = engine.hold(entry)
     try:
-        engine.put(dst, engine.view(slot))
+        engine.put(dst, engine.view(entry))
     finally:
         engine.release_hold(hold)
     if deadline is not None:

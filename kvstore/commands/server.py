@@ -208,10 +208,10 @@ def memory(conn, args):
         raise CommandError(SYNTAX)
     if len(args) == 5:
         parse_int(args[4])
-    slot = conn.engine.lookup(args[2])
-    if slot is None:
+    entry = conn.engine.lookup(args[2])
+    if entry is None:
         return conn.enc.null
-    return writer.integer(conn.engine.memory_usage(args[2], slot))
+    return writer.integer(conn.engine.memory_usage(args[2], entry))
 
 
 @FAMILY.command("QUIT", -1, "noscript loading stale fast no-auth", "connection", "Closes the connection.", keys=(0, 0, 0))

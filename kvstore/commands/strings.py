@@ -64,11 +64,11 @@ def set_(conn, args):
         return writer.OK
     cond, get, deadline, keep_ttl = _set_options(args)
     engine = conn.engine
-    slot = engine.lookup(key)
+    entry = engine.lookup(key)
     old = None
     if get:
-        old = conn.enc.null if slot is None else writer.bulk(engine.value(slot))
-    if (cond == "NX" and slot is not None) or (cond == "XX" and slot is None):
+        old = conn.enc.null if entry is None else writer.bulk(engine.value(entry))
+    if (cond == "NX" and entry is not None) or (cond == "XX" and entry is None):
         return old or conn.enc.null
     store(conn, key, value, keep_ttl=keep_ttl)
     if deadline is not None:
@@ -89,19 +89,19 @@ def set_plain(conn, args: list) -> bytes:
 
 @FAMILY.command("GET", 2, "readonly fast", "string", "Returns the string value of a key.", reads=first_key)
 def get(conn, args):
-    slot = conn.engine.get_slot(args[1])
-    if slot is None:
+    entry = conn.engine.get_entry(args[1])
+    if entry is None:
         return conn.enc.null
-    conn.write_value(slot)
+    conn.write_value(entry)
 
 
 @FAMILY.command("GETDEL", 2, "write fast", "string", "Returns the string value of a key after deleting the key.",
          reads=first_key)
 def getdel(conn, args):
-    slot = conn.engine.get_slot(args[1])
-    if slot is None:
+    entry = conn.engine.get_entry(args[1])
+    if entry is None:
         return conn.enc.null
-    reply = writer.bulk(conn.engine.value(slot))
+    reply = writer.bulk(conn.engine.value(entry))
     conn.engine.delete(args[1])
     return reply
 
@@ -111,11 +111,11 @@ def getdel(conn, args):
 def mget(conn, args):
     conn.write(b"*%d\r\n" % (len(args) - 1))
     for key in args[1:]:
-        slot = conn.engine.get_slot(key)
-        if slot is None:
+        entry = conn.engine.get_entry(key)
+        if entry is None:
             conn.write(conn.enc.null)
         else:
-            conn.write_value(slot)
+            conn.write_value(entry)
 
 
 @FAMILY.command("MSET", -3, "write denyoom", "string", "Atomically creates or modifies the string values of one or more keys.",
@@ -130,18 +130,18 @@ def mset(conn, args):
 
 @FAMILY.command("STRLEN", 2, "readonly fast", "string", "Returns the length of a string value.")
 def strlen(conn, args):
-    slot = conn.engine.lookup(args[1])
-    return writer.integer(0 if slot is None else conn.engine.size_of(slot))
+    entry = conn.engine.lookup(args[1])
+    return writer.integer(0 if entry is None else conn.engine.size_of(entry))
 
 
 @FAMILY.command("GETRANGE", 4, "readonly", "string", "Returns a substring of the string stored at a key.",
          reads=first_key)
 def getrange(conn, args):
     start, end = parse_int(args[2]), parse_int(args[3])
-    slot = conn.engine.lookup(args[1])
-    if slot is None:
+    entry = conn.engine.lookup(args[1])
+    if entry is None:
         return writer.bulk(b"")
-    size = conn.engine.size_of(slot)
+    size = conn.engine.size_of(entry)
     if start < 0 and end < 0 and start > end:
         return writer.bulk(b"")
     start = max(0, size + start if start < 0 else start)
@@ -149,7 +149,7 @@ def getrange(conn, args):
     end = min(end, size - 1)
     if start > end or size == 0:
         return writer.bulk(b"")
-    return writer.bulk(conn.engine.view(slot)[start:end + 1].tobytes())
+    return writer.bulk(conn.engine.view(entry)[start:end + 1].tobytes())
 
 
 def _set_with_ttl(conn, args: list, unit: bytes) -> bytes:
@@ -183,8 +183,8 @@ def setnx(conn, args):
 @FAMILY.command("GETSET", 3, "write denyoom fast", "string", "Returns the previous string value of a key after setting it "
          "to a new value.", values=lambda i: i == 2, reads=first_key)
 def getset(conn, args):
-    slot = conn.engine.lookup(args[1])
-    old = conn.enc.null if slot is None else writer.bulk(conn.engine.value(slot))
+    entry = conn.engine.lookup(args[1])
+    old = conn.enc.null if entry is None else writer.bulk(conn.engine.value(entry))
     store(conn, args[1], args[2])
     return old
 
@@ -211,13 +211,13 @@ def getex(conn, args):
     if len(chosen) > 1 and len({opt for opt, _ in chosen}) > 1:
         raise CommandError(SYNTAX)
     engine = conn.engine
-    slot = engine.get_slot(args[1])
-    if slot is None:
+    entry = engine.get_entry(args[1])
+    if entry is None:
         return conn.enc.null        # as Redis: the expire time is read only for a key that exists
     deadline = None
     if chosen and chosen[-1][0] != b"PERSIST":
         deadline = _deadline(chosen[-1][0], parse_int(chosen[-1][1][0]), "getex")
-    reply = writer.bulk(engine.value(slot))
+    reply = writer.bulk(engine.value(entry))
     if deadline is not None and deadline <= now_ms():
         engine.delete(args[1])
     elif deadline is not None:
@@ -234,11 +234,11 @@ MAX_STRING = 512 * 1024 * 1024     # Redis's proto-max-bulk-len default
          "doesn't exist.", reads=first_key)
 def append(conn, args):
     engine = conn.engine
-    slot = engine.lookup(args[1])
-    if slot is None:
+    entry = engine.lookup(args[1])
+    if entry is None:
         store(conn, args[1], args[2])
         return writer.integer(len(args[2]))
-    size = engine.size_of(slot)
+    size = engine.size_of(entry)
     if size + len(args[2]) > MAX_STRING:
         raise CommandError("string exceeds maximum allowed size (proto-max-bulk-len)")
     return writer.integer(engine.splice(args[1], size, args[2]))
@@ -251,12 +251,12 @@ def setrange(conn, args):
     if offset < 0:
         raise CommandError("offset is out of range")
     engine, value = conn.engine, args[3]
-    slot = engine.lookup(args[1])
+    entry = engine.lookup(args[1])
     if not value:
-        return writer.integer(0 if slot is None else engine.size_of(slot))
+        return writer.integer(0 if entry is None else engine.size_of(entry))
     if offset + len(value) > MAX_STRING:
         raise CommandError("string exceeds maximum allowed size (proto-max-bulk-len)")
-    if slot is None:
+    if entry is None:
         store(conn, args[1], bytes(offset) + value)
         return writer.integer(offset + len(value))
     return writer.integer(engine.splice(args[1], offset, value))

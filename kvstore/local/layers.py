@@ -165,8 +165,8 @@ class BlockTable:
         block.state = "committed"
         self.engine.commit(block.key, block.extent, block.parent)
         if block.readers:
-            slot = self.engine.index[block.key]
-            block.engine_lease = (self.engine.hold(slot), slot, block.key)
+            entry = self.engine.index[block.key]
+            block.engine_lease = (self.engine.hold(entry), entry, block.key)
         self.stats.partial_blocks_committed += 1
 
     # ------------------------------------------------------------ readers

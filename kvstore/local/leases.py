@@ -106,7 +106,7 @@ class Lease:
     nbytes: int
     unpin: Callable[[], None]
     still_valid: Callable[[], bool] | None = None    # a further check (GPU values) made at release
-    slot: int | None = None                          # ended when this engine slot is dropped
+    entry: int | None = None                          # ended when this engine entry is dropped
     word: int = -1                                   # its validity word, -1 when none was free
     tag: int = 0
 
@@ -145,20 +145,20 @@ class LeaseTable:
     stats: LeaseStats = field(default_factory=LeaseStats)
     _by_owner: dict[int, set[int]] = field(default_factory=dict)
     _watched: set[int] = field(default_factory=set)
-    _by_slot: dict[int, set[int]] = field(default_factory=dict)
+    _by_entry: dict[int, set[int]] = field(default_factory=dict)
 
     # ------------------------------------------------------------ leases
 
     def grant(self, conn, nbytes: int, ttl_ms: int, unpin: Callable[[], None],
-              still_valid: Callable[[], bool] | None = None, slot: int | None = None) -> Lease:
-        """A lease with a validity word; with ``slot`` it also ends when that slot is dropped."""
+              still_valid: Callable[[], bool] | None = None, entry: int | None = None) -> Lease:
+        """A lease with a validity word; with ``entry`` it also ends when that entry is dropped."""
         word, tag = self.words.take()
         lease = Lease(self._new_id(), self._watch(conn), time.monotonic() + ttl_ms / 1000, nbytes,
-                      unpin, still_valid, slot, word, tag)
+                      unpin, still_valid, entry, word, tag)
         self.leases[lease.id] = lease
         self._by_owner[lease.owner].add(lease.id)
-        if slot is not None:
-            self._by_slot.setdefault(slot, set()).add(lease.id)
+        if entry is not None:
+            self._by_entry.setdefault(entry, set()).add(lease.id)
         self.stats.leases_granted += 1
         return lease
 
@@ -175,9 +175,9 @@ class LeaseTable:
             self.stats.leases_invalid_at_release += 1
         return valid
 
-    def on_drop(self, slot: int, key: bytes) -> None:
-        """Engine drop listener: the value of ``slot`` is leaving the index; end its leases."""
-        for lease_id in self._by_slot.pop(slot, ()):
+    def on_drop(self, entry: int, key: bytes) -> None:
+        """Engine drop listener: the value of ``entry`` is leaving the index; end its leases."""
+        for lease_id in self._by_entry.pop(entry, ()):
             self._drop_lease(self.leases[lease_id])
             self.stats.leases_invalidated += 1
 
@@ -253,12 +253,12 @@ class LeaseTable:
         """End a lease: its word is cleared before its bytes are let go (see the module comment)."""
         del self.leases[lease.id]
         self._forget(lease.owner, lease.id)
-        if lease.slot is not None:
-            on_slot = self._by_slot.get(lease.slot)
-            if on_slot is not None:
-                on_slot.discard(lease.id)
-                if not on_slot:
-                    del self._by_slot[lease.slot]
+        if lease.entry is not None:
+            on_entry = self._by_entry.get(lease.entry)
+            if on_entry is not None:
+                on_entry.discard(lease.id)
+                if not on_entry:
+                    del self._by_entry[lease.entry]
         self.words.clear(lease.word)
         lease.unpin()
 

@@ -113,8 +113,8 @@ class SharedIndex:
         self.stats = IndexStats()
         self.fd = -1
         self.buckets = 0
-        self._bucket_of: dict[int, int] = {}     # engine slot -> its bucket
-        self._ssd_tags: dict[int, int] = {}      # engine slot -> the tag of its SSD copy (bounded)
+        self._bucket_of: dict[int, int] = {}     # engine entry -> its bucket
+        self._ssd_tags: dict[int, int] = {}      # engine entry -> the tag of its SSD copy (bounded)
         self._tags_max = buckets_for(engine.arena.size)
         self._tracking = False
         engine.moves.on_ssd_listeners.append(self._on_ssd)       # tags are kept before activation too:
@@ -161,62 +161,62 @@ class SharedIndex:
 
     # ------------------------------------------------------------ listeners
 
-    def _on_commit(self, key: bytes, slot: int) -> None:
-        self._publish(slot, key)
+    def _on_commit(self, key: bytes, entry: int) -> None:
+        self._publish(entry, key)
 
-    def _on_hit(self, slot: int) -> None:
-        if slot not in self._bucket_of:
-            self._publish(slot, self.engine.key_of(slot))
+    def _on_hit(self, entry: int) -> None:
+        if entry not in self._bucket_of:
+            self._publish(entry, self.engine.key_of(entry))
 
-    def _on_drop(self, slot: int, key: bytes) -> None:
-        self.retract(slot)
-        self._ssd_tags.pop(slot, None)
+    def _on_drop(self, entry: int, key: bytes) -> None:
+        self.retract(entry)
+        self._ssd_tags.pop(entry, None)
 
     def _on_rewrite(self, key: bytes) -> None:
         """The value of ``key`` is about to be rewritten in place (its SSD copy is then stale),
         or got an expiry time."""
-        slot = self.engine.index.get(key)
-        if slot is not None:
-            self.retract(slot)
-            self._ssd_tags.pop(slot, None)
+        entry = self.engine.index.get(key)
+        if entry is not None:
+            self.retract(entry)
+            self._ssd_tags.pop(entry, None)
 
-    def _on_ssd(self, slot: int, tag: int) -> None:
-        """A copy of ``slot``'s value is on SSD under ``tag``: kept (while there is room for
+    def _on_ssd(self, entry: int, tag: int) -> None:
+        """A copy of ``entry``'s value is on SSD under ``tag``: kept (while there is room for
         as many tags as the table has buckets) to publish once the value lives there alone."""
-        if tag and (slot in self._ssd_tags or len(self._ssd_tags) < self._tags_max):
+        if tag and (entry in self._ssd_tags or len(self._ssd_tags) < self._tags_max):
             self._track_changes()
-            self._ssd_tags[slot] = tag
+            self._ssd_tags[entry] = tag
         else:
-            self._ssd_tags.pop(slot, None)
+            self._ssd_tags.pop(entry, None)
 
-    def _on_settled(self, slot: int) -> None:
+    def _on_settled(self, entry: int) -> None:
         """The value moved home (to SSD alone, or back to DRAM): publish where it is now."""
-        self.retract(slot)
-        self._publish(slot, self.engine.key_of(slot))
+        self.retract(entry)
+        self._publish(entry, self.engine.key_of(entry))
 
-    def _publish_on_ssd(self, slots: list[int]) -> None:
+    def _publish_on_ssd(self, entries: list[int]) -> None:
         """Publish values already on SSD alone when the table is made (a restart indexes the
         SSD tier before any client maps the arena), ``PUBLISH_CHUNK`` a loop turn."""
         engine = self.engine
-        for slot in slots[:PUBLISH_CHUNK]:
-            if slot in self._ssd_tags and slot not in self._bucket_of and engine.slots.tier[slot] == SSD:
-                self._publish(slot, engine.key_of(slot))
-        if len(slots) > PUBLISH_CHUNK:
-            asyncio.get_running_loop().call_soon(self._publish_on_ssd, slots[PUBLISH_CHUNK:])
+        for entry in entries[:PUBLISH_CHUNK]:
+            if entry in self._ssd_tags and entry not in self._bucket_of and engine.entries.tier[entry] == SSD:
+                self._publish(entry, engine.key_of(entry))
+        if len(entries) > PUBLISH_CHUNK:
+            asyncio.get_running_loop().call_soon(self._publish_on_ssd, entries[PUBLISH_CHUNK:])
 
     # ------------------------------------------------------------ buckets
 
-    def _publish(self, slot: int, key: bytes) -> None:
-        """Publish the value of ``slot`` if the table can take it (else clients ask the node):
+    def _publish(self, entry: int, key: bytes) -> None:
+        """Publish the value of ``entry`` if the table can take it (else clients ask the node):
         where it is in the arena, or for a value on SSD alone the tag of its payload."""
-        engine, slots = self.engine, self.engine.slots
+        engine, entries = self.engine, self.engine.entries
         if len(key) > fp.INDEX_KEY_MAX or key in engine.expires:
             return
-        tier = slots.tier[slot]
-        if tier == DRAM and not (slots.heap_copies and slot in slots.heap_copies):
-            offset = slots.dram_offset(slot)
-        elif tier == SSD and slot in self._ssd_tags:
-            offset = fp.INDEX_ON_SSD | self._ssd_tags[slot]
+        tier = entries.tier[entry]
+        if tier == DRAM and not (entries.heap_copies and entry in entries.heap_copies):
+            offset = entries.dram_offset(entry)
+        elif tier == SSD and entry in self._ssd_tags:
+            offset = fp.INDEX_ON_SSD | self._ssd_tags[entry]
         else:
             return
         digest = fp.index_hash(key)
@@ -226,13 +226,13 @@ class SharedIndex:
             self.stats.index_set_full += 1
             return
         self._taken[bucket] = 1
-        self._bucket_of[slot] = bucket
-        self._write(bucket, digest, offset, slots.size[slot], key)
+        self._bucket_of[entry] = bucket
+        self._write(bucket, digest, offset, entries.size[entry], key)
         self.stats.index_published += 1
 
-    def retract(self, slot: int) -> None:
-        """Empty the bucket of ``slot``'s value: called before its bytes may change or be freed."""
-        bucket = self._bucket_of.pop(slot, None)
+    def retract(self, entry: int) -> None:
+        """Empty the bucket of ``entry``'s value: called before its bytes may change or be freed."""
+        bucket = self._bucket_of.pop(entry, None)
         if bucket is None:
             return
         self._write(bucket, 0, 0, 0, b"")

@@ -91,7 +91,7 @@ class Connection:
         self.readonly = False               # cluster: READONLY was sent (copies of hot blocks may serve reads)
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
         self.backlog: deque = deque()       # parsed commands not run yet
-        self.prefetched: list[int] = []     # slots staged for commands still in the backlog
+        self.prefetched: list[int] = []     # entries staged for commands still in the backlog
         self.waiting: asyncio.Future | None = None
         self.later: deque = deque()         # (future, resume) deferred behind ``waiting``
         self.protocol_error: ProtocolError | None = None
@@ -296,8 +296,8 @@ class Connection:
     def write(self, data: bytes) -> None:
         self.wbuf += data
 
-    def write_value(self, slot: int) -> None:
-        """Queue the value of ``slot`` as a bulk reply: copied into the reply buffer, or,
+    def write_value(self, entry: int) -> None:
+        """Queue the value of ``entry`` as a bulk reply: copied into the reply buffer, or,
         past ``COPIED_REPLIES`` of queued replies, sent from the arena under a hold.
 
         Copying first is the cheaper send for values up to a few MiB: the kernel's
@@ -309,17 +309,17 @@ class Connection:
         if self.over_output_limit:
             return                  # closing: hold no more values for it
         engine = self.engine
-        size = engine.size_of(slot)
+        size = engine.size_of(entry)
         self.wbuf += b"$%d\r\n" % size
         if size < BIG_REPLY or len(self.wbuf) + self.out_bytes + size <= COPIED_REPLIES:
-            self.wbuf += engine.view(slot)
+            self.wbuf += engine.view(entry)
             self.wbuf += b"\r\n"
             if size >= BIG_REPLY:
                 self._check_output_limit()
             return
-        lease = (engine.hold(slot), slot, engine.key_of(slot))     # None token: heap-staged copy
+        lease = (engine.hold(entry), entry, engine.key_of(entry))     # None token: heap-staged copy
         self.out.append((self.wbuf, None))
-        self.out.append((engine.view(slot), lease))
+        self.out.append((engine.view(entry), lease))
         self.out_bytes += len(self.wbuf) + size
         self.wbuf = bytearray(b"\r\n")
         self._check_output_limit()

@@ -1,8 +1,8 @@
 """The engine: the key index, the values' places in the arena, and eviction.
 
 The engine knows nothing of RESP or sockets. A key maps to a small integer
-slot; per-slot facts (tier, arena offset, value size) live in the flat
-columns of kvstore/store/entries.py and the eviction policy keeps its own per-slot
+entry; per-entry facts (tier, arena offset, value size) live in the flat
+columns of kvstore/store/entries.py and the eviction policy keeps its own per-entry
 columns (access stamp, chain links, candidate lists). That layout keeps the
 metadata under 200 bytes a key, where a Python object per entry would cost
 twice that.
@@ -90,34 +90,34 @@ class Engine:
         self.arena = Arena(dram_size, prefault=prefault)
         self.allocator = BuddyAllocator(dram_size, OFFSET_UNIT)
         self.eviction = SampledLRU(capacity=1024, places=len(TIERS))
-        self.slots = EntryTable(self.eviction)
+        self.entries = EntryTable(self.eviction)
         self.holds = ExtentHolds(self.allocator, self.eviction)
-        self.moves = TierMoves(self.slots, self.holds.free)
+        self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
         self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/store/deadlines.py)
         self.stats = EngineStats()
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
-        self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, slot) after a commit
-        self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(slot, key) before a drop
+        self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, entry) after a commit
+        self.drop_listeners: list[Callable[[int, bytes], None]] = []        # fn(entry, key) before a drop
         self.final_drop_listeners: list[Callable[[int, bytes], None]] = []  # ... when no new value replaces it
-        self.hit_listeners: list[Callable[[int], None]] = []                # fn(slot) on a read hit
+        self.hit_listeners: list[Callable[[int], None]] = []                # fn(entry) on a read hit
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
         # Cluster copies of hot blocks (kvstore/cluster/replication.py): told of in-place rewrites, shed first.
         self.overwrite_listeners: list[Callable[[bytes], None]] = []        # fn(key) before an in-place rewrite
         self.expire_listeners: list[Callable[[bytes], None]] = []           # fn(key) when it gets a deadline
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
-        self._soft_pins: dict[int, tuple[bytes, int]] = {}   # slot -> (key, deadline ms)
+        self._soft_pins: dict[int, tuple[bytes, int]] = {}   # entry -> (key, deadline ms)
 
     @property
     def tier_bytes(self) -> list[int]:
         """Value bytes per tier code."""
-        return self.slots.bytes_in
+        return self.entries.bytes_in
 
     @property
     def value_bytes(self) -> int:
-        return sum(self.slots.bytes_in)
+        return sum(self.entries.bytes_in)
 
     # ----------------------------------------------------------- writes
 
@@ -159,19 +159,19 @@ class Engine:
         """Publish ``extent`` as the value of ``key``, replacing any old value."""
         extent.committed = True
         extent.view.release()
-        parent_slot = self._parent_slot(key, parent)
-        slot = self.slots.add(key, extent.size, DRAM, 0, extent.offset, parent_slot)
+        parent_entry = self._parent_entry(key, parent)
+        entry = self.entries.add(key, extent.size, DRAM, 0, extent.offset, parent_entry)
         old = self.index.get(key)
         if old is not None:
             # Links are by key: the new value keeps the old one's cached children.
-            self.eviction.adopt_children(old, slot)
+            self.eviction.adopt_children(old, entry)
             self._drop(old, keep_ttl=keep_ttl, replaced=True)
-        self.index[key] = slot
+        self.index[key] = entry
         for listener in self.commit_listeners:
-            listener(key, slot)
+            listener(key, entry)
 
-    def _parent_slot(self, key: bytes, parent: bytes | None) -> int:
-        """The slot of ``key``'s chain parent, resolved before ``key`` is indexed
+    def _parent_entry(self, key: bytes, parent: bytes | None) -> int:
+        """The entry of ``key``'s chain parent, resolved before ``key`` is indexed
         anew: a key is never its own parent."""
         if parent is None or parent == key:
             return NO_PARENT
@@ -180,16 +180,16 @@ class Engine:
     def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
         """Copy ``data`` (any buffer) into the arena under ``key``."""
         src = data if type(data) is bytes else memoryview(data).cast("B")
-        slot = self.index.get(key)
-        if slot is not None and (parent is None or self._same_parent(slot, key, parent)) \
-                and self._rewrite_in_place(slot, 0, src, len(src), keep_ttl):
+        entry = self.index.get(key)
+        if entry is not None and (parent is None or self._same_parent(entry, key, parent)) \
+                and self._rewrite_in_place(entry, 0, src, len(src), keep_ttl):
             return
         extent = self.reserve(len(src))
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
 
-    def _same_parent(self, slot: int, key: bytes, parent: bytes) -> bool:
-        return self.eviction.parent_of(slot) == self._parent_slot(key, parent)
+    def _same_parent(self, entry: int, key: bytes, parent: bytes) -> bool:
+        return self.eviction.parent_of(entry) == self._parent_entry(key, parent)
 
     def splice(self, key: bytes, at: int, data) -> int:
         """Write ``data`` at byte ``at`` of the live value of ``key`` (APPEND, SETRANGE),
@@ -199,25 +199,25 @@ class Engine:
         to a power of two), through the same listeners as an overwrite; else the
         old bytes are copied once into a new extent, committed as a new value.
         """
-        slot = self.index[key]
+        entry = self.index[key]
         src = memoryview(data).cast("B")
-        size = max(self.slots.size[slot], at + src.nbytes)
-        if self._rewrite_in_place(slot, at, src, size, keep_ttl=True):
+        size = max(self.entries.size[entry], at + src.nbytes)
+        if self._rewrite_in_place(entry, at, src, size, keep_ttl=True):
             return size
-        hold = self.hold(slot)          # the old value must survive making room for the new one
+        hold = self.hold(entry)          # the old value must survive making room for the new one
         try:
             extent = self.reserve(size)
-            old = self.view(slot)
+            old = self.view(entry)
             extent.view[:old.nbytes] = old
             extent.view[old.nbytes:at] = bytes(max(0, at - old.nbytes))
             extent.view[at:at + src.nbytes] = src
         finally:
             self.release_hold(hold)
-        parent = self.eviction.parent_of(slot)
-        self.commit(key, extent, None if parent == NO_PARENT else self.slots.keys[parent], keep_ttl=True)
+        parent = self.eviction.parent_of(entry)
+        self.commit(key, extent, None if parent == NO_PARENT else self.entries.keys[parent], keep_ttl=True)
         return size
 
-    def _rewrite_in_place(self, slot: int, at: int, src, size: int, keep_ttl: bool) -> bool:
+    def _rewrite_in_place(self, entry: int, at: int, src, size: int, keep_ttl: bool) -> bool:
         """Write ``src`` (bytes or a byte memoryview) at byte ``at`` of the old extent, the
         value becoming ``size`` bytes, when that size needs a chunk of the same order.
 
@@ -225,90 +225,90 @@ class Engine:
         mix; a held extent (being sent) is never rewritten. A value of the same
         size as the old one (a SET of a busy key) skips the size bookkeeping.
         """
-        slots = self.slots
-        old = slots.size[slot]
-        if slots.tier[slot] != DRAM or slots.flags[slot]:
+        entries = self.entries
+        old = entries.size[entry]
+        if entries.tier[entry] != DRAM or entries.flags[entry]:
             return False
         alloc = self.allocator
         if size != old and alloc.order_for(size) != alloc.order_for(old):
             return False
-        offset = slots.dram_offset(slot)
+        offset = entries.dram_offset(entry)
         if self.holds.is_held(offset):
             return False
         for listener in self.overwrite_listeners:
-            listener(slots.keys[slot])
+            listener(entries.keys[entry])
         view = self.arena.view
         if at > old:
             view[offset + old:offset + at] = bytes(at - old)
         view[offset + at:offset + at + len(src)] = src
         if size != old:
-            slots.resize(slot, size)
+            entries.resize(entry, size)
             alloc.requested += size - old
         if not keep_ttl and self.expires:
-            self.expires.pop(slots.keys[slot], None)
-        self.eviction.touch(slot)
+            self.expires.pop(entries.keys[entry], None)
+        self.eviction.touch(entry)
         return True
 
     def delete(self, key: bytes) -> bool:
-        slot = self.lookup(key)
-        if slot is None:
+        entry = self.lookup(key)
+        if entry is None:
             return False
-        self._drop(slot)
+        self._drop(entry)
         return True
 
-    def drop(self, slot: int) -> None:
+    def drop(self, entry: int) -> None:
         """Remove a value from every tier (SSD over capacity, corrupt copy)."""
-        self._drop(slot)
+        self._drop(entry)
 
     def flush(self) -> None:
-        for slot in list(self.index.values()):
-            self._drop(slot)
+        for entry in list(self.index.values()):
+            self._drop(entry)
 
     # ----------------------------------------------------------- reads
 
     def lookup(self, key: bytes) -> int | None:
-        """The slot of a live key (expired keys are removed on the way)."""
-        slot = self.index.get(key)
-        if slot is not None and self.expires and key in self.expires:
+        """The entry of a live key (expired keys are removed on the way)."""
+        entry = self.index.get(key)
+        if entry is not None and self.expires and key in self.expires:
             if self.expires[key] <= now_ms():
-                self._drop(slot)
+                self._drop(entry)
                 self.stats.expired += 1
                 return None
-        return slot
+        return entry
 
-    def get_slot(self, key: bytes) -> int | None:
+    def get_entry(self, key: bytes) -> int | None:
         """Lookup for a read: counts the hit or miss and refreshes recency."""
-        slot = self.lookup(key)
-        if slot is None:
+        entry = self.lookup(key)
+        if entry is None:
             self.stats.misses += 1
             return None
         self.stats.hits += 1
-        self.eviction.touch(slot)
+        self.eviction.touch(entry)
         for listener in self.hit_listeners:
-            listener(slot)
-        return slot
+            listener(entry)
+        return entry
 
-    def key_of(self, slot: int) -> bytes:
-        return self.slots.keys[slot]
+    def key_of(self, entry: int) -> bytes:
+        return self.entries.keys[entry]
 
-    def size_of(self, slot: int) -> int:
-        return self.slots.size[slot]
+    def size_of(self, entry: int) -> int:
+        return self.entries.size[entry]
 
-    def tier_code(self, slot: int) -> int:
-        return self.slots.tier[slot]
+    def tier_code(self, entry: int) -> int:
+        return self.entries.tier[entry]
 
-    def flags_of(self, slot: int) -> int:
-        return self.slots.flags[slot]
+    def flags_of(self, entry: int) -> int:
+        return self.entries.flags[entry]
 
-    def view(self, slot: int) -> memoryview:
-        slots = self.slots
-        if slots.heap_copies and slot in slots.heap_copies:
-            return memoryview(slots.heap_copies[slot])
-        offset = slots.dram_offset(slot)
-        return self.arena.view[offset:offset + slots.size[slot]]
+    def view(self, entry: int) -> memoryview:
+        entries = self.entries
+        if entries.heap_copies and entry in entries.heap_copies:
+            return memoryview(entries.heap_copies[entry])
+        offset = entries.dram_offset(entry)
+        return self.arena.view[offset:offset + entries.size[entry]]
 
-    def value(self, slot: int) -> bytes:
-        return self.view(slot).tobytes()
+    def value(self, entry: int) -> bytes:
+        return self.view(entry).tobytes()
 
     def match_prefix(self, keys: list[bytes]) -> int:
         """How many leading keys are present: the longest cached prefix.
@@ -320,27 +320,27 @@ class Engine:
         """
         matched = []
         for key in keys:
-            slot = self.lookup(key)
-            if slot is None:
+            entry = self.lookup(key)
+            if entry is None:
                 break
-            matched.append(slot)
-        for slot in reversed(matched):
-            self.eviction.touch(slot)
+            matched.append(entry)
+        for entry in reversed(matched):
+            self.eviction.touch(entry)
         return len(matched)
 
     # ----------------------------------------------------------- holds
 
-    def hold(self, slot: int) -> int | None:
-        """Keep the value of ``slot`` in place while it is read (sent, or copied to
+    def hold(self, entry: int) -> int | None:
+        """Keep the value of ``entry`` in place while it is read (sent, or copied to
         another tier); returns the token for ``release_hold``: the value's offset
         in the arena.
 
         A value staged on the heap needs no hold (the view keeps it alive): None.
         """
-        if self.slots.heap_copies and slot in self.slots.heap_copies:
+        if self.entries.heap_copies and entry in self.entries.heap_copies:
             return None
-        offset = self.slots.dram_offset(slot)
-        self.holds.hold(offset, slot)
+        offset = self.entries.dram_offset(entry)
+        self.holds.hold(offset, entry)
         return offset
 
     def release_hold(self, offset: int | None) -> None:
@@ -352,28 +352,28 @@ class Engine:
 
     def pin(self, key: bytes, ttl_ms: int) -> bool:
         """Soft-pin ``key`` for ``ttl_ms`` (KV.PIN): evicted last; the pin expires by itself."""
-        slot = self.lookup(key)
-        if slot is None:
+        entry = self.lookup(key)
+        if entry is None:
             return False
-        self.eviction.soft_pin(slot)
-        self._soft_pins[slot] = (key, now_ms() + ttl_ms)
+        self.eviction.soft_pin(entry)
+        self._soft_pins[entry] = (key, now_ms() + ttl_ms)
         return True
 
     def unpin(self, key: bytes) -> bool:
-        slot = self.lookup(key)
-        if slot is None or slot not in self._soft_pins:
+        entry = self.lookup(key)
+        if entry is None or entry not in self._soft_pins:
             return False
-        del self._soft_pins[slot]
-        self.eviction.soft_pin(slot, False)
+        del self._soft_pins[entry]
+        self.eviction.soft_pin(entry, False)
         return True
 
     def expire_pins(self) -> None:
         now = now_ms()
-        for slot, (key, deadline) in list(self._soft_pins.items()):
-            if deadline <= now or self.index.get(key) != slot:
-                del self._soft_pins[slot]
-                if self.index.get(key) == slot:
-                    self.eviction.soft_pin(slot, False)
+        for entry, (key, deadline) in list(self._soft_pins.items()):
+            if deadline <= now or self.index.get(key) != entry:
+                del self._soft_pins[entry]
+                if self.index.get(key) == entry:
+                    self.eviction.soft_pin(entry, False)
 
     # ----------------------------------------------------------- expiry
 
@@ -404,8 +404,8 @@ class Engine:
     # ----------------------------------------------------------- iteration
 
     def scan(self, cursor: int, count: int) -> tuple[int, list[bytes]]:
-        """Keys from slot ``cursor`` on; a key present throughout is seen once."""
-        all_keys = self.slots.keys
+        """Keys from entry ``cursor`` on; a key present throughout is seen once."""
+        all_keys = self.entries.keys
         keys, n = [], len(all_keys)
         while cursor < n and len(keys) < count:
             key = all_keys[cursor]
@@ -421,66 +421,66 @@ class Engine:
         `TierMoves.mark_on_ssd` takes it."""
         if key in self.index:
             return
-        slot = self.index[key] = self.slots.add(key, size, SSD, ON_SSD, 0, self._parent_slot(key, parent))
-        self.moves.noted_on_ssd(slot, tag)
-        self.moves.settled(slot)
+        entry = self.index[key] = self.entries.add(key, size, SSD, ON_SSD, 0, self._parent_entry(key, parent))
+        self.moves.noted_on_ssd(entry, tag)
+        self.moves.settled(entry)
 
     def coldest(self, tier: int) -> int | None:
         """The next value to move out of ``tier``: never a held one, and never a
         parent whose child is still in the tier (a demotion can wait for a hold)."""
         return self.eviction.victim(tier, allow_parent=False)
 
-    def tier_of(self, slot: int) -> str:
-        return TIER_NAMES[self.slots.tier[slot]]
+    def tier_of(self, entry: int) -> str:
+        return TIER_NAMES[self.entries.tier[entry]]
 
     def tier_counts(self) -> dict[int, int]:
         """How many values live in each tier (for INFO)."""
-        return dict(enumerate(self.slots.count_in))
+        return dict(enumerate(self.entries.count_in))
 
     # ----------------------------------------------------------- accounting
 
-    def memory_usage(self, key: bytes, slot: int) -> int:
+    def memory_usage(self, key: bytes, entry: int) -> int:
         """Bytes a key costs: its arena extent plus its share of the index."""
-        return self.allocator.chunk_size(self.slots.size[slot]) + sys.getsizeof(key) \
+        return self.allocator.chunk_size(self.entries.size[entry]) + sys.getsizeof(key) \
             + int(self.metadata_bytes_per_key())
 
     def kv_stats(self) -> dict[str, int]:
-        s, tier_bytes = self.stats, self.slots.bytes_in
+        s, tier_bytes = self.stats, self.entries.bytes_in
         return {"hits": s.hits, "misses": s.misses, "keys": len(self.index), "evictions": s.evictions,
                 "bytes_gpu": tier_bytes[GPU], "bytes_dram": tier_bytes[DRAM], "bytes_ssd": tier_bytes[SSD]}
 
     def metadata_bytes_per_key(self) -> float:
-        """Index overhead per key: dict entry, key object, slot int, columns."""
+        """Index overhead per key: dict item, key object, entry number, columns."""
         n = len(self.index)
         if not n:
             return 0.0
         sample = list(itertools.islice(self.index, 64))     # not list(index): INFO stays O(1) in keys
         key_bytes = sum(sys.getsizeof(k) for k in sample) / len(sample)
-        per_slot = self.slots.nbytes_per_slot() + self.eviction.nbytes_per_slot()
-        return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_slot
+        per_entry = self.entries.nbytes_per_entry() + self.eviction.nbytes_per_entry()
+        return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_entry
 
     def close(self) -> None:
         self.arena.close()
 
     # ----------------------------------------------------------- internals
 
-    def _drop(self, slot: int, keep_ttl: bool = False, replaced: bool = False) -> None:
-        slots = self.slots
-        key = slots.keys[slot]
+    def _drop(self, entry: int, keep_ttl: bool = False, replaced: bool = False) -> None:
+        entries = self.entries
+        key = entries.keys[entry]
         for listener in self.drop_listeners:
-            listener(slot, key)
+            listener(entry, key)
         if not replaced:
             for listener in self.final_drop_listeners:
-                listener(slot, key)
+                listener(entry, key)
         del self.index[key]
         if not keep_ttl:
             self.expires.pop(key, None)
-        if slots.tier[slot] == DRAM:
-            self.holds.free(slots.dram_offset(slot), slots.size[slot])
+        if entries.tier[entry] == DRAM:
+            self.holds.free(entries.dram_offset(entry), entries.size[entry])
         else:
-            self.moves.unstage(slot)
-        self.holds.forget_slot(slot)
-        slots.remove(slot)
+            self.moves.unstage(entry)
+        self.holds.forget_entry(entry)
+        entries.remove(entry)
 
     def _evict_one(self, clean_only: bool = False) -> bool:
         """Make room in DRAM: let a clean copy go first, else evict the coldest value.
@@ -491,18 +491,18 @@ class Engine:
         """
         if self.shed_first is not None and self.shed_first():
             return True
-        slot = self.eviction.victim(DRAM, clean_only=True)
-        if slot is not None:
-            self.moves.demoted_to_ssd(slot)
+        entry = self.eviction.victim(DRAM, clean_only=True)
+        if entry is not None:
+            self.moves.demoted_to_ssd(entry)
             for listener in self.evict_listeners:
                 listener(True)
             return True
         if clean_only and self.can_demote is not None:
             return False
-        slot = self.eviction.victim(DRAM)
-        if slot is None:
+        entry = self.eviction.victim(DRAM)
+        if entry is None:
             return False
-        self._drop(slot)
+        self._drop(entry)
         self.stats.evictions += 1
         for listener in self.evict_listeners:
             listener(False)

@@ -1,7 +1,7 @@
-"""Per-slot state of the index: where each value lives, in flat columns.
+"""Per-entry state of the index: where each value lives, in flat columns.
 
-A key maps to a small integer slot (`Engine.index`); everything else the node
-knows about the value sits in columns indexed by that slot. Python objects per
+A key maps to a small integer entry (`Engine.index`); everything else the node
+knows about the value sits in columns indexed by that entry. Python objects per
 entry would cost twice the memory: with 4-byte offsets and sizes and 1-byte
 codes the index stays near 200 bytes a key, key included (see
 tests/test_engine.py).
@@ -19,7 +19,7 @@ here and nowhere else:
   arena at ``offset_units`` or, when DRAM was full, on the heap
   (``heap_copies``).
 
-One owner: every change of a slot's tier or flags goes through `EntryTable`,
+One owner: every change of an entry's tier or flags goes through `EntryTable`,
 which keeps the per-tier counts and bytes that INFO reports and tells the
 eviction policy where each entry lives and whether it is clean (its candidate
 lists depend on both), so the three can never disagree.
@@ -41,7 +41,7 @@ OFFSET_UNIT = 1 << OFFSET_SHIFT
 
 
 class EntryTable:
-    """The columns of every slot, the free slot ids, and counts and bytes per tier."""
+    """The columns of every entry, the free entry ids, and counts and bytes per tier."""
 
     def __init__(self, policy: SampledLRU):
         self.policy = policy
@@ -50,30 +50,30 @@ class EntryTable:
         self.size = array("I")
         self.tier = array("b")
         self.flags = array("b")
-        self.heap_copies: dict[int, bytes | bytearray] = {}    # slot -> staged copy outside the arena
+        self.heap_copies: dict[int, bytes | bytearray] = {}    # entry -> staged copy outside the arena
         self.count_in = [0] * len(TIERS)
         self.bytes_in = [0] * len(TIERS)
         self._free: list[int] = []
 
-    def nbytes_per_slot(self) -> int:
-        """Bytes of the columns per slot, the key list's pointer included."""
+    def nbytes_per_entry(self) -> int:
+        """Bytes of the columns per entry, the key list's pointer included."""
         return (self.offset_units.itemsize + self.size.itemsize + self.tier.itemsize + self.flags.itemsize
                 + 8)
 
-    # ------------------------------------------------------------ slots
+    # ------------------------------------------------------------ entries
 
     def add(self, key: bytes, size: int, tier: int, flags: int = 0, offset: int = 0,
             parent: int = NO_PARENT) -> int:
-        """A slot for a new value of ``key`` (tracked by the policy under ``parent``)."""
+        """An entry for a new value of ``key`` (tracked by the policy under ``parent``)."""
         if self._free:
-            slot = self._free.pop()
-            self.keys[slot] = key
-            self.offset_units[slot] = offset >> OFFSET_SHIFT
-            self.size[slot] = size
-            self.tier[slot] = tier
-            self.flags[slot] = flags
+            entry = self._free.pop()
+            self.keys[entry] = key
+            self.offset_units[entry] = offset >> OFFSET_SHIFT
+            self.size[entry] = size
+            self.tier[entry] = tier
+            self.flags[entry] = flags
         else:
-            slot = len(self.keys)
+            entry = len(self.keys)
             self.keys.append(key)
             self.offset_units.append(offset >> OFFSET_SHIFT)
             self.size.append(size)
@@ -81,47 +81,47 @@ class EntryTable:
             self.flags.append(flags)
         self.count_in[tier] += 1
         self.bytes_in[tier] += size
-        self.policy.insert(slot, parent, tier)
+        self.policy.insert(entry, parent, tier)
         if flags & ON_SSD:
-            self.policy.mark_clean(slot)
-        return slot
+            self.policy.mark_clean(entry)
+        return entry
 
-    def remove(self, slot: int) -> None:
-        """Forget ``slot``; its id is handed out again."""
-        tier = self.tier[slot]
+    def remove(self, entry: int) -> None:
+        """Forget ``entry``; its id is handed out again."""
+        tier = self.tier[entry]
         self.count_in[tier] -= 1
-        self.bytes_in[tier] -= self.size[slot]
+        self.bytes_in[tier] -= self.size[entry]
         if self.heap_copies:
-            self.heap_copies.pop(slot, None)
-        self.policy.remove(slot)
-        self.keys[slot] = None
-        self._free.append(slot)
+            self.heap_copies.pop(entry, None)
+        self.policy.remove(entry)
+        self.keys[entry] = None
+        self._free.append(entry)
 
     # ------------------------------------------------------------ columns
 
-    def dram_offset(self, slot: int) -> int:
+    def dram_offset(self, entry: int) -> int:
         """Where the value (or its staged copy) starts in the DRAM arena."""
-        return self.offset_units[slot] << OFFSET_SHIFT
+        return self.offset_units[entry] << OFFSET_SHIFT
 
-    def set_dram_offset(self, slot: int, offset: int) -> None:
-        self.offset_units[slot] = offset >> OFFSET_SHIFT
+    def set_dram_offset(self, entry: int, offset: int) -> None:
+        self.offset_units[entry] = offset >> OFFSET_SHIFT
 
-    def resize(self, slot: int, size: int) -> None:
+    def resize(self, entry: int, size: int) -> None:
         """The value was rewritten in place with ``size`` bytes."""
-        self.bytes_in[self.tier[slot]] += size - self.size[slot]
-        self.size[slot] = size
+        self.bytes_in[self.tier[entry]] += size - self.size[entry]
+        self.size[entry] = size
 
-    def set_tier(self, slot: int, tier: int, flags: int) -> None:
+    def set_tier(self, entry: int, tier: int, flags: int) -> None:
         """The value now lives in ``tier`` with ``flags``."""
-        old, size = self.tier[slot], self.size[slot]
+        old, size = self.tier[entry], self.size[entry]
         self.count_in[old] -= 1
         self.bytes_in[old] -= size
         self.count_in[tier] += 1
         self.bytes_in[tier] += size
-        self.tier[slot] = tier
-        self.policy.move(slot, tier)
-        self.set_flags(slot, flags)
+        self.tier[entry] = tier
+        self.policy.move(entry, tier)
+        self.set_flags(entry, flags)
 
-    def set_flags(self, slot: int, flags: int) -> None:
-        self.flags[slot] = flags
-        self.policy.mark_clean(slot, bool(flags & ON_SSD))
+    def set_flags(self, entry: int, flags: int) -> None:
+        self.flags[entry] = flags
+        self.policy.mark_clean(entry, bool(flags & ON_SSD))

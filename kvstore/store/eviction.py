@@ -37,7 +37,7 @@ a replacement that hangs from the same parent (or from none), so the links
 always form a forest, and the one walk there is (up from held leaves) is
 bounded anyway.
 
-Entries are small integer slot ids handed out by the caller (the engine's
+Entries are small integer entry ids handed out by the caller (the engine's
 index, or the conductor's simulated node cache), so the policy knows nothing
 of keys or values.
 """
@@ -65,9 +65,9 @@ WALK_LIMIT = 64     # steps up from one held leaf when every leaf is held
 
 
 class SampledLRU:
-    """Leaf-only approximate LRU over slot ids ``0..capacity-1`` in ``places`` places.
+    """Leaf-only approximate LRU over entry ids ``0..capacity-1`` in ``places`` places.
 
-    Per-slot facts live in ``array.array`` columns: a scalar update costs
+    Per-entry facts live in ``array.array`` columns: a scalar update costs
     ~30 ns there (a numpy scalar update ~100 ns, and updates happen on every
     access), while sampling still gets vectorised numpy views of them.
     ``_leaf_pos`` holds, for a leaf of its place, its index in its candidate
@@ -88,7 +88,7 @@ class SampledLRU:
             setattr(self, name, array(code, [fill]) * capacity)
         self._lists = [array("i") for _ in range(places * KINDS)]
         self._pools: list[list[tuple[int, int]]] = [[] for _ in range(places * KINDS)]
-        self._holds: dict[int, int] = {}      # slot -> holds in flight (few at a time)
+        self._holds: dict[int, int] = {}      # entry -> holds in flight (few at a time)
         self.count = 0
 
     @property
@@ -96,7 +96,7 @@ class SampledLRU:
         return len(self._place)
 
     def grow(self, capacity: int) -> None:
-        """Make room for slot ids below ``capacity`` (columns grow by at least an eighth)."""
+        """Make room for entry ids below ``capacity`` (columns grow by at least an eighth)."""
         old = len(self._place)
         if capacity <= old:
             return
@@ -104,35 +104,35 @@ class SampledLRU:
         for name, code, fill in self._COLUMNS:
             getattr(self, name).extend(array(code, [fill]) * extra)
 
-    def nbytes_per_slot(self) -> int:
-        """Bytes of policy metadata per slot (for INFO's per-key overhead): the
-        columns and the slot's entry in a candidate list."""
+    def nbytes_per_entry(self) -> int:
+        """Bytes of policy metadata per entry (for INFO's per-key overhead): the
+        columns and its place in a candidate list."""
         return sum(getattr(self, name).itemsize for name, _, _ in self._COLUMNS) + self._lists[0].itemsize
 
     # ------------------------------------------------------------ entries
 
-    def insert(self, slot: int, parent: int = NO_PARENT, place: int = 0) -> None:
-        """Start tracking ``slot`` in ``place``; ``parent`` is the slot of its chain parent."""
-        if slot >= len(self._place):
-            self.grow(slot + 1)
-        if self._place[slot] >= 0:
-            raise ValueError(f"slot {slot} is already tracked")
-        self._place[slot] = place
-        self._marks[slot] = 0
-        self._parent[slot] = self._first_child[slot] = NO_PARENT
-        self._next_sibling[slot] = self._prev_sibling[slot] = NO_PARENT
-        self.touch(slot)
-        self._file(slot)
-        if parent != slot and 0 <= parent < len(self._place) and self._place[parent] >= 0:
-            self._link(slot, parent)
+    def insert(self, entry: int, parent: int = NO_PARENT, place: int = 0) -> None:
+        """Start tracking ``entry`` in ``place``; ``parent`` is the entry of its chain parent."""
+        if entry >= len(self._place):
+            self.grow(entry + 1)
+        if self._place[entry] >= 0:
+            raise ValueError(f"entry {entry} is already tracked")
+        self._place[entry] = place
+        self._marks[entry] = 0
+        self._parent[entry] = self._first_child[entry] = NO_PARENT
+        self._next_sibling[entry] = self._prev_sibling[entry] = NO_PARENT
+        self.touch(entry)
+        self._file(entry)
+        if parent != entry and 0 <= parent < len(self._place) and self._place[parent] >= 0:
+            self._link(entry, parent)
         self.count += 1
 
-    def touch(self, slot: int) -> None:
+    def touch(self, entry: int) -> None:
         """Record an access: the entry becomes the most recently used."""
         self._clock += 1
         if self._clock == CLOCK_LIMIT:
             self._halve_stamps()
-        self._stamp[slot] = self._clock
+        self._stamp[entry] = self._clock
 
     def _halve_stamps(self) -> None:
         """Stamps are 32-bit: before they wrap, halve them all (order is kept)."""
@@ -143,25 +143,25 @@ class SampledLRU:
         for pool in self._pools:
             pool.clear()
 
-    def remove(self, slot: int) -> None:
-        """Stop tracking ``slot``; its children stay, without a parent (O(children))."""
-        if slot >= len(self._place) or self._place[slot] < 0:
+    def remove(self, entry: int) -> None:
+        """Stop tracking ``entry``; its children stay, without a parent (O(children))."""
+        if entry >= len(self._place) or self._place[entry] < 0:
             return
-        if self._parent[slot] != NO_PARENT:
-            self._unlink(slot)
-        child = self._first_child[slot]
+        if self._parent[entry] != NO_PARENT:
+            self._unlink(entry)
+        child = self._first_child[entry]
         while child != NO_PARENT:
             after = self._next_sibling[child]
             self._parent[child] = self._next_sibling[child] = self._prev_sibling[child] = NO_PARENT
             child = after
-        self._first_child[slot] = NO_PARENT
-        if self._leaf_pos[slot] >= 0:
-            self._unfile(slot)
-        self._leaf_pos[slot] = -1
-        self._place[slot] = -1
-        self._marks[slot] = 0
+        self._first_child[entry] = NO_PARENT
+        if self._leaf_pos[entry] >= 0:
+            self._unfile(entry)
+        self._leaf_pos[entry] = -1
+        self._place[entry] = -1
+        self._marks[entry] = 0
         if self._holds:
-            self._holds.pop(slot, None)
+            self._holds.pop(entry, None)
         self.count -= 1
 
     def adopt_children(self, old: int, new: int) -> None:
@@ -181,76 +181,76 @@ class SampledLRU:
             self._link(child, new)
             child = after
 
-    def move(self, slot: int, place: int) -> None:
+    def move(self, entry: int, place: int) -> None:
         """The entry now lives in ``place`` (a value changed tier)."""
-        old = self._place[slot]
+        old = self._place[entry]
         if old == place or old < 0:
             return
-        parent = self._parent[slot]
+        parent = self._parent[entry]
         if parent != NO_PARENT and self._place[parent] == old:
             self._lose_same_child(parent)
-        if self._leaf_pos[slot] >= 0:
-            self._unfile(slot)
-        self._place[slot] = place
-        same, child = 0, self._first_child[slot]
+        if self._leaf_pos[entry] >= 0:
+            self._unfile(entry)
+        self._place[entry] = place
+        same, child = 0, self._first_child[entry]
         while child != NO_PARENT:
             same += self._place[child] == place
             child = self._next_sibling[child]
         if same:
-            self._leaf_pos[slot] = -same
+            self._leaf_pos[entry] = -same
         else:
-            self._file(slot)
+            self._file(entry)
         if parent != NO_PARENT and self._place[parent] == place:
             self._gain_same_child(parent)
 
     # ------------------------------------------------------------ marks
 
-    def hold(self, slot: int) -> None:
+    def hold(self, entry: int) -> None:
         """A read or a copy of the value is in flight: never choose it until released."""
-        if self._place[slot] < 0:
+        if self._place[entry] < 0:
             return
-        held = self._holds.get(slot, 0)
-        self._holds[slot] = held + 1
+        held = self._holds.get(entry, 0)
+        self._holds[entry] = held + 1
         if not held:
-            self._set_mark(slot, HELD_MARK, True)
+            self._set_mark(entry, HELD_MARK, True)
 
-    def release_hold(self, slot: int) -> None:
-        held = self._holds.get(slot)
+    def release_hold(self, entry: int) -> None:
+        held = self._holds.get(entry)
         if not held:
             return
         if held > 1:
-            self._holds[slot] = held - 1
+            self._holds[entry] = held - 1
         else:
-            del self._holds[slot]
-            self._set_mark(slot, HELD_MARK, False)
+            del self._holds[entry]
+            self._set_mark(entry, HELD_MARK, False)
 
-    def is_held(self, slot: int) -> bool:
-        return slot in self._holds
+    def is_held(self, entry: int) -> bool:
+        return entry in self._holds
 
-    def soft_pin(self, slot: int, on: bool = True) -> None:
+    def soft_pin(self, entry: int, on: bool = True) -> None:
         """A soft pin (KV.PIN): the entry goes only when no other leaf of its place is left."""
-        if self._place[slot] >= 0:
-            self._set_mark(slot, SOFT_MARK, on)
+        if self._place[entry] >= 0:
+            self._set_mark(entry, SOFT_MARK, on)
 
-    def mark_clean(self, slot: int, clean: bool = True) -> None:
+    def mark_clean(self, entry: int, clean: bool = True) -> None:
         """Whether a copy exists in a lower place, so dropping this one loses nothing."""
-        if self._place[slot] >= 0:
-            self._set_mark(slot, CLEAN_MARK, clean)
+        if self._place[entry] >= 0:
+            self._set_mark(entry, CLEAN_MARK, clean)
 
-    def parent_of(self, slot: int) -> int:
-        return self._parent[slot]
+    def parent_of(self, entry: int) -> int:
+        return self._parent[entry]
 
-    def children_of(self, slot: int) -> list[int]:
-        """The entries linked to ``slot`` as their parent, in any place (O(children))."""
-        children, child = [], self._first_child[slot]
+    def children_of(self, entry: int) -> list[int]:
+        """The entries linked to ``entry`` as their parent, in any place (O(children))."""
+        children, child = [], self._first_child[entry]
         while child != NO_PARENT:
             children.append(child)
             child = self._next_sibling[child]
         return children
 
-    def is_leaf(self, slot: int) -> bool:
+    def is_leaf(self, entry: int) -> bool:
         """Whether no child of the entry is cached, in any place."""
-        return self._first_child[slot] == NO_PARENT
+        return self._first_child[entry] == NO_PARENT
 
     # ------------------------------------------------------------ choosing
 
@@ -280,13 +280,13 @@ class SampledLRU:
         return self._pools[lid].pop(0)[1]
 
     def _pool_head(self, lid: int) -> tuple[int, int]:
-        """The oldest (stamp, slot) of the non-empty list ``lid`` that is still in it and
+        """The oldest (stamp, entry) of the non-empty list ``lid`` that is still in it and
         untouched since it was pooled; the pool is refilled when none is left."""
         pool, stamps, places, marks = self._pools[lid], self._stamp, self._place, self._marks
         while pool:
-            stamp, slot = head = pool[0]
-            if stamps[slot] == stamp and self._leaf_pos[slot] >= 0 \
-                    and places[slot] * KINDS + KIND_OF_MARKS[marks[slot]] == lid:
+            stamp, entry = head = pool[0]
+            if stamps[entry] == stamp and self._leaf_pos[entry] >= 0 \
+                    and places[entry] * KINDS + KIND_OF_MARKS[marks[entry]] == lid:
                 return head
             del pool[0]
         self._refill(lid)
@@ -296,7 +296,7 @@ class SampledLRU:
         """Pool the oldest of ``samples`` random members of list ``lid`` (all of them when fewer)."""
         if len(self._lists[lid]) <= POOL:       # a chain's tail alone: no numpy round trip
             stamps = self._stamp
-            self._pools[lid][:] = sorted((stamps[slot], slot) for slot in self._lists[lid])
+            self._pools[lid][:] = sorted((stamps[entry], entry) for entry in self._lists[lid])
             return
         members = np.frombuffer(self._lists[lid], dtype=np.int32)
         if len(members) > self.samples:
@@ -353,54 +353,54 @@ class SampledLRU:
         if self._place[parent] == self._place[child]:
             self._lose_same_child(parent)
 
-    def _gain_same_child(self, slot: int) -> None:
-        at = self._leaf_pos[slot]
+    def _gain_same_child(self, entry: int) -> None:
+        at = self._leaf_pos[entry]
         if at >= 0:
-            self._unfile(slot)
-            self._leaf_pos[slot] = -1
+            self._unfile(entry)
+            self._leaf_pos[entry] = -1
         else:
-            self._leaf_pos[slot] = at - 1
+            self._leaf_pos[entry] = at - 1
 
-    def _lose_same_child(self, slot: int) -> None:
-        at = self._leaf_pos[slot] + 1
+    def _lose_same_child(self, entry: int) -> None:
+        at = self._leaf_pos[entry] + 1
         if at == 0:
-            self._file(slot)
+            self._file(entry)
         else:
-            self._leaf_pos[slot] = at
+            self._leaf_pos[entry] = at
 
-    def _set_mark(self, slot: int, bit: int, on: bool) -> None:
-        marks = self._marks[slot]
+    def _set_mark(self, entry: int, bit: int, on: bool) -> None:
+        marks = self._marks[entry]
         changed = marks | bit if on else marks & ~bit
         if changed == marks:
             return
-        leaf = self._leaf_pos[slot] >= 0
+        leaf = self._leaf_pos[entry] >= 0
         if leaf:
-            self._unfile(slot)
-        self._marks[slot] = changed
+            self._unfile(entry)
+        self._marks[entry] = changed
         if leaf:
-            self._file(slot)
+            self._file(entry)
 
-    def _list_id(self, slot: int) -> int:
-        return self._place[slot] * KINDS + KIND_OF_MARKS[self._marks[slot]]
+    def _list_id(self, entry: int) -> int:
+        return self._place[entry] * KINDS + KIND_OF_MARKS[self._marks[entry]]
 
-    def _file(self, slot: int) -> None:
+    def _file(self, entry: int) -> None:
         """Add a leaf of its place to its candidate list (and to the pool when older)."""
-        lid = self._list_id(slot)
+        lid = self._list_id(entry)
         members = self._lists[lid]
-        self._leaf_pos[slot] = len(members)
-        members.append(slot)
+        self._leaf_pos[entry] = len(members)
+        members.append(entry)
         pool = self._pools[lid]
-        stamp = self._stamp[slot]
+        stamp = self._stamp[entry]
         if pool and stamp < pool[-1][0]:
-            bisect.insort(pool, (stamp, slot))
+            bisect.insort(pool, (stamp, entry))
             if len(pool) > POOL:
                 pool.pop()
 
-    def _unfile(self, slot: int) -> None:
-        """Take ``slot`` out of its candidate list (swap-remove); the caller sets ``_leaf_pos``."""
-        members = self._lists[self._list_id(slot)]
-        at = self._leaf_pos[slot]
+    def _unfile(self, entry: int) -> None:
+        """Take ``entry`` out of its candidate list (swap-remove); the caller sets ``_leaf_pos``."""
+        members = self._lists[self._list_id(entry)]
+        at = self._leaf_pos[entry]
         last = members.pop()
-        if last != slot:
+        if last != entry:
             members[at] = last
             self._leaf_pos[last] = at

@@ -6,9 +6,9 @@ Meanwhile a delete, an overwrite or a move may let the value go: its extent
 must not be handed out again, nor rewritten, until the last reader is done.
 
 A hold names the extent by its offset (the token a reader carries), counts
-the extent's readers, and remembers which slot's eviction entry it counts in,
+the extent's readers, and remembers which entry it counts against in eviction,
 so that the release of a hold taken before the value moved home from a staged
-copy, or before its slot id went to another value, counts against the right
+copy, or before its entry id went to another value, counts against the right
 entry (or against none).
 """
 from __future__ import annotations
@@ -24,26 +24,26 @@ class ExtentHolds:
         self.allocator = allocator
         self.policy = policy
         self._readers: dict[int, int] = {}      # held offset -> reads in flight
-        self._slot: dict[int, int] = {}         # held offset -> the slot whose entry it holds
+        self._entry: dict[int, int] = {}         # held offset -> the entry it counts as held in eviction
         self._doomed: dict[int, int] = {}       # held offset -> size, freed at the last release
 
-    def hold(self, offset: int, slot: int) -> None:
-        """A read of ``slot``'s value at ``offset`` starts: the policy keeps the value."""
+    def hold(self, offset: int, entry: int) -> None:
+        """A read of ``entry``'s value at ``offset`` starts: the policy keeps the value."""
         self._readers[offset] = self._readers.get(offset, 0) + 1
-        self._slot[offset] = slot
-        self.policy.hold(slot)
+        self._entry[offset] = entry
+        self.policy.hold(entry)
 
     def release(self, offset: int) -> None:
         """One read at ``offset`` is done."""
-        slot = self._slot.get(offset)
-        if slot is not None:
-            self.policy.release_hold(slot)
+        entry = self._entry.get(offset)
+        if entry is not None:
+            self.policy.release_hold(entry)
         left = self._readers[offset] - 1
         if left:
             self._readers[offset] = left
             return
         del self._readers[offset]
-        self._slot.pop(offset, None)
+        self._entry.pop(offset, None)
         if offset in self._doomed:
             self.allocator.free(offset, self._doomed.pop(offset))
 
@@ -57,8 +57,8 @@ class ExtentHolds:
         else:
             self.allocator.free(offset, size)
 
-    def forget_slot(self, slot: int) -> None:
-        """``slot`` is leaving the index: reads still in flight on its extents no
-        longer count in the policy (the slot id may go to another value)."""
-        if self._slot and self.policy.is_held(slot):
-            self._slot = {offset: held for offset, held in self._slot.items() if held != slot}
+    def forget_entry(self, entry: int) -> None:
+        """``entry`` is leaving the index: reads still in flight on its extents no
+        longer count in the policy (the entry id may go to another value)."""
+        if self._entry and self.policy.is_held(entry):
+            self._entry = {offset: held for offset, held in self._entry.items() if held != entry}

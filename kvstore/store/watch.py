@@ -25,8 +25,8 @@ class Watches:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._watchers: dict[bytes, WeakSet] = {}
-        engine.commit_listeners.append(lambda key, slot: self.touch(key))
-        engine.drop_listeners.append(lambda slot, key: self.touch(key))
+        engine.commit_listeners.append(lambda key, entry: self.touch(key))
+        engine.drop_listeners.append(lambda entry, key: self.touch(key))
         engine.overwrite_listeners.append(self.touch)
         engine.expire_listeners.append(self.touch)
 

@@ -1,7 +1,7 @@
 """Storage tiers below the DRAM arena: where a value's bytes live when not in DRAM.
 
 A tier stores bytes and nothing else. The engine owns the index (key ->
-slot, whose tier, offset, size and parent live in kvstore/store/entries.py); the tier
+entry, whose tier, offset, size and parent live in kvstore/store/entries.py); the tier
 manager (kvstore/tiers/manager.py) owns the watermarks, the heat counters and every
 decision to promote or demote; the eviction policy picks what goes. A tier
 only answers "store this", "give me that back" and "how full are you",

@@ -5,7 +5,7 @@ The engine's index says where each value lives (GPU, DRAM or SSD); this
 module moves values and keeps that column true. Every copy runs on a worker
 thread (RocksDB through `SSDWorker`, device copies through a small pool) and
 the index changes only on the loop thread, when the copy is done and only if
-the key still names the same slot, so a reader always gets a whole value from
+the key still names the same entry, so a reader always gets a whole value from
 one tier or the other.
 
 - Demotion: above a tier's high watermark the coldest values (leaf-first, see
@@ -26,8 +26,8 @@ one tier or the other.
   worker thread it is held (the policy never picks it again, its DRAM extent
   is not freed or rewritten), and a GPU extent being read (by a worker thread,
   or by a local client under a KV.LEASEGPU lease) is freed only when the copy
-  is done. A move remembers a token per slot; a drop forgets it, so a
-  copy that finishes after its value was deleted (and its slot reused) changes
+  is done. A move remembers a token per entry; a drop forgets it, so a
+  copy that finishes after its value was deleted (and its entry reused) changes
   nothing.
 
 The engine tells the manager what happens through its listeners (commits,
@@ -88,12 +88,12 @@ class TierManager:
         self.stats = {DRAM: TierStats(), SSD: TierStats(), GPU: TierStats()}
         self.loading = False
         self.recovered = 0
-        self._heat: dict[int, tuple[int, float]] = {}   # slot -> (hits, window start)
-        self._gpu_offset: dict[int, int] = {}             # slot of a GPU value -> its extent
+        self._heat: dict[int, tuple[int, float]] = {}   # entry -> (hits, window start)
+        self._gpu_offset: dict[int, int] = {}             # entry of a GPU value -> its extent
         self._gpu_reads: dict[int, int] = {}              # GPU offset -> copies reading it
         self._gpu_doomed: dict[int, int] = {}             # GPU offset -> size, freed when read
-        self._gpu_headers: dict[int, bytes] = {}          # slot of a GPU value -> its first bytes
-        self._moving: dict[int, int] = {}                 # slot -> token of its copy to another tier
+        self._gpu_headers: dict[int, bytes] = {}          # entry of a GPU value -> its first bytes
+        self._moving: dict[int, int] = {}                 # entry -> token of its copy to another tier
         self._tokens = itertools.count(1)
         self._inflight = 0
         self._heap_reading = 0              # bytes being read from SSD to be staged outside the arena
@@ -109,24 +109,24 @@ class TierManager:
         if gpu is not None:
             engine.hit_listeners.append(self._on_hit)
 
-    def gpu_offset(self, slot: int) -> int | None:
+    def gpu_offset(self, entry: int) -> int | None:
         """Where a GPU-tier value lives in the GPU arena (None: not on the GPU)."""
-        return self._gpu_offset.get(slot)
+        return self._gpu_offset.get(entry)
 
-    def gpu_header(self, slot: int) -> bytes:
+    def gpu_header(self, entry: int) -> bytes:
         """The first HEADER_SIZE bytes of a GPU-tier value (a tensor's header), kept in host
         memory so a lease can hand them out without a device read."""
-        return self._gpu_headers.get(slot, b"")
+        return self._gpu_headers.get(entry, b"")
 
     # ------------------------------------------------------------ reads
 
     def pending_fetch(self, keys: list[bytes]) -> list[tuple[bytes, int]]:
-        """(key, slot) of the keys whose values are not in DRAM."""
+        """(key, entry) of the keys whose values are not in DRAM."""
         engine, out = self.engine, []
         for key in keys:
-            slot = engine.lookup(key)
-            if slot is not None and engine.tier_code(slot) != DRAM and not engine.flags_of(slot) & STAGED:
-                out.append((key, slot))
+            entry = engine.lookup(key)
+            if entry is not None and engine.tier_code(entry) != DRAM and not engine.flags_of(entry) & STAGED:
+                out.append((key, entry))
         return out
 
     async def fetch(self, items: list[tuple[bytes, int]], into_arena: bool = True) -> list[tuple]:
@@ -143,11 +143,11 @@ class TierManager:
         engine = self.engine
         heap_left = 0 if into_arena else WIRE_STAGING_BYTES - engine.moves.heap_bytes - self._heap_reading
         jobs, reading = [], 0
-        for key, slot in items:
-            size, on_gpu = engine.size_of(slot), engine.tier_code(slot) == GPU
-            if not on_gpu and size <= heap_left - reading and not self._next_hit_is_hot(slot):
+        for key, entry in items:
+            size, on_gpu = engine.size_of(entry), engine.tier_code(entry) == GPU
+            if not on_gpu and size <= heap_left - reading and not self._next_hit_is_hot(entry):
                 reading += size
-                jobs.append((key, slot, None, None, False))
+                jobs.append((key, entry, None, None, False))
                 continue
             try:
                 dest = engine.reserve(size, clean_only=True)
@@ -157,8 +157,8 @@ class TierManager:
                 # the heap instead, for this command only.
                 dest = bytearray(size)
                 view = memoryview(dest)
-            jobs.append((key, slot, dest, view, on_gpu))
-        copies = [self._copy_from_gpu(slot, view) for _, slot, _, view, on_gpu in jobs if on_gpu]
+            jobs.append((key, entry, dest, view, on_gpu))
+        copies = [self._copy_from_gpu(entry, view) for _, entry, _, view, on_gpu in jobs if on_gpu]
         on_ssd = [i for i, job in enumerate(jobs) if not job[4]]
         reads = self._read_ssd(jobs, [i for i in on_ssd if jobs[i][3] is None])
         reads += self._read_ssd(jobs, [i for i in on_ssd if jobs[i][3] is not None])
@@ -170,7 +170,7 @@ class TierManager:
         results = dict(zip([i for i, job in enumerate(jobs) if job[4]], gathered[:len(copies)]))
         for (_, part), outcome in zip(reads, gathered[len(copies):]):
             results.update(zip(part, _spread(outcome, len(part))))
-        return [(key, slot, dest, results[i]) for i, (key, slot, dest, _, _) in enumerate(jobs)]
+        return [(key, entry, dest, results[i]) for i, (key, entry, dest, _, _) in enumerate(jobs)]
 
     def _read_ssd(self, jobs: list[tuple], chosen: list[int]) -> list[tuple[asyncio.Future, list[int]]]:
         """Start reading the SSD jobs at positions ``chosen`` (all into buffers, or all with
@@ -184,9 +184,9 @@ class TierManager:
             calls.append((future, part))
         return calls
 
-    def _copy_from_gpu(self, slot: int, view: memoryview) -> asyncio.Future:
+    def _copy_from_gpu(self, entry: int, view: memoryview) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        offset = self.hold_gpu_extent(slot)
+        offset = self.hold_gpu_extent(entry)
         if offset is None:                  # moved or dropped since the command asked
             done = loop.create_future()
             done.set_result(None)
@@ -195,12 +195,12 @@ class TierManager:
         future.add_done_callback(lambda _: self.let_go_gpu_extent(offset))
         return future
 
-    def hold_gpu_extent(self, slot: int) -> int | None:
-        """The GPU extent of ``slot`` (None: not on the GPU), kept for a copy out of it until
+    def hold_gpu_extent(self, entry: int) -> int | None:
+        """The GPU extent of ``entry`` (None: not on the GPU), kept for a copy out of it until
         `let_go_gpu_extent`: neither freed nor given to another value meanwhile, whatever
         happens to the key. Copies to DRAM hold it on a worker thread, local clients under
         a KV.LEASEGPU lease over CUDA IPC."""
-        offset = self._gpu_offset.get(slot)
+        offset = self._gpu_offset.get(entry)
         if offset is not None:
             self._gpu_reads[offset] = self._gpu_reads.get(offset, 0) + 1
         return offset
@@ -215,53 +215,53 @@ class TierManager:
         if offset in self._gpu_doomed:
             self.gpu.free(offset, self._gpu_doomed.pop(offset))
 
-    def _free_gpu(self, slot: int) -> None:
+    def _free_gpu(self, entry: int) -> None:
         """Let a value's GPU extent go, once no copy reads it any more."""
-        offset = self._gpu_offset.pop(slot, None)
+        offset = self._gpu_offset.pop(entry, None)
         if offset is None:
             return
-        self._gpu_headers.pop(slot, None)
-        size = self.engine.size_of(slot)
+        self._gpu_headers.pop(entry, None)
+        size = self.engine.size_of(entry)
         if offset in self._gpu_reads:
             self._gpu_doomed[offset] = size
         else:
             self.gpu.free(offset, size)
 
     def install(self, fetched: list[tuple]) -> list[int]:
-        """Put fetched copies in place; returns the slots staged for one command."""
+        """Put fetched copies in place; returns the entries staged for one command."""
         engine, staged = self.engine, []
-        for key, slot, dest, result in fetched:
-            current = engine.index.get(key) == slot and engine.tier_code(slot) != DRAM
+        for key, entry, dest, result in fetched:
+            current = engine.index.get(key) == entry and engine.tier_code(entry) != DRAM
             in_arena = dest is not None and not isinstance(dest, bytearray)
             if isinstance(result, BaseException) or result is None or not current:
                 if in_arena:
                     engine.release(dest)
                 if current:
-                    self._lost(key, slot, result)
+                    self._lost(key, entry, result)
                 continue
-            tier = engine.tier_code(slot)
+            tier = engine.tier_code(entry)
             self.stats[tier].hits += 1
             if not in_arena:
-                if dest is None and not self._next_hit_is_hot(slot):
-                    self._is_hot(slot)         # counted (a hit that makes it hot finds it an extent)
-                engine.moves.stage_on_heap(slot, result if dest is None else dest)
-                staged.append(slot)
-            elif self._is_hot(slot):
-                self._free_gpu(slot)
-                engine.moves.home_in_dram(slot, dest)
+                if dest is None and not self._next_hit_is_hot(entry):
+                    self._is_hot(entry)         # counted (a hit that makes it hot finds it an extent)
+                engine.moves.stage_on_heap(entry, result if dest is None else dest)
+                staged.append(entry)
+            elif self._is_hot(entry):
+                self._free_gpu(entry)
+                engine.moves.home_in_dram(entry, dest)
                 self.stats[tier].promotions += 1
             else:
-                engine.moves.stage(slot, dest)
-                staged.append(slot)
+                engine.moves.stage(entry, dest)
+                staged.append(entry)
         return staged
 
     def unstage(self, staged: list[int]) -> None:
-        for slot in staged:
-            self.engine.moves.unstage(slot)
+        for entry in staged:
+            self.engine.moves.unstage(entry)
 
-    def _lost(self, key: bytes, slot: int, result) -> None:
+    def _lost(self, key: bytes, entry: int, result) -> None:
         """A value could not be read back: drop it so it is never served wrong."""
-        tier = self.engine.tier_code(slot)
+        tier = self.engine.tier_code(entry)
         if isinstance(result, CorruptValue):
             self.stats[tier].checksum_failures += 1
             log.warning("dropped %r: %s", key[:64], result)
@@ -269,51 +269,51 @@ class TierManager:
             self.stats[tier].errors += 1
             log.warning("could not read %r from %s: %s", key[:64], "SSD" if tier == SSD else "GPU", result)
         self.stats[tier].misses += 1
-        self.engine.drop(slot)
+        self.engine.drop(entry)
 
-    def _is_hot(self, slot: int) -> bool:
-        """Count a hit of ``slot``; whether it makes the value hot (then its count starts over)."""
-        hits, start = self._hits_with_next(slot)
+    def _is_hot(self, entry: int) -> bool:
+        """Count a hit of ``entry``; whether it makes the value hot (then its count starts over)."""
+        hits, start = self._hits_with_next(entry)
         if hits >= self.cfg.promote_hits:
-            self._heat.pop(slot, None)
+            self._heat.pop(entry, None)
             return True
-        self._heat[slot] = (hits, start)
+        self._heat[entry] = (hits, start)
         return False
 
-    def _next_hit_is_hot(self, slot: int) -> bool:
-        """Whether one more hit would make ``slot`` hot (nothing is counted)."""
-        return self._hits_with_next(slot)[0] >= self.cfg.promote_hits
+    def _next_hit_is_hot(self, entry: int) -> bool:
+        """Whether one more hit would make ``entry`` hot (nothing is counted)."""
+        return self._hits_with_next(entry)[0] >= self.cfg.promote_hits
 
-    def _hits_with_next(self, slot: int) -> tuple[int, float]:
-        """Hits of ``slot`` in its window, one more included, and the window's start."""
+    def _hits_with_next(self, entry: int) -> tuple[int, float]:
+        """Hits of ``entry`` in its window, one more included, and the window's start."""
         now = time.monotonic()
-        hits, start = self._heat.get(slot, (0, now))
+        hits, start = self._heat.get(entry, (0, now))
         if now - start > self.cfg.promote_window_s:
             hits, start = 0, now
         return hits + 1, start
 
     # ------------------------------------------------------------ engine events
 
-    def _start_move(self, slot: int) -> int:
+    def _start_move(self, entry: int) -> int:
         token = next(self._tokens)
-        self._moving[slot] = token
+        self._moving[entry] = token
         return token
 
-    def _end_move(self, slot: int, token: int) -> bool:
-        """Whether ``slot`` still holds the value the move with ``token`` started on."""
-        if self._moving.get(slot) != token:
+    def _end_move(self, entry: int, token: int) -> bool:
+        """Whether ``entry`` still holds the value the move with ``token`` started on."""
+        if self._moving.get(entry) != token:
             return False
-        del self._moving[slot]
+        del self._moving[entry]
         return True
 
-    def _on_drop(self, slot: int, key: bytes) -> None:
+    def _on_drop(self, entry: int, key: bytes) -> None:
         """Engine drop listener: free the value's GPU extent, delete its SSD record."""
         engine = self.engine
-        self._moving.pop(slot, None)
-        self._heat.pop(slot, None)
-        if engine.tier_code(slot) == GPU:
-            self._free_gpu(slot)
-        if engine.tier_code(slot) == SSD or engine.flags_of(slot) & ON_SSD:
+        self._moving.pop(entry, None)
+        self._heat.pop(entry, None)
+        if engine.tier_code(entry) == GPU:
+            self._free_gpu(entry)
+        if engine.tier_code(entry) == SSD or engine.flags_of(entry) & ON_SSD:
             self.forget_on_ssd(key)
 
     def _on_evict(self, demoted: bool) -> None:
@@ -323,39 +323,39 @@ class TierManager:
         else:
             self.stats[DRAM].evictions += 1
 
-    def _on_hit(self, slot: int) -> None:
+    def _on_hit(self, entry: int) -> None:
         """Engine read listener (with a GPU tier): hot DRAM values move up."""
-        if self.engine.tier_code(slot) == DRAM:
-            self.note_dram_hit(slot)
+        if self.engine.tier_code(entry) == DRAM:
+            self.note_dram_hit(entry)
 
     # ------------------------------------------------------------ writes
 
-    def on_commit(self, key: bytes, slot: int) -> None:
+    def on_commit(self, key: bytes, entry: int) -> None:
         """Engine commit listener: write-through, and demotion when writes come fast."""
-        self._heat.pop(slot, None)
-        self._newest = slot
+        self._heat.pop(entry, None)
+        self._newest = entry
         if self.cfg.write_through and self._ssd_usable():
-            self._write_to_ssd(key, slot, demote=False)
+            self._write_to_ssd(key, entry, demote=False)
         if self.engine.allocator.used > self.cfg.high_watermark * self.engine.limit:
             self._demote_dram()          # do not wait for the cron when writes come fast
 
-    def _write_to_ssd(self, key: bytes, slot: int, demote: bool) -> None:
+    def _write_to_ssd(self, key: bytes, entry: int, demote: bool) -> None:
         engine = self.engine
-        hold = engine.hold(slot)            # the bytes stay put while the writer reads them
-        token = self._start_move(slot)
-        size = engine.size_of(slot)
+        hold = engine.hold(entry)            # the bytes stay put while the writer reads them
+        token = self._start_move(entry)
+        size = engine.size_of(entry)
         self._inflight += size
-        future = self.worker.put(key, engine.view(slot), self._parent_key(slot))
-        future.add_done_callback(lambda f: self._written(f, key, slot, hold, token, size, demote))
+        future = self.worker.put(key, engine.view(entry), self._parent_key(entry))
+        future.add_done_callback(lambda f: self._written(f, key, entry, hold, token, size, demote))
 
-    def _parent_key(self, slot: int) -> bytes | None:
-        parent = self.engine.eviction.parent_of(slot)
+    def _parent_key(self, entry: int) -> bytes | None:
+        parent = self.engine.eviction.parent_of(entry)
         return None if parent < 0 else self.engine.key_of(parent)
 
-    def _written(self, future: asyncio.Future, key: bytes, slot: int, hold: int | None, token: int,
+    def _written(self, future: asyncio.Future, key: bytes, entry: int, hold: int | None, token: int,
                  size: int, demote: bool) -> None:
         engine = self.engine
-        same = self._end_move(slot, token) and engine.tier_code(slot) == DRAM
+        same = self._end_move(entry, token) and engine.tier_code(entry) == DRAM
         self._inflight -= size
         engine.release_hold(hold)
         error = future.exception()
@@ -363,10 +363,10 @@ class TierManager:
             self._ssd_failed(key, error)
             return
         if same:
-            engine.moves.mark_on_ssd(slot, future.result().index_tag)
+            engine.moves.mark_on_ssd(entry, future.result().index_tag)
             self._stalled = False
             if demote:
-                engine.moves.demoted_to_ssd(slot)
+                engine.moves.demoted_to_ssd(entry)
                 self.stats[DRAM].demotions += 1
             return
         # The key changed while we wrote: our record is stale unless a newer one follows it.
@@ -449,20 +449,20 @@ class TierManager:
         """Move the coldest DRAM values (about ``nbytes``) to SSD; returns bytes started."""
         engine, started = self.engine, 0
         while started < nbytes and self._ssd_usable() and self._inflight < MAX_INFLIGHT_BYTES:
-            slot = engine.coldest(DRAM)
-            if slot is None:
+            entry = engine.coldest(DRAM)
+            if entry is None:
                 break
-            if slot == self._newest and self._inflight:
+            if entry == self._newest and self._inflight:
                 # The value committed last is a leaf only until the rest of its chain
                 # arrives (a pipelined chain is committed block by block): a move under
                 # way will make room, so it waits rather than send a chain's head down.
                 break
-            started += engine.size_of(slot)
-            if engine.flags_of(slot) & ON_SSD:
-                engine.moves.demoted_to_ssd(slot)
+            started += engine.size_of(entry)
+            if engine.flags_of(entry) & ON_SSD:
+                engine.moves.demoted_to_ssd(entry)
                 self.stats[DRAM].demotions += 1
             else:
-                self._write_to_ssd(engine.key_of(slot), slot, demote=True)
+                self._write_to_ssd(engine.key_of(entry), entry, demote=True)
         return started
 
     def _trim_ssd(self) -> None:
@@ -471,11 +471,11 @@ class TierManager:
         engine = self.engine
         excess = self._over(self.ssd.used_bytes, self.ssd.capacity_bytes)
         while excess > 0:
-            slot = engine.coldest(SSD)
-            if slot is None:
+            entry = engine.coldest(SSD)
+            if entry is None:
                 return
-            excess -= engine.size_of(slot)
-            engine.drop(slot)
+            excess -= engine.size_of(entry)
+            engine.drop(entry)
             self.stats[SSD].evictions += 1
 
     def _demote_gpu(self) -> None:
@@ -484,54 +484,54 @@ class TierManager:
         excess = self._over(self.gpu.used_bytes, self.gpu.capacity_bytes)
         items = []
         while excess > 0:
-            slot = engine.coldest(GPU)
-            if slot is None:
+            entry = engine.coldest(GPU)
+            if entry is None:
                 break
-            excess -= engine.size_of(slot)
-            engine.eviction.hold(slot)
-            items.append((engine.key_of(slot), slot, self._start_move(slot)))
+            excess -= engine.size_of(entry)
+            engine.eviction.hold(entry)
+            items.append((engine.key_of(entry), entry, self._start_move(entry)))
         if items:
             asyncio.ensure_future(self._move_down_from_gpu(items))
 
     async def _move_down_from_gpu(self, items: list[tuple[bytes, int, int]]) -> None:
         engine = self.engine
-        fetched = await self.fetch([(key, slot) for key, slot, _ in items])
-        for (_, slot, token), (_, _, dest, result) in zip(items, fetched):
-            same = self._end_move(slot, token)
+        fetched = await self.fetch([(key, entry) for key, entry, _ in items])
+        for (_, entry, token), (_, _, dest, result) in zip(items, fetched):
+            same = self._end_move(entry, token)
             if same:
-                engine.eviction.release_hold(slot)
+                engine.eviction.release_hold(entry)
             if isinstance(dest, bytearray):
                 continue                        # DRAM is full: the value stays on the GPU
             if same and result is not None and not isinstance(result, BaseException) \
-                    and engine.tier_code(slot) == GPU:
-                self._free_gpu(slot)
-                engine.moves.home_in_dram(slot, dest)
+                    and engine.tier_code(entry) == GPU:
+                self._free_gpu(entry)
+                engine.moves.home_in_dram(entry, dest)
                 self.stats[GPU].demotions += 1
             else:
                 engine.release(dest)
 
-    def note_dram_hit(self, slot: int) -> None:
+    def note_dram_hit(self, entry: int) -> None:
         """A DRAM hit: a hot value moves up to the GPU tier."""
-        if slot in self._moving or not self._is_hot(slot):
+        if entry in self._moving or not self._is_hot(entry):
             return
         engine = self.engine
-        size = engine.size_of(slot)
+        size = engine.size_of(entry)
         offset = self.gpu.alloc(size)
         if offset is None:
             return
-        hold, token = engine.hold(slot), self._start_move(slot)
+        hold, token = engine.hold(entry), self._start_move(entry)
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._copies, self.gpu.write, offset, engine.view(slot))
-        future.add_done_callback(lambda f: self._on_gpu(f, slot, hold, token, offset, size))
+        future = loop.run_in_executor(self._copies, self.gpu.write, offset, engine.view(entry))
+        future.add_done_callback(lambda f: self._on_gpu(f, entry, hold, token, offset, size))
 
-    def _on_gpu(self, future, slot: int, hold: int | None, token: int, offset: int, size: int) -> None:
+    def _on_gpu(self, future, entry: int, hold: int | None, token: int, offset: int, size: int) -> None:
         engine = self.engine
-        same = self._end_move(slot, token) and engine.tier_code(slot) == DRAM
+        same = self._end_move(entry, token) and engine.tier_code(entry) == DRAM
         engine.release_hold(hold)
         if future.exception() is None and same:
-            self._gpu_offset[slot] = offset
-            self._gpu_headers[slot] = bytes(engine.view(slot)[:HEADER_SIZE])
-            engine.moves.moved_to_gpu(slot)
+            self._gpu_offset[entry] = offset
+            self._gpu_headers[entry] = bytes(engine.view(entry)[:HEADER_SIZE])
+            engine.moves.moved_to_gpu(entry)
             self.stats[DRAM].promotions += 1
         else:
             self.gpu.free(offset, size)
