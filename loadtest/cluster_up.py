@@ -41,7 +41,7 @@ class ClusterUp:
 
     @property
     def etcd_url(self) -> str:
-        return f"{self.info['etcd']}/{self.info['name']}".replace("http://", "etcd://")
+        return self.info["etcd"]
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:

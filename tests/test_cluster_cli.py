@@ -15,6 +15,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from kvstore.cluster.membership import ClusterError
+from kvstore.cluster.runner import ClusterURL
+
 from tests.conftest import WAIT_S
 from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 from tests.test_cluster_etcd import member, wait_converged
@@ -25,6 +28,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def kvstore(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvstore", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("etcd://127.0.0.1:2379/shop", ("127.0.0.1", 2379, "shop")),
+    ("http://127.0.0.1:2379", ("127.0.0.1", 2379, "kvstore")),          # etcd's own form: the default name
+    ("http://127.0.0.1:2379/shop", ("127.0.0.1", 2379, "shop")),
+    ("etcd://[::1]:2379/shop/", ("::1", 2379, "shop")),
+])
+def test_a_cluster_url_is_taken_in_the_form_up_prints_and_in_etcds_own(text, expected):
+    url = ClusterURL.parse(text)
+    assert (url.host, url.port, url.name) == expected
+    assert ClusterURL.parse(str(url)) == url
+
+
+@pytest.mark.parametrize("text", ["etcd://x", "redis://127.0.0.1:1/a", "etcd://127.0.0.1:70000/a", "etcd://h:1/a b"])
+def test_a_malformed_cluster_url_is_refused(text):
+    with pytest.raises(ClusterError, match="want etcd://HOST:PORT/NAME"):
+        ClusterURL.parse(text)
 
 
 def test_status_shows_nodes_ranges_epoch_and_coverage(etcd):
@@ -74,9 +95,11 @@ def test_up_starts_a_cluster_redis_cluster_clients_use_and_stops_it_on_sigterm()
             client.set(f"key{i}", f"value{i}")
         assert all(client.get(f"key{i}") == f"value{i}".encode() for i in range(200))
         assert {n.name for n in client.get_nodes()} == {n["addr"] for n in nodes}
-        etcd_port = first["etcd"].rsplit(":", 1)[1]
-        status = kvstore("cluster", "status", f"etcd://127.0.0.1:{etcd_port}/{first['name']}")
+        assert re.fullmatch(r"etcd://127\.0\.0\.1:\d+/kvstore", first["etcd"]), first["etcd"]
+        status = kvstore("cluster", "status", first["etcd"])        # what up printed is what status takes
         assert "16384/16384 slots assigned (ok)" in status.stdout
+        etcd_only = first["etcd"].replace("etcd://", "http://").rsplit("/", 1)[0]
+        assert "16384/16384 slots assigned (ok)" in kvstore("cluster", "status", etcd_only).stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         for node in nodes:

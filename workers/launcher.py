@@ -151,8 +151,7 @@ def _start_store(d: Deployment, args: argparse.Namespace, folder: Path) -> Store
             raise UsageError("--cluster-nodes must be at least 1")
         up = json.loads(d.start(["cluster", "up", "--nodes", str(args.cluster_nodes), "--dram-size",
                                  args.dram_size]))
-        url = f"etcd://{up['etcd'].removeprefix('http://')}/{up['name']}"
-        return StoreFlags(url, ["--cluster", url])
+        return StoreFlags(up["etcd"], ["--cluster", up["etcd"]])
     port, sock = _free_port(), str(folder / "kvstore.sock")
     d.start(["serve", "--port", str(port), "--unixsocket", sock, "--dram-size", args.dram_size], ready_line=False)
     _wait_for_store(port, d.procs[-1])

@@ -18,7 +18,9 @@ from kvstore.cluster.slots import SlotMapError, check_address
 
 DEFAULT_NODE_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
-_URL = re.compile(r"etcd://(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\s\[\]]+):(?P<port>\d{1,5})/(?P<name>[A-Za-z0-9_.-]{1,64})")
+_URL = re.compile(r"(?P<scheme>etcd|http)://(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\s\[\]]+):(?P<port>\d{1,5})"
+                  r"(?:/(?P<name>[A-Za-z0-9_.-]{1,64}))?/?")
+DEFAULT_NAME = "kvstore"
 _WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
@@ -31,12 +33,14 @@ class ClusterURL:
     name: str
 
     @classmethod
-    def parse(cls, text: str) -> "ClusterURL":
+    def parse(cls, text: str, name: str | None = None) -> "ClusterURL":
+        """``etcd://HOST:PORT/NAME``; etcd's own ``http://HOST:PORT`` is taken too (a user pastes either),
+        with ``name`` (else the default cluster name) when the URL carries none."""
         match = _URL.fullmatch(text)
         if match is None or not 0 < int(match["port"]) < 65536:
-            raise ClusterError(f"bad cluster URL {text!r}: want etcd://HOST:PORT/NAME, NAME of letters, "
-                               f"digits, '.', '_' or '-'")
-        return cls(match["host"].strip("[]"), int(match["port"]), match["name"])
+            raise ClusterError(f"bad cluster URL {text!r}: want etcd://HOST:PORT/NAME (or http://HOST:PORT), "
+                               f"NAME of letters, digits, '.', '_' or '-'")
+        return cls(match["host"].strip("[]"), int(match["port"]), match["name"] or name or DEFAULT_NAME)
 
     @property
     def etcd(self) -> str:

@@ -6,7 +6,7 @@ ports (flags after ``--`` go to every node's ``serve``), waits until the
 leader's map covers every slot with all N nodes and every node has applied
 it, and prints one JSON line that scripts and tests read::
 
-    {"etcd": "http://127.0.0.1:P", "etcd_pid": ..., "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
+    {"etcd": "etcd://127.0.0.1:P/kvstore", "etcd_pid": ..., "name": "kvstore", "nodes": [{"id": ..., "addr": ..., "pid": ...}]}
 
 (``etcd_pid`` only when it started the etcd).
 
@@ -158,8 +158,7 @@ class LocalCluster:
         if self.etcd_url is None:
             self.etcd = ThrowawayEtcd(os.path.join(self.log_dir, "etcd"), host=etcd_host).start()
             self.etcd_url = self.etcd.url
-        host, _, port = self.etcd_url.removeprefix("http://").rstrip("/").rpartition(":")
-        self.url = ClusterURL.parse(f"etcd://{host}:{port}/{self.args.name}")
+        self.url = ClusterURL.parse(self.etcd_url, self.args.name)
         for i, port in enumerate(free_ports(self.args.nodes)):       # distinct: all probed together
             self.nodes.append(self._start_node(i, port))
             self.node_tries.append(1)
@@ -251,7 +250,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.start()
         nodes = cluster.wait_formed()
         lab = cluster.lab
-        print(json.dumps({"etcd": cluster.etcd_url, "name": args.name, "nodes": nodes,
+        print(json.dumps({"etcd": str(cluster.url), "name": cluster.url.name, "nodes": nodes,
                           **({} if cluster.etcd is None else {"etcd_pid": cluster.etcd.proc.pid}),
                           **({} if lab is None else {"netns": lab.namespaces, "nic_rate": args.nic_rate})}),
               flush=True)
@@ -273,7 +272,7 @@ def cluster_main(argv: list[str]) -> int:
                         "print one JSON line with their ids, addresses and pids; stop all on SIGINT/SIGTERM.")
     up.add_argument("--nodes", type=int, required=True, metavar="N", help="how many nodes")
     up.add_argument("--dram-size", metavar="SIZE", help="each node's DRAM arena, e.g. 256mb")
-    up.add_argument("--etcd", metavar="URL", help="use this etcd (http://HOST:PORT) instead of starting one")
+    up.add_argument("--etcd", metavar="URL", help="use this etcd (etcd://HOST:PORT[/NAME] or http://HOST:PORT) instead of starting one")
     up.add_argument("--name", default="kvstore", help="cluster name in etcd (default kvstore)")
     up.add_argument("--node-timeout", type=float, metavar="S", help="passed to each node as --cluster-node-timeout")
     up.add_argument("--ssd-dir", metavar="DIR", help="each node's SSD tier in DIR/node-I (I from 0)")
