@@ -22,6 +22,7 @@ from kvstore.cluster.routing import redirect
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.commands.families import build_table
 from kvstore.commands.table import CommandError
+from kvstore.net.client_state import RedirectFlags
 from kvstore.net.protocol import writer
 from tests.conftest import Daemon, free_port, wait_ready
 
@@ -118,7 +119,7 @@ def mirror(first, second, ids, me: int) -> ClusterState:
 
 def run(cluster, *args: bytes, protocol: int = 2) -> bytes:
     """One command through the table's checks and handler, as dispatch runs it."""
-    conn = SimpleNamespace(server=SimpleNamespace(cluster=cluster), enc=writer.Encoder(protocol))
+    conn = SimpleNamespace(server=SimpleNamespace(cluster=cluster), enc=writer.Encoder(protocol), redirects=RedirectFlags())
     cmd = COMMANDS.lookup(args[0])
     try:
         if not cmd.arity_ok(len(args)):
@@ -215,11 +216,12 @@ def test_topology_changes_are_refused(sub):
 
 
 def test_connection_flags_are_set_on_the_connection():
-    conn = SimpleNamespace(server=SimpleNamespace(cluster=ClusterState(A, "127.0.0.1:7001")), enc=writer.Encoder(2))
+    conn = SimpleNamespace(server=SimpleNamespace(cluster=ClusterState(A, "127.0.0.1:7001")), enc=writer.Encoder(2),
+                           redirects=RedirectFlags())
     for name, attr, value in [(b"READONLY", "readonly", True), (b"READWRITE", "readonly", False),
                               (b"ASKING", "asking", True)]:
         assert COMMANDS.lookup(name).handler(conn, [name]) == writer.OK
-        assert getattr(conn, attr) is value
+        assert getattr(conn.redirects, attr) is value
 
 
 def test_cluster_state_fail_and_counts_without_full_coverage():

@@ -34,7 +34,7 @@ class SlowLog:
     def record(self, conn, args: list, elapsed_ns: int) -> None:
         """Keep an entry for a command that ran ``elapsed_ns`` (at least the threshold)."""
         self.entries.appendleft((self.next_id, int(time.time()), elapsed_ns // 1000, _shortened(args),
-                                 conn.addr, conn.name))
+                                 conn.addr, conn.client_info.name))
         self.next_id += 1
         while len(self.entries) > self.max_len:
             self.entries.pop()

@@ -167,7 +167,7 @@ def _info(conn, cluster) -> bytes:
          "Redis Cluster replica node.", keys=(0, 0, 0))
 def readonly(conn, args):
     _cluster_of(conn)
-    conn.readonly = True
+    conn.redirects.readonly = True
     return writer.OK
 
 
@@ -175,7 +175,7 @@ def readonly(conn, args):
          "Redis Cluster replica node.", keys=(0, 0, 0))
 def readwrite(conn, args):
     _cluster_of(conn)
-    conn.readonly = False
+    conn.redirects.readonly = False
     return writer.OK
 
 
@@ -183,5 +183,5 @@ def readwrite(conn, args):
          keys=(0, 0, 0))
 def asking(conn, args):
     _cluster_of(conn)
-    conn.asking = True
+    conn.redirects.asking = True
     return writer.OK

@@ -94,10 +94,10 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bo
             settled = False     # CLIENT PAUSE: run again once it is over (kvstore/net/client_pause.py)
             conn.defer(pause.over, lambda _: dispatch(conn, args, None, has_extents))
             return
-        if conn.multi is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
+        if conn.transaction.queued is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
             if "no_multi" in cmd.flags:
                 raise CommandError(NO_MULTI_ERROR)     # and EXEC answers EXECABORT
-            conn.multi.append((args, has_extents))
+            conn.transaction.queued.append((args, has_extents))
             conn.write(writer.QUEUED)
             settled = False
             return
@@ -109,8 +109,8 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bo
         settled = _failed(conn, cmd, args, exc, has_extents)
     finally:
         if settled:
-            if conn.asking and conn.multi is None and args[0].lower() != b"asking":
-                conn.asking = False     # ASKING covers the next command only, as in Redis
+            if conn.redirects.asking and conn.transaction.queued is None and args[0].lower() != b"asking":
+                conn.redirects.asking = False     # ASKING covers the next command only, as in Redis
             if has_extents:
                 release_extents(conn.engine, args)
             conn.server.stats.commands += 1
@@ -193,7 +193,7 @@ def _plain_allowed(conn) -> bool:
     a GET or SET runs: authenticated as a user allowed everything, no MULTI, no ASKING,
     no CLIENT PAUSE, no cluster routing, no SSD index still loading."""
     server, tiers = conn.server, conn.tiers
-    return conn.authenticated and conn.user.unrestricted and conn.multi is None and not conn.asking \
+    return conn.authenticated and conn.user.unrestricted and conn.transaction.queued is None and not conn.redirects.asking \
         and server.pause is None and server.cluster is None and (tiers is None or not tiers.loading)
 
 
@@ -234,10 +234,10 @@ def _route(conn, cmd: Command, args: list) -> bytes | None:
         return engine.lookup(key) is not None
 
     if not cmd.spans_slots:
-        reply = redirect(cluster, keys, conn.asking, has_key)
+        reply = redirect(cluster, keys, conn.redirects.asking, has_key)
         return None if reply is None or _copies_serve(conn, cmd, keys, reply) else reply
     for slot, same_slot in keys_by_slot(keys).items():
-        reply = redirect_slot(cluster, slot, same_slot, conn.asking, has_key)
+        reply = redirect_slot(cluster, slot, same_slot, conn.redirects.asking, has_key)
         if reply is not None and not _copies_serve(conn, cmd, same_slot, reply):
             return reply
     return None
@@ -247,7 +247,7 @@ def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
     """A READONLY client's read of hot-block copies held here runs here instead of being MOVED
     (kvstore/cluster/replication.py)."""
     copies = conn.server.cluster.copies
-    return conn.readonly and copies is not None and reply.startswith(b"-MOVED") and "readonly" in cmd.flags \
+    return conn.redirects.readonly and copies is not None and reply.startswith(b"-MOVED") and "readonly" in cmd.flags \
         and copies.held.serves(keys)
 
 
@@ -335,16 +335,16 @@ def run_transaction(conn, queued: list) -> None:
 
 
 def _fail(conn, reply: bytes, aborts: bool = True) -> None:
-    if conn.multi is not None and aborts:
-        conn.multi_dirty = True       # EXEC will answer EXECABORT
+    if conn.transaction.queued is not None and aborts:
+        conn.transaction.aborted = True       # EXEC will answer EXECABORT
     conn.write(reply)
 
 
 def _abort_transaction(conn, refusal: CommandError) -> CommandError:
     """EXEC refused before it runs (a user without it) ends the transaction, as Redis's execCommandAbort."""
-    if conn.multi is not None:
-        release_queued(conn.engine, conn.multi)
-        conn.multi = None
+    if conn.transaction.queued is not None:
+        release_queued(conn.engine, conn.transaction.queued)
+        conn.transaction.queued = None
     return CommandError(f"Transaction discarded because of: {refusal.code} {refusal}", "EXECABORT")
 
 

@@ -58,7 +58,7 @@ def kv_match(conn, args):
 def kv_locate(conn, args):
     engine = conn.engine
     cluster = conn.server.cluster
-    copies = cluster.copies if cluster is not None and conn.readonly else None
+    copies = cluster.copies if cluster is not None and conn.redirects.readonly else None
     items = []
     for key in args[1:]:
         entry = engine.lookup(key)

@@ -63,7 +63,7 @@ def hello(conn, args):
                            "HELLO AUTH <user> <pass> option can be used to authenticate the client "
                            "and select the RESP protocol version at the same time", "NOAUTH")
     if name is not None:
-        conn.set_name(name)
+        conn.client_info.set_name(name)
     conn.enc.protocol = protocol
     b = writer.bulk
     return conn.enc.map([
@@ -94,10 +94,10 @@ def client(conn, args):
             raise CommandError(SYNTAX)
         return writer.OK
     if sub == b"setname":
-        conn.set_name(args[2])
+        conn.client_info.set_name(args[2])
         return writer.OK
     if sub == b"getname":
-        return conn.enc.null if not conn.name else writer.bulk(conn.name)
+        return conn.enc.null if not conn.client_info.name else writer.bulk(conn.client_info.name)
     if sub == b"id":
         return writer.integer(conn.id)
     if sub == b"list":
@@ -106,7 +106,8 @@ def client(conn, args):
         return conn.enc.verbatim("".join(c.describe() + "\n" for c in conn.server.clients.values()))
     if sub == b"info":
         return conn.enc.verbatim(conn.describe() + "\n")
-    return conn.set_lib_info(args[2], args[3])
+    conn.client_info.set_lib_info(args[2], args[3])
+    return writer.OK
 
 
 @FAMILY.command("CONFIG", -2, "admin noscript loading stale", "server", "A container for server configuration commands.",

@@ -21,20 +21,20 @@ FAMILY = Family()
 
 @FAMILY.command("MULTI", 1, "noscript loading stale fast", "transactions", "Starts a transaction.", keys=(0, 0, 0))
 def multi(conn, args):
-    if conn.multi is not None:
+    if conn.transaction.queued is not None:
         raise CommandError("MULTI calls can not be nested")
-    conn.multi, conn.multi_dirty = [], False
+    conn.transaction.queued, conn.transaction.aborted = [], False
     return writer.OK
 
 
 @FAMILY.command("EXEC", 1, "noscript loading stale skip_slowlog", "transactions", "Executes all commands in a transaction.",
          keys=(0, 0, 0))
 def exec_(conn, args):
-    if conn.multi is None:
+    if conn.transaction.queued is None:
         raise CommandError("EXEC without MULTI")
-    queued, dirty = conn.multi, conn.multi_dirty
-    conn.multi = None
-    touched = bool(conn.watched) and watches_of(conn.engine).aborts(conn)
+    queued, dirty = conn.transaction.queued, conn.transaction.aborted
+    conn.transaction.queued = None
+    touched = bool(conn.transaction.watched) and watches_of(conn.engine).aborts(conn)
     unwatch(conn)
     if dirty or touched:
         dispatch.release_queued(conn.engine, queued)
@@ -47,10 +47,10 @@ def exec_(conn, args):
 
 @FAMILY.command("DISCARD", 1, "noscript loading stale fast", "transactions", "Discards a transaction.", keys=(0, 0, 0))
 def discard(conn, args):
-    if conn.multi is None:
+    if conn.transaction.queued is None:
         raise CommandError("DISCARD without MULTI")
-    dispatch.release_queued(conn.engine, conn.multi)
-    conn.multi = None
+    dispatch.release_queued(conn.engine, conn.transaction.queued)
+    conn.transaction.queued = None
     unwatch(conn)
     return writer.OK
 
@@ -58,7 +58,7 @@ def discard(conn, args):
 @FAMILY.command("WATCH", -2, "noscript loading stale fast", "transactions", "Monitors changes to keys to determine the "
          "execution of a transaction.", keys=(1, -1, 1))
 def watch(conn, args):
-    if conn.multi is not None:
+    if conn.transaction.queued is not None:
         raise CommandError("WATCH inside MULTI is not allowed")
     watches = watches_of(conn.engine)
     for key in args[1:]:

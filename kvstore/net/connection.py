@@ -40,6 +40,7 @@ from kvstore.admin import acl
 from kvstore.commands.table import CommandError
 from kvstore.commands.dispatch import dispatch, release_queued, run_plain, value_destination
 from kvstore.store.arena import Extent
+from kvstore.net.client_state import ClientInfo, RedirectFlags, Transaction
 from kvstore.net.protocol import writer
 from kvstore.net.protocol.reader import ProtocolError, RequestReader
 
@@ -65,9 +66,7 @@ class Connection:
         self.fd = sock.fileno()
         self.id = conn_id
         self.enc = writer.Encoder(2)
-        self.name = b""
-        self.lib_name = b""
-        self.lib_ver = b""
+        self.client_info = ClientInfo()
         self.created = self.last_active = time.monotonic()
         self.last_command = "NULL"
         self.addr, self.laddr = _addresses(sock)
@@ -83,12 +82,8 @@ class Connection:
         self.closed = False
         self.reading = True
         self.writing = False
-        self.multi: list | None = None      # commands queued since MULTI
-        self.multi_dirty = False
-        self.watched: dict[bytes, bool] = {}    # WATCHed key -> already expired then (kvstore/store/watch.py)
-        self.watch_dirty = False                # a watched key was touched: EXEC answers null
-        self.asking = False                 # cluster: ASKING was sent (the next command may run here)
-        self.readonly = False               # cluster: READONLY was sent (copies of hot blocks may serve reads)
+        self.transaction = Transaction()
+        self.redirects = RedirectFlags()
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
         self.backlog: deque = deque()       # parsed commands not run yet
         self.prefetched: list[int] = []     # entries staged for commands still in the backlog
@@ -108,32 +103,16 @@ class Connection:
         self.user = user
         self.authenticated = self.reader.authenticated = True
 
-    def set_name(self, name: bytes) -> None:
-        if any(c <= 32 or c > 126 for c in name):
-            raise CommandError("Client names cannot contain spaces, newlines or special characters.")
-        self.name = name
-
-    def set_lib_info(self, attr: bytes, value: bytes) -> bytes:
-        if any(c <= 32 or c > 126 for c in value):
-            raise CommandError(f"{attr.decode(errors='replace')} cannot contain spaces, newlines or special characters.")
-        if attr.lower() == b"lib-name":
-            self.lib_name = value
-        elif attr.lower() == b"lib-ver":
-            self.lib_ver = value
-        else:
-            raise CommandError(f"Unrecognized option '{attr.decode(errors='replace')}'")
-        return writer.OK
-
     def describe(self) -> str:
         """A CLIENT LIST line."""
         now = time.monotonic()
-        return (f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} name={self.name.decode()} "
+        return (f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} name={self.client_info.name.decode()} "
                 f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
-                f"ssub=0 multi={-1 if self.multi is None else len(self.multi)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
+                f"ssub=0 multi={-1 if self.transaction.queued is None else len(self.transaction.queued)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
                 f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
                 f"omem={self.out_bytes} tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} "
                 f"user={acl.printable(self.user.name)} redir=-1 "
-                f"resp={self.enc.protocol} lib-name={self.lib_name.decode()} lib-ver={self.lib_ver.decode()}")
+                f"resp={self.enc.protocol} lib-name={self.client_info.lib_name.decode()} lib-ver={self.client_info.lib_ver.decode()}")
 
     # ------------------------------------------------------------- reading
 
@@ -475,8 +454,8 @@ class Connection:
         for extent in self.reader.pending_extents():
             if isinstance(extent, Extent):
                 self.engine.release(extent)
-        if self.multi:
-            release_queued(self.engine, self.multi)
+        if self.transaction.queued:
+            release_queued(self.engine, self.transaction.queued)
         release_queued(self.engine, [(args, has_extents) for args, _, has_extents in self.backlog])
         self.backlog.clear()
         if self.prefetched:

@@ -34,35 +34,35 @@ class Watches:
         """``key`` changed: every transaction watching it will abort."""
         if self._watchers:
             for conn in self._watchers.pop(key, ()):
-                conn.watch_dirty = True
+                conn.transaction.touched = True
 
     def watch(self, conn, key: bytes) -> None:
         """Watch ``key`` for ``conn``, noting whether it had already expired (as Redis does)."""
-        if key in conn.watched:
+        if key in conn.transaction.watched:
             return
         deadline = self.engine.expires.get(key)
-        conn.watched[key] = deadline is not None and deadline <= now_ms()
+        conn.transaction.watched[key] = deadline is not None and deadline <= now_ms()
         self._watchers.setdefault(key, WeakSet()).add(conn)
 
     def unwatch(self, conn) -> None:
         """Forget every key ``conn`` watches (EXEC, DISCARD, UNWATCH)."""
-        for key in conn.watched:
+        for key in conn.transaction.watched:
             conns = self._watchers.get(key)
             if conns is not None:
                 conns.discard(conn)
                 if not conns:
                     del self._watchers[key]
-        conn.watched.clear()
-        conn.watch_dirty = False
+        conn.transaction.watched.clear()
+        conn.transaction.touched = False
 
     def aborts(self, conn) -> bool:
         """Whether ``conn``'s EXEC must fail: a watched key was touched, or has expired
         since WATCH without anyone noticing yet."""
-        if conn.watch_dirty:
+        if conn.transaction.touched:
             return True
         now, expires = now_ms(), self.engine.expires
         return any(not was_expired and expires.get(key, now + 1) <= now
-                   for key, was_expired in conn.watched.items())
+                   for key, was_expired in conn.transaction.watched.items())
 
 
 def watches_of(engine: Engine) -> Watches:
@@ -82,6 +82,6 @@ def touched(engine: Engine, key: bytes) -> None:
 
 def unwatch(conn) -> None:
     """Forget ``conn``'s watched keys, if it watches any."""
-    if conn.watched:
+    if conn.transaction.watched:
         watches_of(conn.engine).unwatch(conn)
-    conn.watch_dirty = False
+    conn.transaction.touched = False
