@@ -3,7 +3,7 @@
 `kvstore serve` runs a node. The rooms, each a package whose docstring lists its files:
 
 net/       the network front: server (accept loop, cron, shutdown; builds the node),
-           connection, protocol/ (RESP reader and writer), tls, client_pause
+           connection (+ client_state), protocol/ (RESP reader and writer), tls, client_pause
 commands/  the command table, dispatch, and the command families as Redis groups them
 store/     the index and DRAM: engine, entries (the index's columns), eviction, holds,
            deadlines, allocator, arena, watch; knows nothing of RESP
