@@ -143,9 +143,9 @@ def test_big_bulk_lands_in_the_allocated_holder():
     recorder = Recorder()
     parsed = feed(RequestReader(DEFAULT_MAX_BULK, recorder),
                   encode_command("SET", "big", BIG_VALUE), (5000,))
-    [(args, failure, has_holders)] = parsed
+    [(args, failure, has_extents)] = parsed
     [holder] = recorder.holders
-    assert failure is None and has_holders
+    assert failure is None and has_extents
     assert recorder.calls == [([b"SET", b"big"], len(BIG_VALUE))]
     assert args[2] is holder
     assert bytes(holder.data) == BIG_VALUE
@@ -155,9 +155,9 @@ def test_big_bulk_lands_in_the_allocated_holder():
 def test_bulk_just_below_big_bulk_is_plain_bytes():
     recorder = Recorder()
     value = b"x" * (BIG_BULK - 1)
-    [(args, _, has_holders)] = feed(RequestReader(DEFAULT_MAX_BULK, recorder),
+    [(args, _, has_extents)] = feed(RequestReader(DEFAULT_MAX_BULK, recorder),
                                     encode_command("SET", "k", value))
-    assert args == [b"SET", b"k", value] and not has_holders and not recorder.calls
+    assert args == [b"SET", b"k", value] and not has_extents and not recorder.calls
 
 
 def test_big_bulk_is_not_copied_on_the_way():
@@ -215,8 +215,8 @@ def test_a_failed_bulk_does_not_stop_later_bulks_of_the_same_command():
 
     stream = encode_command("MSET", "a", BIG_VALUE, "b", BIG_VALUE[::-1]) + b"PING\r\n"
     parsed = feed(RequestReader(DEFAULT_MAX_BULK, allocate), stream, (999,))
-    (args, failure, has_holders), (ping, _, _) = parsed
-    assert isinstance(failure, MemoryError) and has_holders
+    (args, failure, has_extents), (ping, _, _) = parsed
+    assert isinstance(failure, MemoryError) and has_extents
     assert args[:4] == [b"MSET", b"a", None, b"b"] and bytes(args[4].data) == BIG_VALUE[::-1]
     assert ping == [b"PING"]
 
