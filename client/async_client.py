@@ -87,6 +87,16 @@ class AsyncKVClient(BaseClient):
                          wait: float | None = None, framework: str = "numpy") -> Any:
         return await self._transport.execute(layers.get_layers(key, start, stop, into, wait, framework))
 
+    async def batch_put_layers(self, items: Sequence[tuple[Key, int, Any]], *, n_layers: int,
+                               parents: Sequence[Key | None] | None = None,
+                               timeout_ms: int | None = None) -> list[bool]:
+        return await self._transport.execute(layers.batch_put_layers(items, n_layers, parents, timeout_ms))
+
+    async def batch_get_layers(self, keys: Sequence[Key], start: int = 0, stop: int | None = None, *,
+                               into: Sequence[Any] | None = None, wait: float | None = None,
+                               framework: str = "numpy") -> list[Any]:
+        return await self._transport.execute(layers.batch_get_layers(keys, start, stop, into, wait, framework))
+
     async def match_prefix(self, keys: Sequence[Key]) -> int:
         return await self._transport.execute(ops.match_prefix(keys))
 

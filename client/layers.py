@@ -19,6 +19,14 @@ memory; a CUDA destination of a whole tensor is read device to device where
 the node has a GPU tier (`gpu`), else staged too. Destinations must be
 contiguous (a strided view would be written past, or a temporary written
 instead) and are refused before anything is sent.
+
+The layer batches (`batch_put_layers`, `batch_get_layers`) move many slots
+with a fixed number of round trips: over the wire, one pipelined round trip
+(KV.BLOCK once per block, then a KV.PUTLAYER per slot; a KV.GETLAYERS per
+block); through the arena, one round trip opening every block, the copies,
+and one round trip of KV.LAYERDONEs (a KV.LEASELAYERS per block, the copies,
+releases riding with the next request). Every item is tried; the first error
+reply is raised once the batch is done, as `batch_put` does.
 """
 from __future__ import annotations
 
@@ -67,8 +75,8 @@ class LayerWrite:
         view = yield from self._staged()
         return (yield from core.on_connection(partial(_open_copy_mark, core, self, view), True))
 
-    def open_request(self, token: bytes | None = None) -> tuple:
-        return (fp.KV_BLOCK, self.key, self.spec.header(),
+    def open_request(self, token: bytes | None = None, header: bytes | None = None) -> tuple:
+        return (fp.KV_BLOCK, self.key, header or self.spec.header(),
                 *(("PARENT", self.parent) if self.parent is not None else ()),
                 *(("TIMEOUT", self.timeout_ms) if self.timeout_ms is not None else ()),
                 *(("TOKEN", token) if token is not None else ()))
@@ -115,6 +123,136 @@ def _open_copy_mark(core, op: LayerWrite, view: memoryview, conn) -> Steps:
     return True
 
 
+@dataclass
+class LayerWrites:
+    """Several layer slots (of one or more blocks) in a fixed number of round trips; a result per slot:
+    True written, False when its block is cached already."""
+
+    writes: list[LayerWrite]
+
+    def over_wire(self, core) -> Steps:
+        views = yield from self._staged()
+        if not self.writes:
+            return []
+        return (yield from core.on_connection(partial(self._send, views), True))
+
+    def through_arena(self, core) -> Steps:
+        views = yield from self._staged()
+        if not self.writes:
+            return []
+        return (yield from core.on_connection(partial(_open_copy_mark_many, core, self, views), True))
+
+    def _staged(self) -> Steps:
+        if not any(tensors.is_cuda(write.data) for write in self.writes):
+            return [tensors.host_view(write.data) for write in self.writes]
+        views = []
+        for write in self.writes:
+            views.append((yield from write._staged()))
+        return views
+
+    def _send(self, views: list[memoryview], conn) -> Steps:
+        """KV.BLOCK before each block's first slot, a KV.PUTLAYER per slot: one round trip."""
+        requests, opened_at, put_at, header = [], {}, [], _headers()
+        for write, view in zip(self.writes, views):
+            if write.key not in opened_at:
+                opened_at[write.key] = len(requests)
+                requests.append(write.open_request(header=header(write.spec)))
+            put_at.append(len(requests))
+            requests.append((fp.KV_PUTLAYER, write.key, write.layer, view))
+        replies = yield RoundTrip(requests)
+        results, errors = [], []
+        for write, at in zip(self.writes, put_at):
+            opened = replies[opened_at[write.key]]
+            if opened == 0:
+                results.append(False)       # cached already: the slot was refused, as it should be
+                continue
+            error = opened if isinstance(opened, KVError) else replies[at]
+            if isinstance(error, KVError):
+                errors.append(error)
+                results.append(False)
+            else:
+                results.append(True)
+        return _raise_first(errors, results)
+
+
+def _open_copy_mark_many(core, op: LayerWrites, views: list[memoryview], conn) -> Steps:
+    """Open every block (one round trip), copy the slots into their extents, mark them written
+    (one round trip)."""
+    fast = core.fast
+    arena = fast.mapping
+    if arena is None:
+        return REMAPPED
+    opened_at: dict[Any, int] = {}
+    opens, header = [], _headers()
+    for write in op.writes:
+        if write.key not in opened_at:
+            opened_at[write.key] = len(opens)
+            opens.append(write.open_request(arena.token, header(write.spec)))
+    ahead = fast.housekeeping()
+    replies = (yield RoundTrip([*ahead, *opens]))[len(ahead):]
+    errors: list[KVError] = []
+    blocks: list[Any] = []
+    for reply in replies:
+        try:
+            if (detour := fast.detour(reply)) is not None:
+                return detour               # nothing copied yet: run again (re-opening is idempotent)
+        except KVError as exc:
+            errors.append(exc)
+            reply = exc
+        blocks.append(reply)
+    results: list[bool] = [False] * len(op.writes)
+    copies, marks, marked = [], [], []
+    for i, (write, view) in enumerate(zip(op.writes, views)):
+        block = blocks[opened_at[write.key]]
+        if block == 0 or isinstance(block, KVError):
+            continue
+        offset, n_layers, layer_bytes = block
+        if not 0 <= write.layer < n_layers or layer_bytes != view.nbytes:
+            errors.append(KVError(f"the block holds {n_layers} layers of {layer_bytes} bytes, "
+                                  f"not layer {write.layer} of {view.nbytes} bytes"))
+            continue
+        copies.append((offset + fp.HEADER_SIZE + write.layer * layer_bytes, view))
+        marks.append((fp.KV_LAYERDONE, arena.token, write.key, write.layer))
+        marked.append(i)
+    if not marks:
+        return _raise_first(errors, results)
+
+    def copy_all() -> None:
+        for at, view in copies:
+            arena.write(at, view)
+    yield from core.copy(copy_all, sum(view.nbytes for _, view in copies))
+    for i, reply in zip(marked, (yield RoundTrip(marks))):
+        try:
+            if (detour := fast.detour(reply)) is not None:
+                return detour               # the node restarted: nothing was marked in its new arena
+            results[i] = True
+        except KVError as exc:              # e.g. another writer of the same block marked this slot
+            errors.append(exc)
+    return _raise_first(errors, results)
+
+
+def _contiguous(data: Any) -> bool:
+    return data.is_contiguous() if hasattr(data, "is_contiguous") else bool(data.flags.c_contiguous)
+
+
+def _headers() -> Any:
+    """A header per spec, packed once for all the blocks of a batch that share it."""
+    packed: dict[int, bytes] = {}
+
+    def header(spec: TensorSpec) -> bytes:
+        got = packed.get(id(spec))
+        if got is None:
+            got = packed[id(spec)] = spec.header()
+        return got
+    return header
+
+
+def _raise_first(errors: list[KVError], results: list) -> list:
+    if errors:
+        raise errors[0]
+    return results
+
+
 def put_tensor(key: Key, tensor: Any, parent: Key | None) -> LayerWrite:
     return LayerWrite(key, tensor, tensors.spec_of(tensor), 0, parent)
 
@@ -124,6 +262,27 @@ def put_layer(key: Key, layer: int, data: Any, n_layers: int, parent: Key | None
     if n_layers < 1 or not 0 <= layer < n_layers:
         raise ValueError(f"layer index {layer} is out of range for a block of {n_layers} layers")
     return LayerWrite(key, data, tensors.spec_of(data, n_layers, layered=True), layer, parent, timeout_ms)
+
+
+def batch_put_layers(items: Sequence[tuple[Key, int, Any]], n_layers: int,
+                     parents: Sequence[Key | None] | None, timeout_ms: int | None) -> LayerWrites:
+    items = list(items)
+    links = [None] * len(items) if parents is None else list(parents)
+    if len(links) != len(items):
+        raise ValueError(f"{len(items)} items but {len(links)} parents")
+    specs: dict[tuple, TensorSpec] = {}          # slots of one batch are mostly alike: one spec each kind
+    writes = []
+    for (key, layer, data), parent in zip(items, links):
+        if n_layers < 1 or not 0 <= layer < n_layers:
+            raise ValueError(f"layer index {layer} is out of range for a block of {n_layers} layers")
+        kind = (type(data), str(data.dtype), tuple(data.shape))
+        spec = specs.get(kind)
+        if spec is None:
+            spec = specs[kind] = tensors.spec_of(data, n_layers, layered=True)
+        elif not _contiguous(data):
+            tensors.spec_of(data, n_layers, layered=True)      # raises: not contiguous
+        writes.append(LayerWrite(key, data, spec, layer, parent, timeout_ms))
+    return LayerWrites(writes)
 
 
 def batch_put_tensors(items: Items, parents: Sequence[Key | None] | None) -> Each:
@@ -229,6 +388,95 @@ def _lease_and_copy(core, op: LayerRead, conn) -> Steps:
             return result
         fast.stats.lease_retries += 1
     raise LeaseExpired(f"leases expired during {LEASE_RETRIES} copies in a row")
+
+
+@dataclass
+class LayerReads:
+    """The same range of layers of several blocks in a fixed number of round trips; a result per block
+    (its tensor, or None when absent)."""
+
+    reads: list[LayerRead]
+
+    def over_wire(self, core) -> Steps:
+        if not self.reads:
+            return []
+        return (yield from core.on_connection(partial(self._fetch, core), True))
+
+    def through_arena(self, core) -> Steps:
+        if not self.reads:
+            return []
+        return (yield from core.on_connection(partial(_lease_and_copy_many, core, self), True))
+
+    def _fetch(self, core, conn) -> Steps:
+        replies = yield RoundTrip([(fp.KV_GETLAYERS, r.key, r.start, r.stop, *r._wait()) for r in self.reads])
+        results, errors = [], []
+        for read, reply in zip(self.reads, replies):
+            result = None
+            try:
+                if isinstance(reply, KVError):
+                    raise reply
+                if reply is not None:
+                    header, data = reply
+                    spec, layers = read.checked_spec(header, len(data))
+                    result = yield from core.copy(partial(read.copy_out, spec, layers, data), len(data))
+            except KVError as exc:
+                errors.append(exc)
+            results.append(result)
+        return _raise_first(errors, results)
+
+
+def _lease_and_copy_many(core, op: LayerReads, conn) -> Steps:
+    """Lease every block's layers (one round trip), copy them out, check each copy; a block whose
+    lease expired under its copy is read again on its own."""
+    fast = core.fast
+    arena = fast.mapping
+    if arena is None:
+        return REMAPPED
+    ahead = fast.housekeeping()
+    replies = (yield RoundTrip([*ahead, *(r.lease_request(fast, arena.token) for r in op.reads)]))[len(ahead):]
+    leased = [reply[0] for reply in replies if isinstance(reply, list)]
+    for reply in replies:
+        detour = None
+        try:
+            detour = fast.detour(reply)
+        except KVError:
+            pass
+        if detour is not None:
+            if leased:
+                yield RoundTrip([(fp.KV_RELEASE, *leased)])
+            return detour
+    results, errors, done = [], [], []
+    for read, reply in zip(op.reads, replies):
+        result = None
+        try:
+            if isinstance(reply, KVError):
+                raise reply
+            if reply is not None:
+                lease_id, offset, nbytes, header, word, tag = reply
+                done.append(lease_id)
+                spec, layers = read.checked_spec(header, nbytes)
+                result = yield from core.copy(partial(read.copy_out, spec, layers, arena.view(offset, nbytes)),
+                                              nbytes)
+                if not arena.still_valid(word, tag):
+                    fast.stats.lease_retries += 1
+                    result = yield from _lease_and_copy(core, read, conn)
+                    if isinstance(result, Detour):
+                        fast.release_later(done)
+                        return result
+        except KVError as exc:
+            errors.append(exc)
+        results.append(result)
+    if done:
+        fast.release_later(done)
+    return _raise_first(errors, results)
+
+
+def batch_get_layers(keys: Sequence[Key], start: int, stop: int | None, into: Sequence[Any] | None,
+                     wait_s: float | None, framework: str) -> LayerReads:
+    if into is not None and len(into) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(into)} destinations")
+    return LayerReads([LayerRead(key, start, -1 if stop is None else stop, None if into is None else into[i],
+                                 wait_s, framework) for i, key in enumerate(keys)])
 
 
 def get_layers(key: Key, start: int, stop: int | None, into: Any, wait_s: float | None,

@@ -120,6 +120,26 @@ class KVClient(BaseClient):
         """
         return self._transport.execute(layers.get_layers(key, start, stop, into, wait, framework))
 
+    def batch_put_layers(self, items: Sequence[tuple[Key, int, Any]], *, n_layers: int,
+                         parents: Sequence[Key | None] | None = None, timeout_ms: int | None = None) -> list[bool]:
+        """put_layer() for many (key, layer, data) slots of blocks of ``n_layers`` layers, in a fixed
+        number of round trips (not one a slot); parents, when given, holds one parent key (or None) per item.
+
+        One result per item: True written, False when its block is already cached. Every item is
+        tried; the first error reply (a slot another writer marked, OOM) is raised after the batch.
+        """
+        return self._transport.execute(layers.batch_put_layers(items, n_layers, parents, timeout_ms))
+
+    def batch_get_layers(self, keys: Sequence[Key], start: int = 0, stop: int | None = None, *,
+                         into: Sequence[Any] | None = None, wait: float | None = None,
+                         framework: str = "numpy") -> list[Any]:
+        """get_layers() for many blocks (the same range of layers), in a fixed number of round trips.
+
+        One result per key: its tensor (``into[i]`` when given), or None when absent. Every key is
+        tried; the first error (a mismatch, a wait that timed out) is raised after the batch.
+        """
+        return self._transport.execute(layers.batch_get_layers(keys, start, stop, into, wait, framework))
+
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are cached (KV.MATCH, one round trip)."""
         return self._transport.execute(ops.match_prefix(keys))

@@ -1,7 +1,7 @@
 """vLLM 0.34's own scheduler and worker hooks driving `VllmStoreConnector` against a real store: the
 figures, and the harness the tests use.
 
-    python -m loadtest.bench_vllm [--blocks 16] [--repeats 15]
+    python -m loadtest.bench_vllm [--blocks 16] [--repeats 15] [--torch-threads N]
 
 The harness is one vLLM instance without a model (`Engine`): vLLM's `Scheduler` (built as vLLM's own
 KV-connector unit tests build it, with a `VllmConfig` on CPU from SmolLM2-135M's config.json), the
@@ -23,6 +23,9 @@ Figures printed:
   every put answered) and loading them back into other pages (`start_load_kv` to `wait_for_save`),
   against a raw memcpy of the same bytes between pages and a host buffer; medians of ``--repeats``
   runs, the ratio the median of the paired runs' ratios, with the host load before and after.
+  ``--torch-threads`` sets torch's intra-op threads for both (on a small shared host torch's default
+  pool makes even the reference copy swing by two orders of magnitude: a copy split over two threads
+  waits for whichever the scheduler runs last).
 """
 from __future__ import annotations
 
@@ -350,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=16, help="blocks (32 tokens each) per save and load")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--memory", default="512mb", help="the store's DRAM")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's intra-op threads for the copies (default: torch's own)")
     args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     load_before = os.getloadavg()
     with ProcessGroup() as group:
         server = start_kvstore(group, args.memory)
@@ -369,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(table.render_text(machine_info()))
     print(f"host load (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
-          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs")
+          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} on {os.cpu_count()} CPUs; "
+          f"torch threads {torch.get_num_threads()}")
     ok = (shared["offered"] == shared["cached prefix"] and shared["pages equal"] == shared["pages"]
           and restarted["offered after restart"] == 0 and restarted["error"] is None)
     return 0 if ok else 1

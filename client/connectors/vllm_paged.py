@@ -28,7 +28,7 @@ computes at least one token). `update_state_after_alloc` notes the tokens vLLM a
 `build_connector_meta` turns the scheduler output into the step's plan: for each request, the block
 ids and keys to load, and the blocks that become full during the step, to save.
 
-Worker side: `start_load_kv` reads the planned blocks on a thread (all layers of a block in one read)
+Worker side: `start_load_kv` reads the planned blocks on a thread (all layers of all blocks in one batch)
 and copies each layer into the request's allocated pages; `wait_for_layer_load` (called by vLLM's
 attention hook) waits for that layer. A block gone, unfinished or mismatched when read ends the load
 there: its block ids and those after it are reported by `get_block_ids_with_load_errors`, vLLM
@@ -162,6 +162,33 @@ class _PagedLoad:
             self.thread.join()
 
 
+class _Staging:
+    """One save's pages of every layer, ``[layers, blocks, *page]`` in a host buffer; given back once the
+    step and every put queued from it let go."""
+
+    def __init__(self, buffer: Any, dtype: torch.dtype, buffers: ReadBuffers):
+        self.buffer, self.buffers = buffer, buffers
+        self.host = _as_torch(buffer, dtype)
+        self.staged = 0
+        self._holders = 1                    # the step itself, until every layer is staged
+        self._lock = threading.Lock()
+
+    def layer(self, layer: int) -> torch.Tensor:
+        self.staged += 1
+        return self.host[layer]
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self.buffers.give_back(self.buffer)
+
+
 def layer_order(names: list[str]) -> list[str]:
     """Attention layer names in model order (the store's slot index), the same in every process."""
     def index(name: str) -> tuple[int, str]:
@@ -205,6 +232,7 @@ class VllmStoreConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._buffers = ReadBuffers(SPARE_BUFFERS, SPARE_BYTES)
         self._saver: BlockSaver | None = None
+        self._staging: dict[int, tuple[BlockTransfer, _Staging]] = {}   # this step's saves
         log.info("KV store connector (%s) on %s, namespace %s", role.name.lower(), self.address, self.namespace)
 
     @property
@@ -312,10 +340,23 @@ class VllmStoreConnector(KVConnectorBase_V1):
     def n_layers(self) -> int:
         return len(self._caches)
 
-    def page(self, cache: torch.Tensor, block_id: int) -> torch.Tensor:
-        """One vLLM block of one layer's cache (its kernel blocks, when the kernel splits blocks)."""
-        r = self._blocks_per_page
-        return cache[block_id * r:(block_id + 1) * r]
+    def _pages(self, cache: torch.Tensor) -> torch.Tensor:
+        """A layer's cache as ``[vLLM blocks, kernel blocks per vLLM block, H, N, C]`` (a view)."""
+        return cache.unflatten(0, (-1, self._blocks_per_page))
+
+    def _gather(self, cache: torch.Tensor, block_ids: list[int], host: torch.Tensor) -> None:
+        """Copy the pages of ``block_ids`` of one layer into ``host`` (contiguous), with one copy."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        if cache.device == host.device:
+            torch.index_select(self._pages(cache), 0, ids, out=host)
+        else:                                # a device cache: gathered there, then one copy to host
+            host.copy_(self._pages(cache).index_select(0, ids))
+
+    def _scatter(self, cache: torch.Tensor, block_ids: list[int], host: torch.Tensor) -> None:
+        """Copy ``host[i]`` (one layer's page of block i, a strided view of the read buffer) into page
+        ``block_ids[i]`` of one layer, with one copy."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        self._pages(cache).index_copy_(0, ids, host.to(cache.device, non_blocking=True))
 
     def _page_shape(self) -> tuple[int, ...]:
         first = next(iter(self._caches.values()))
@@ -347,16 +388,35 @@ class VllmStoreConnector(KVConnectorBase_V1):
             return
         layer = self._layer_index[layer_name]
         for save in meta.saves:
-            staged = self._buffers.take((len(save.block_ids), *self._page_shape()),
-                                        _numpy_dtype(kv_layer.dtype))
-            host = _as_torch(staged, kv_layer.dtype)
-            for i, block_id in enumerate(save.block_ids):
-                host[i].copy_(self.page(kv_layer, block_id))
+            staging = self._staging_of(save, kv_layer.dtype)
+            host = staging.layer(layer)
+            self._gather(kv_layer, save.block_ids, host)
             keys = [self._key(k) for k in save.keys]
             parents = [self._key(save.parent) if save.parent else None] + keys[:-1]
+            staging.hold()
             self._saver.submit(SaveJob(save.request_id, layer, self.n_layers, keys, parents,
-                                       slot=lambda i, host=host: host[i], nbytes=staged.nbytes,
-                                       release=lambda staged=staged: self._buffers.give_back(staged)))
+                                       slot=lambda i, host=host: host[i], nbytes=host.nbytes,
+                                       release=staging.release))
+            if staging.staged == self.n_layers:          # every layer is staged: the step lets go
+                self._staging.pop(id(save), None)
+                staging.release()
+
+    def _staging_of(self, save: BlockTransfer, dtype: torch.dtype) -> _Staging:
+        """The host buffer that a save's pages are staged in, every layer of the step in one buffer
+        (kept for the next steps by `ReadBuffers`: fresh memory would be paged in at each copy)."""
+        entry = self._staging.get(id(save))
+        if entry is None or entry[0] is not save:
+            buffer = self._buffers.take((self.n_layers, len(save.block_ids), *self._page_shape()),
+                                        _numpy_dtype(dtype))
+            entry = self._staging[id(save)] = (save, _Staging(buffer, dtype, self._buffers))
+        return entry[1]
+
+    def clear_connector_metadata(self) -> None:
+        """The step is over: staging buffers of layers vLLM did not save go back once their puts are done."""
+        super().clear_connector_metadata()
+        stagings, self._staging = self._staging, {}
+        for _, staging in stagings.values():
+            staging.release()
 
     def wait_for_save(self) -> None:
         """The step's loads are finished (their errors known); puts go on in the background."""
@@ -387,9 +447,8 @@ class VllmStoreConnector(KVConnectorBase_V1):
             for name, layer in self._layer_index.items():
                 cache = self._caches[name]
                 for t, buffer, got in reads:
-                    host = _as_torch(buffer, dtype)
-                    for i in range(got):
-                        self.page(cache, t.block_ids[i]).copy_(host[i, layer])
+                    if got:
+                        self._scatter(cache, t.block_ids[:got], _as_torch(buffer, dtype)[:got, layer])
                 load.layer_ready[layer].set()
             for _, buffer, _ in reads:
                 self._buffers.give_back(buffer)

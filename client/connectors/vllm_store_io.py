@@ -3,8 +3,8 @@ reads, and the store's health as the engine sees it.
 
 Both connectors (`vllm_v1.StoreKVConnector` over a transformers cache, `vllm_paged.VllmStoreConnector`
 over vLLM's paged cache) store a block the same way: one value of `n_layers` equal slots, slot l
-written by `put_layer` as soon as layer l has run, with the block's parent key so the store keeps the
-chain; a reader takes all layers of a block with one `get_layers`. Only the slot's contents differ
+written as soon as layer l has run, with the block's parent key so the store keeps the chain; a reader
+takes all layers of its blocks with one `batch_get_layers`. Only the slot's contents differ
 (each engine's own bytes for the block; the namespace keeps different layouts apart, and the tensor
 header makes a reader with another shape or dtype get a mismatch, never reinterpreted bytes).
 
@@ -13,6 +13,13 @@ one line when the store stops answering and one when it is back, and between the
 skip it for `retry_s` (a lookup then finds nothing at once, instead of waiting out a timeout per
 request). Saves are dropped, not queued without bound, while the store is away or the queue holds
 more than `max_queued_bytes`.
+
+Round trips, not bytes, are what a save costs, so the saver thread takes every job queued when it wakes
+(up to `SAVE_BATCH_BYTES`) and writes their slots with one `batch_put_layers`: through the arena of a
+node on this host that is one round trip opening the blocks, the copies, and one round trip marking the
+slots written (over the wire, one pipelined round trip). Slots are still written and marked layer by
+layer in the order the engine produced them, so a reader waiting on a block sees its layers arrive as
+before; a job is one layer of some blocks, and a batch is never held back to wait for more.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ log = logging.getLogger(__name__)
 LOAD_WAIT_S = 2.0                      # longest wait for a layer another writer is still putting
 RETRY_S = 1.0                          # how long an unreachable store is skipped before the next try
 MAX_QUEUED_SAVE_BYTES = 256 << 20      # saves waiting for the store beyond this are dropped
+SAVE_BATCH_BYTES = 64 << 20            # slots one batch of the saver writes at most
 
 
 class StoreHealth:
@@ -161,32 +169,63 @@ class BlockSaver:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            jobs, stop = self._next_batch()
+            if jobs:
+                self._save(jobs)
+            if stop:
                 return
+
+    def _next_batch(self) -> tuple[list[SaveJob], bool]:
+        """The jobs queued now (at least one: waits for it), up to `SAVE_BATCH_BYTES`; and whether the
+        saver is closing."""
+        job = self._jobs.get()
+        if job is None:
+            return [], True
+        jobs, nbytes = [job], job.nbytes
+        while nbytes < SAVE_BATCH_BYTES:
             try:
-                if self.health.usable():
-                    self._put(job)
-            except KVError as exc:
-                if is_outage(exc):
-                    self.health.failed(exc)
-                else:
-                    log.warning("saving layer %d of %s failed: %s", job.layer, job.request_id, exc)
-            except Exception:                        # a bad slot must not stop the thread
-                log.exception("saving layer %d of %s failed", job.layer, job.request_id)
-            finally:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return jobs, True
+            jobs.append(job)
+            nbytes += job.nbytes
+        return jobs, False
+
+    def _save(self, jobs: list[SaveJob]) -> None:
+        try:
+            if self.health.usable():
+                self._put(jobs)
+        except KVError as exc:
+            if is_outage(exc):
+                self.health.failed(exc)
+            else:
+                log.warning("saving layers %s of %s failed: %s", _layers(jobs), _requests(jobs), exc)
+        except Exception:                            # a bad slot must not stop the thread
+            log.exception("saving layers %s of %s failed", _layers(jobs), _requests(jobs))
+        finally:
+            for job in jobs:
                 self._done(job)
 
-    def _put(self, job: SaveJob) -> None:
-        for i, key in enumerate(job.keys):
+    def _put(self, jobs: list[SaveJob]) -> None:
+        """Every slot of ``jobs`` in one `batch_put_layers` per block size (one in practice)."""
+        groups: dict[int, tuple[list, list]] = {}
+        for job in jobs:
+            items, parents = groups.setdefault(job.n_layers, ([], []))
+            for i, key in enumerate(job.keys):
+                items.append((key, job.layer, job.slot(i)))
+                parents.append(job.parents[i])
+        for n_layers, (items, parents) in groups.items():
             try:
-                self.store.put_layer(key, job.layer, job.slot(i), n_layers=job.n_layers, parent=job.parents[i])
+                self.store.batch_put_layers(items, n_layers=n_layers, parents=parents)
             except ResponseError as exc:
                 if exc.code == "OOM":
                     self.health.full(exc)
                     return
-                # Another writer holds this block (the same prefix computed twice at once): theirs wins.
-                log.debug("block %s layer %d: %s", key, job.layer, exc)
+                # Another writer holds one of these blocks (the same prefix computed twice at once):
+                # theirs wins; every other slot of the batch was written.
+                log.debug("layers %s of %s: %s", _layers(jobs), _requests(jobs), exc)
         self.health.answered()
 
     def _done(self, job: SaveJob) -> None:
@@ -215,21 +254,38 @@ def read_blocks(store: KVClient, health: StoreHealth, keys: Sequence[str], n_lay
     A block that is gone (evicted, node lost), unfinished past ``wait_s``, or stored with another shape
     or dtype ends the read there: the caller recomputes from that block on. A store that stops
     answering does too (and is reported to ``health``)."""
-    if not health.usable():
+    if not health.usable() or not keys:
         return 0
+    try:
+        got = store.batch_get_layers(keys, 0, n_layers, into=[buffer[i] for i in range(len(keys))], wait=wait_s)
+    except KVError as exc:
+        if is_outage(exc):
+            health.failed(exc)
+            return 0
+        log.info("a block could not be read (%s): recomputed from there", exc)
+        return _whole_now(store, keys, n_layers, buffer)
+    health.answered()
+    return next((i for i, block in enumerate(got) if block is None), len(keys))
+
+
+def _whole_now(store: KVClient, keys: Sequence[str], n_layers: int, buffer: Any) -> int:
+    """After a batch read that failed on some block: the leading blocks readable whole now (no waiting)."""
     for i, key in enumerate(keys):
         try:
-            got = store.get_layers(key, 0, n_layers, into=buffer[i], wait=wait_s)
-        except KVError as exc:
-            if is_outage(exc):
-                health.failed(exc)
-            else:
-                log.info("block %s could not be read (%s): recomputed", key, exc)
+            if store.get_layers(key, 0, n_layers, into=buffer[i]) is None:
+                return i
+        except KVError:
             return i
-        if got is None:
-            return i
-    health.answered()
     return len(keys)
+
+
+def _layers(jobs: Sequence[SaveJob]) -> str:
+    layers = sorted({job.layer for job in jobs})
+    return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+
+
+def _requests(jobs: Sequence[SaveJob]) -> str:
+    return ", ".join(dict.fromkeys(job.request_id for job in jobs))
 
 
 def matched_tokens(store: KVClient, health: StoreHealth, keys: Sequence[str], block_tokens: int) -> int:

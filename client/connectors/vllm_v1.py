@@ -9,7 +9,7 @@ vLLM splits a connector in two halves that live in different processes:
   what was allocated (`update_state_after_alloc`) and packs the plan for the
   next step into metadata (`build_connector_meta`);
 - the worker side, given that metadata, starts reading the cached prefix
-  (`start_load_kv`, on a background thread, block by block with all layers in
+  (`start_load_kv`, on a background thread, all layers of all blocks in
   one read), lets each attention layer wait for its own data
   (`wait_for_layer_load`), and saves each layer of each new full block as soon
   as the layer has run (`save_kv_layer` queues the puts; a background thread
