@@ -66,7 +66,8 @@ logger = logging.getLogger(__name__)
 SCHEME = "kvstore://"
 PLUGIN = "kvstore"
 DEFAULTS = {"timeout": 5.0, "retries": 1, "pool_size": 16, "retry_interval": 1.0, "link_chunks": True}
-UNUSABLE = (ConnectionError, TimeoutError, OSError, AuthenticationError)   # the SDK's errors derive from these
+# the node cannot be used: the SDK's ConnectionError and TimeoutError derive from the first two
+UNUSABLE = (ConnectionError, TimeoutError, OSError, AuthenticationError)
 REFUSAL_LOG_INTERVAL = 60.0      # seconds between two log lines about requests the node refuses
 
 
@@ -120,13 +121,17 @@ class _Reachability:
         self._down_since: float | None = None
         self._next_try = 0.0
 
-    @property
-    def down(self) -> bool:
-        return self._down_since is not None
-
     def worth_trying(self) -> bool:
+        """True while the node answers; while it is down, for one call every `retry_interval` (the
+        probe: the other calls meanwhile miss at once rather than each wait for a dead node)."""
         with self._lock:
-            return self._down_since is None or time.monotonic() >= self._next_try
+            if self._down_since is None:
+                return True
+            now = time.monotonic()
+            if now < self._next_try:
+                return False
+            self._next_try = now + self.retry_interval
+            return True
 
     def failed(self, exc: BaseException) -> None:
         with self._lock:
@@ -201,8 +206,10 @@ class KVStoreConnector(RemoteConnector):
 
     # ------------------------------------------------------------------ guards
 
-    async def _guarded(self, call: Callable[[], Coroutine[Any, Any, Any]], miss: Any) -> Any:
-        if not self.reach.worth_trying():
+    async def _guarded(self, call: Callable[[], Coroutine[Any, Any, Any]], miss: Any, tried: bool = False) -> Any:
+        """``call()``'s result, or ``miss`` when the node is down or refuses it (``tried``: the caller
+        has already asked `worth_trying`, which claims the probe of a node that is down)."""
+        if not tried and not self.reach.worth_trying():
             return miss
         try:
             result = await call()
@@ -305,7 +312,7 @@ class KVStoreConnector(RemoteConnector):
             except BufferTooSmall as exc:
                 return exc
 
-        return self._finish_read(key, memory_obj, await self._guarded(read, None))
+        return self._finish_read(key, memory_obj, await self._guarded(read, None, tried=True))
 
     def support_batched_get(self) -> bool:
         return True
@@ -329,7 +336,7 @@ class KVStoreConnector(RemoteConnector):
             except BufferTooSmall:      # one value too large: read them one by one to tell which
                 return [await self._read_one(k, m) for k, m in zip(wanted, memory_objs)]
 
-        lengths = await self._guarded(read, None) or [None] * len(wanted)
+        lengths = await self._guarded(read, None, tried=True) or [None] * len(wanted)
         got = [self._finish_read(k, m, n) for k, m, n in zip(wanted, memory_objs, lengths)]
         return got + [None] * (len(keys) - len(got))
 
