@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, free_port, start_kvstore, wait_ready
+from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
 from client import KVClient
 from client.connectors.lmcache_kvstore import KVStoreConnector
 from loadtest.bench_lmcache import Rig, kvstore_plugin_config
@@ -266,3 +268,32 @@ def test_the_documented_yaml_configures_the_plugin(rig, server, tmp_path):
     got = backend.get_blocking(rig.key(800))
     assert rig.right(800, got)
     release(got)
+
+
+def test_a_hung_node_costs_one_timeout_then_misses_at_once(rig, tmp_path, caplog):
+    """A node that stops answering (SIGSTOP) holds one call for `timeout`; the calls after it miss at
+    once until the next probe, and the node is used again once it answers."""
+    node = start_kvstore(tmp_path)
+    connector, local = plugin(rig, node, timeout=0.5, retry_interval=2.0)
+    rig.run(connector.put(rig.key(900), rig.chunk(local, 900)))
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert connector.batched_contains([rig.key(900)]) == 0            # over the wire: times out
+        assert time.monotonic() - started < 3
+        started = time.monotonic()
+        for _ in range(20):
+            assert rig.run(connector.batched_async_contains("l", [rig.key(900)])) == 0
+            assert not connector.exists_sync(rig.key(900))
+        assert time.monotonic() - started < 1.5, "calls waited on a node already known to be down"
+        assert len([r for r in caplog.records if "cannot be used" in r.getMessage()]) == 1
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+    try:
+        wait_until(lambda: connector.batched_contains([rig.key(900)]) == 1, what="the node used again")
+        got = rig.run(connector.get(rig.key(900)))
+        assert rig.right(900, got)
+        release(got)
+    finally:
+        node.stop()
