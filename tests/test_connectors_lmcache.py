@@ -11,7 +11,7 @@ LMCache 0.5.6's native RESP client does not return from a GET of a missing key (
 too), so `resp://` is read only where a lookup just found the chunk and nothing is being written.
 Its synchronous lookups (`exists_sync`, `batched_contains`) are left out too: called from a thread
 other than the connector's loop, the completion can be drained before the call registers its
-future, and the call then waits forever (seen here about one run in two).
+future, and the call then waits forever (one of our first two runs hung there).
 """
 from __future__ import annotations
 
