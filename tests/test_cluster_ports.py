@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvstore.cluster import cli, etcd_server
+from kvstore.cluster import etcd_server, subcommand
 from kvstore.cluster.ports import free_ports, port_was_taken
 
 
@@ -65,7 +65,7 @@ def test_a_node_whose_port_is_taken_starts_again_on_a_fresh_one(held_port, monke
     monkeypatch.setattr(cli, "free_ports", first_call_gets(held_port))
     args = argparse.Namespace(nodes=2, name="ports", etcd=None, netns=False, nic_rate=None, dram_size="16mb",
                               node_timeout=None, ssd_dir=None, serve_flags=[])
-    cluster = cli.LocalCluster(args, threading.Event())
+    cluster = subcommand.LocalCluster(args, threading.Event())
     try:
         cluster.start()
         nodes = cluster.wait_formed()
