@@ -62,7 +62,7 @@ def test_etcd_whose_port_is_taken_starts_on_fresh_ones(tmp_path, held_port, monk
 
 
 def test_a_node_whose_port_is_taken_starts_again_on_a_fresh_one(held_port, monkeypatch):
-    monkeypatch.setattr(cli, "free_ports", first_call_gets(held_port))
+    monkeypatch.setattr(subcommand, "free_ports", first_call_gets(held_port))
     args = argparse.Namespace(nodes=2, name="ports", etcd=None, netns=False, nic_rate=None, dram_size="16mb",
                               node_timeout=None, ssd_dir=None, serve_flags=[])
     cluster = subcommand.LocalCluster(args, threading.Event())
