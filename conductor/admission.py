@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from conductor.decode import DecodeView
 from conductor.policy import Placement
 
-MODES = ("none", "baseline", "early", "predictive")
+MODES = ("none", "baseline", "early", "predictive", "audited")
 
 REJECT_TTFT = "ttft"
 REJECT_DECODE = "decode"
@@ -101,6 +101,8 @@ class Admission:
     hold_s: float = field(default=0.0, init=False)  # the wait before the admitted one's prefill
     held: int = field(default=0, init=False)        # requests admitted with a hold
     refused: int = field(default=0, init=False)     # requests the decode check turned away
+    # `audited`: the fixed mode whose arrival check is in force (set by the caller's `Audit`)
+    follow: str = field(default="predictive", init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -118,19 +120,29 @@ class Admission:
             return None
         if placement.ttft_s > self.slo.ttft_s:
             return REJECT_TTFT
-        if self.mode == "early":
+        mode = self.follow if self.mode == "audited" else self.mode
+        reason = None
+        if mode == "early":
             if not decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s):
-                return REJECT_DECODE
-        elif self.mode == "predictive":
-            return self._predictive(now_s, placement, decode, input_length, output_estimate,
-                                    queues)
-        return None
+                reason = REJECT_DECODE
+        if mode == "predictive" or self.mode == "audited":
+            # audited: the predictive check runs whatever the mode in force, so the odds it
+            # learns from its own forecasts are current when the audit hands it the decisions
+            verdict, hold = self._predictive(now_s, placement, decode, input_length,
+                                             output_estimate, queues)
+            if mode == "predictive":
+                reason, self.hold_s = verdict, hold
+                self.held += hold > 0
+        if reason is None:
+            self.prefill_spent_s += placement.service_s
+        return reason
 
     def _predictive(self, now_s: float, placement: Placement, decode: DecodeView,
                     input_length: int, output_estimate: float,
-                    queues: Sequence[float] | None) -> str | None:
+                    queues: Sequence[float] | None) -> tuple[str | None, float]:
         """Admit for the first due time (now, or held `HOLD_STEPS_S` later) whose chance of
-        fitting pays for the prefill at risk and for the requests its claim displaces."""
+        fitting pays for the prefill at risk and for the requests its claim displaces: the
+        reason to reject (or None) and the hold."""
         due_s = now_s + placement.ttft_s + decode.cost.transfer_s(input_length)
         need = self.chance_needed(placement.service_s)
 
@@ -147,11 +159,8 @@ class Admission:
         hold = next((h for h in self.hold_choices(placement.ttft_s) if pays(h)), None)
         chance(hold or 0.0, record=True)
         if hold is None:
-            return REJECT_DECODE
-        self.hold_s = hold
-        self.held += hold > 0
-        self.prefill_spent_s += placement.service_s
-        return None
+            return REJECT_DECODE, 0.0
+        return None, hold
 
     def hold_choices(self, ttft_s: float) -> tuple[float, ...]:
         """No hold, then the holds that keep the TTFT (known exactly where a start can be
@@ -187,6 +196,12 @@ class Admission:
         if self.mode == "none":
             return True
         taken = decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s)
-        self.joined += taken
-        self.refused += not taken
+        self.reached_decode(int(taken), int(not taken))
         return taken
+
+    def reached_decode(self, taken: int, refused: int = 0) -> None:
+        """Count requests whose KV reached decode: what the prices learn from. A live
+        conductor does not hear the decode check's verdicts and counts every request a
+        report shows past its due time as taken."""
+        self.joined += taken
+        self.refused += refused

@@ -64,6 +64,26 @@ class DecodeView(ABC):
         their way to it prices nothing."""
         return 0.0
 
+    def _spread(self, horizon_s: float) -> float:
+        """The std of the forecast's KV miss at this horizon (tokens), learned from the
+        forecasts scored so far; 0 until its band has `MIN_SAMPLES`."""
+        if self.odds is None:
+            return 0.0
+        n, total, squares = self.odds.misses()[band_of(horizon_s)]
+        if n < MIN_SAMPLES:
+            return 0.0
+        mean = total / n
+        return float(np.sqrt(max(squares / n - mean * mean, 0.0)))
+
+    def _displaced(self, room: float, claim: float, horizon_s: float, mean_claim: float) -> float:
+        """Requests of ``mean_claim`` tokens that a claim of ``claim`` tokens displaces when the
+        room the requests behind it find is forecast at ``room``: it binds with chance
+        P(room < claim) within the forecast's spread at that horizon."""
+        sigma = self._spread(horizon_s)
+        binds = (0.5 * (1 + erf((claim - room) / (sigma * sqrt(2)))) if sigma > 0
+                 else float(room < claim))
+        return binds * claim / mean_claim if mean_claim > 0 else 0.0
+
     def slack(self, load: DecodeLoad, input_length: int, output_estimate: float,
               tbt_slo_s: float) -> float:
         """Room left under the tightest of memory, batch and TBT limits once a request joins
@@ -228,20 +248,8 @@ class DecodeInstance(DecodeView):
         behind = state.due_s > at_s
         if behind.any():
             x = min(x, float(state.margin[behind].min()))
-        m = input_length + output_estimate
-        sigma = self._spread(at_s - now_s)
-        binds = (0.5 * (1 + erf((m - x) / (sigma * sqrt(2)))) if sigma > 0
-                 else float(x < m))
-        return binds * m / (self.recent.mean_tokens() + output_estimate)
-
-    def _spread(self, horizon_s: float) -> float:
-        """The std of the forecast's KV miss at this horizon (tokens), learned from the
-        forecasts scored so far; 0 until its band has `MIN_SAMPLES`."""
-        n, total, squares = self.odds.misses()[band_of(horizon_s)]
-        if n < MIN_SAMPLES:
-            return 0.0
-        mean = total / n
-        return float(np.sqrt(max(squares / n - mean * mean, 0.0)))
+        return self._displaced(x, input_length + output_estimate, at_s - now_s,
+                               self.recent.mean_tokens() + output_estimate)
 
     def _current_state(self) -> _State:
         """The residents' ages and survival and the decode check's order over the requests

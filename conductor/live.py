@@ -26,6 +26,7 @@ the next instance of its role that registers, and is forgotten.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
@@ -40,6 +41,7 @@ from conductor.costmodel import CostModel
 from conductor.decode import DecodeView
 from conductor.fit_odds import FitOdds
 from conductor.outputs import OUTPUT_PRIOR_TOKENS
+from conductor.overtaking import RecentAdmissions
 from conductor.policy import FROM_POOL, Candidates, DecodeLoad, Placement, Policy
 from conductor.stores import Store
 
@@ -75,6 +77,12 @@ class ReportedDecode(DecodeView):
     it in the load the instance later reported. A report after the due time
     counts an admitted request that has joined, so the score errs on the safe
     side by one request.
+
+    The requests on their way are the conductor's own record: each admission
+    here is bound with the time its KV is due (`bind`), and a report at or
+    after that time has it in its load (or it was turned away), so the record
+    drops it then. That is what the claim's price needs (`claim`): the
+    requests due behind a new one and the margins by which they fit.
     """
 
     def __init__(self, cost: CostModel):
@@ -83,13 +91,41 @@ class ReportedDecode(DecodeView):
         self.pending_tokens = 0
         self.pending = 0
         self.odds = FitOdds()
+        self.inflight: list[tuple[float, int]] = []     # (due, input tokens), due order
+        self.recent = RecentAdmissions()
 
-    def observe(self, now_s: float, reported: DecodeLoad) -> None:
+    def bind(self, now_s: float, input_length: int, due_s: float) -> None:
+        """A request admitted here at ``now_s`` whose KV is due at ``due_s``."""
+        bisect.insort(self.inflight, (due_s, input_length))
+        self.recent.record(now_s, due_s - now_s, input_length)
+
+    def observe(self, now_s: float, reported: DecodeLoad) -> int:
         """A load report at ``now_s``: it replaces what was sent since the last one, and
-        scores the forecasts due by now."""
+        scores the forecasts due by now; returns how many requests on their way it shows
+        past their due time."""
         self.reported = reported
         self.pending = self.pending_tokens = 0
+        arrived = bisect.bisect_right(self.inflight, (now_s, float("inf")))
+        del self.inflight[:arrived]
         self.odds.score_due(now_s, self._judge)
+        return arrived
+
+    def claim(self, now_s: float, at_s: float, input_length: int,
+              output_estimate: float) -> float:
+        """How many requests due after ``at_s`` a request joining then is expected to
+        displace, as `DecodeInstance.claim` prices it, from what a report shows: the room
+        is the capacity less the forecast at ``at_s`` (the load reported plus what was
+        sent since) and less the output to come; each request on its way and due later
+        fits by the room the report and the requests due before it leave (with no ages
+        the residents are counted as staying, as the forecast counts them)."""
+        x = self.capacity_tokens - self.predicted_load(at_s).kv_tokens - output_estimate
+        used = self.reported.kv_tokens
+        for due_s, tokens in self.inflight:
+            used += tokens
+            if due_s > at_s:
+                x = min(x, self.capacity_tokens - used - output_estimate)
+        return self._displaced(x, input_length + output_estimate, at_s - now_s,
+                               self.recent.mean_tokens() + output_estimate)
 
     def _judge(self, due_s: float, request: tuple[int, float, float]) -> tuple[bool, float]:
         return self.fits(self.reported, *request), self.reported.kv_tokens
@@ -221,7 +257,7 @@ class LiveConductor:
                 self.queued_s[self.prefill_ids.index(instance_id)] = queued_s
             elif instance_id in self.decode_ids:
                 d = self.decodes[self.decode_ids.index(instance_id)]
-                d.observe(self.clock(), DecodeLoad(batch, float(kv_tokens)))
+                self.admission.reached_decode(d.observe(self.clock(), DecodeLoad(batch, float(kv_tokens))))
 
     def mark_unreachable(self, instance_id: str) -> None:
         """A front end could not reach this instance: no more requests until a report sent after now."""
@@ -290,6 +326,8 @@ class LiveConductor:
         d = self.decodes[j]
         d.pending += 1
         d.pending_tokens += input_length
+        now = self.clock()
+        d.bind(now, input_length, now + p.ttft_s + self.cost.transfer_s(input_length))
         c = self.counters
         c.scheduled += 1
         c.input_tokens += input_length

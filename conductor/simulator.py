@@ -21,15 +21,17 @@ requests in minutes (docs/scale.md).
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 
 from conductor.admission import Admission, Slo
+from conductor.audit import Audit
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeBoard, DecodeInstance
@@ -65,7 +67,16 @@ class _Inflight:
 
 
 class Simulator:
-    def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel):
+    """``on_outcome(rid, served)``: told when a request is turned away (False) or joins a
+    decode batch (True when within the TTFT SLO). With admission `audited` the simulator
+    also replays every fixed mode of the `Audit` as a shadow fed the same arrivals
+    (`shadows`, their summaries in `shadow_summaries` after `run`), and the arrival check
+    follows the mode the audit picks: the live run is the starting mode's shadow until
+    the audit first leaves it, then a copy of it that follows the audit."""
+
+    def __init__(self, trace: list[TraceRequest], config: SimConfig, cost: CostModel,
+                 on_outcome: Callable[[int, bool], None] | None = None,
+                 audit: Audit | None = None):
         if config.prefill < 1 or config.decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode instance")
         self.trace = trace
@@ -87,25 +98,74 @@ class Simulator:
         self._events: list[tuple] = []
         self._seq = 0
         self._inflight: dict[int, _Inflight] = {}
+        self.on_outcome = on_outcome
+        self.audit: Audit | None = None
+        self.shadows: dict[str, Simulator] = {}
+        self.shadow_summaries: dict[str, RunSummary] = {}
+        if config.admission == "audited":
+            self.audit = audit or Audit()
+            self.shadows = {m: Simulator(trace, replace(config, admission=m), cost,
+                                         on_outcome=self._resolver(m))
+                            for m in self.audit.modes}
+
+    def _resolver(self, mode: str) -> Callable[[int, bool], None]:
+        audit = self.audit
+        return lambda rid, served: audit.resolve(mode, rid, served)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> RunSummary:
         started = time.perf_counter()
         n = len(self.trace)
+        audit = self.audit
+        shadows = list(self.shadows.values())
+        live = self if audit is None else self.shadows[audit.start]
         for rid, req in enumerate(self.trace):
             now = req.arrival_s / self.cfg.speed
-            self._drain(now)
-            self._arrive(rid, req, now)
+            if audit is not None:
+                for shadow in shadows:
+                    shadow._drain(now)
+                mode = audit.decided()
+                if live is self.shadows[audit.start] and mode != audit.start:
+                    live = self._fork(live)
+                audit.arrived(rid)
+                for shadow in shadows:
+                    shadow._arrive(rid, req, now)
+                if live is self.shadows[audit.start]:
+                    continue        # the live run is that shadow until the audit first leaves it
+                live.admission.follow = mode
+            live._drain(now)
+            live._arrive(rid, req, now)
             if progress and rid % 256 == 0:
                 progress(rid, n)
-        self._drain(float("inf"))
+        for shadow in shadows:
+            shadow._drain(float("inf"))
+            self.shadow_summaries[shadow.cfg.admission] = shadow._summary()
+        live._drain(float("inf"))
+        if live is not self:    # the live run's record is this simulator's
+            self.out, self.admission, self.decodes = live.out, live.admission, live.decodes
         if progress:
             progress(n, n)
-        summary = summarize(self.out, policy=self.cfg.policy, admission=self.cfg.admission,
-                            prefill=self.cfg.prefill, decode=self.cfg.decode,
-                            speed=self.cfg.speed, ttft_slo_s=self.cfg.slo.ttft_s,
-                            tbt_slo_s=self.cfg.slo.tbt_s)
+        summary = self._summary()
         summary.wall_s = time.perf_counter() - started
         return summary
+
+    def _fork(self, shadow: Simulator) -> Simulator:
+        """The live run from here on: a copy of ``shadow`` (whose decisions the live ones
+        were until now), its arrival check audited."""
+        keep = shadow.on_outcome
+        shadow.on_outcome = None
+        try:
+            live = copy.deepcopy(shadow, {id(self.trace): self.trace, id(self.cost): self.cost})
+        finally:
+            shadow.on_outcome = keep
+        live.cfg = self.cfg
+        live.admission.mode = "audited"
+        return live
+
+    def _summary(self) -> RunSummary:
+        return summarize(self.out, policy=self.cfg.policy, admission=self.cfg.admission,
+                         prefill=self.cfg.prefill, decode=self.cfg.decode,
+                         speed=self.cfg.speed, ttft_slo_s=self.cfg.slo.ttft_s,
+                         tbt_slo_s=self.cfg.slo.tbt_s)
 
     def _push(self, at_s: float, kind: int, a: int, b: int = 0) -> None:
         self._seq += 1
@@ -137,6 +197,8 @@ class Simulator:
                                            self.outputs.mean, queue)
         if reason is not None:
             self.out.status[rid] = REJECTED_AT_ARRIVAL
+            if self.on_outcome is not None:
+                self.on_outcome(rid, False)
             return
         self._start_prefill(rid, req, now, placement, j)
 
@@ -175,13 +237,16 @@ class Simulator:
         decode = self.decodes[fl.decode]
         del decode.inflight[rid]
         decode.advance(now)
-        if self.admission.at_decode(decode, req.input_length, self.outputs.mean):
+        taken = self.admission.at_decode(decode, req.input_length, self.outputs.mean)
+        if taken:
             decode.join(rid, req.input_length, req.output_length, now)
             self._schedule_departure(decode)
         else:
             self.out.status[rid] = REJECTED_AT_DECODE
             self.out.wasted_prefill_s += fl.placement.service_s
         self.board.publish(decode)
+        if self.on_outcome is not None:
+            self.on_outcome(rid, taken and self.out.ttft_s[rid] <= self.cfg.slo.ttft_s)
 
     def _decode_step(self, j: int, now: float) -> None:
         decode = self.decodes[j]

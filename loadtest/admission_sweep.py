@@ -1,7 +1,17 @@
-"""Admission modes judged on a family of generated traces, not on the one they were built on.
+"""Admission modes judged on generated traces, not on the one they were built on.
 
-`python -m loadtest.bench_conductor --generalize` runs this. Each trace of the
-family varies one or two of the generator's parameters from two starting
+`python -m loadtest.bench_conductor --generalize` runs the grid: every
+combination of four independent knobs of the generator (`GRID`: arrival
+regularity from steadier than Poisson to heavy bursts, prompt length, the
+share of a prompt that is a prefix shared with other requests, and answer
+length), each trace at the replay speed where the baseline rejects 20-40 %
+on 15P+1D. Every mode runs on it, the `audited` one included (one audited
+replay gives all four: its shadows are the fixed modes), and the report ends
+with a map of where each fixed mode wins and how close `audited` comes to the
+best of them. `--family` runs the earlier family of 17 traces instead, and
+`--heldout` the held-out trace (`HELDOUT`) at two speeds.
+
+Each trace of the family varies one or two of the generator's parameters from two starting
 shapes (the conversation preset, about 37 % of blocks reusable, and the
 shared-document preset, about 65 %): the arrival process (Poisson, gamma
 bursts, a daily swing, ticks), the reuse structure (documents, agent-style
@@ -32,6 +42,7 @@ from conductor.tracegen import Lengths, generate, spec_from
 from conductor.tracestats import reusable_blocks
 
 MODES = ("baseline", "early", "predictive")
+ALL_MODES = (*MODES, "audited")
 PREFILL, DECODE = 15, 1
 BAND = (0.20, 0.40)       # share of requests the baseline rejects at the chosen speed
 SEARCH_STEPS = 10
@@ -70,6 +81,40 @@ FAMILY: dict[str, tuple[str, dict, str]] = {
 }
 
 
+# The grid: each knob at two or three levels, every combination (3 x 2 x 2 x 2 = 24 traces).
+# Prompts draw their length from a log-normal (sigma 0.6) and share their first `reuse` of it
+# with the other requests that open with the same of 8 contexts (Zipf 0.8); no follow-ups, so
+# the share is the knob's (`TraceSpec.reuse`).
+GRID_ARRIVAL_CV = {"steady": 0.3, "poisson": 1.0, "bursts": 4.0}
+GRID_PROMPT = {"4k": 4000, "24k": 24000}
+GRID_REUSE = {"reuse 20%": 0.2, "reuse 85%": 0.85}
+GRID_ANSWER = {"answers 40": 40, "answers 400": 400}
+GRID_REQUESTS = 3000
+
+
+def grid_overrides(arrival: str, prompt: str, reuse: str, answer: str) -> dict:
+    return dict(arrival="gamma", burst_cv=GRID_ARRIVAL_CV[arrival], rate=1.0,
+                first_tokens=_L(f"{GRID_PROMPT[prompt]}:0.6@64-120000"),
+                reuse=GRID_REUSE[reuse], system_prompts=8, system_zipf=0.8, continue_p=0.0,
+                output_tokens=_L(f"{GRID_ANSWER[answer]}:0.7@1-2000"))
+
+
+GRID: dict[str, tuple[str | None, dict, str]] = {
+    f"{a} / {p} / {r} / {o}": (None, grid_overrides(a, p, r, o), "grid")
+    for a in GRID_ARRIVAL_CV for p in GRID_PROMPT for r in GRID_REUSE for o in GRID_ANSWER}
+
+# The held-out trace: the style of the trace the grid's region stands for (steady arrivals,
+# long prompts with much prefix reuse, short answers), built on the documents preset's
+# structure rather than the grid's knob, with a seed not used while the audit was designed.
+HELDOUT_SEED = 23
+HELDOUT_REQUESTS = 4000
+HELDOUT = ("documents", dict(arrival="gamma", burst_cv=0.5, documents=40, document_zipf=0.8,
+                             document_share=0.9, document_tokens=_L("20000:0.4"),
+                             first_tokens=_L("400:1"), output_tokens=_L("50:0.8@1-2000")),
+           "steady, 20 k documents, short answers")
+HELDOUT_LOADS = (1.0, 1.67)     # x the speed where the baseline rejects 20-40 %
+
+
 @dataclass
 class TraceResult:
     name: str
@@ -80,6 +125,9 @@ class TraceResult:
     runs: dict[str, RunSummary]
     misses: np.ndarray          # per horizon band: n, sum, sum of squares (share of a node)
     held: int                   # requests predictive admitted with a held prefill start
+    switches: list = ()         # the audit's switches: (audited arrivals, from, to)
+    in_force: dict | None = None    # arrivals decided under each mode by the audited run
+    worst_gap: int = 0          # the most the mode in force trailed the best in the window
 
     def goodput(self, mode: str) -> int:
         return self.runs[mode].completed_in_slo
@@ -118,61 +166,112 @@ def find_speed(trace, cost: CostModel) -> tuple[float, RunSummary]:
     return best[1], best[2]
 
 
-def run_trace(name: str, requests: int, seed: int) -> TraceResult:
-    preset, overrides, varies = FAMILY[name]
+def run_trace(name: str, requests: int, seed: int, load: float = 1.0) -> TraceResult:
+    """One trace of `FAMILY` or `GRID` (or "heldout"), at ``load`` x the speed where the
+    baseline rejects 20-40 %: every fixed mode and the audited one, in one audited replay."""
+    preset, overrides, varies = HELDOUT if name == "heldout" else {**FAMILY, **GRID}[name]
     spec = spec_from(preset, requests=requests, seed=seed, **overrides)
     trace = list(generate(spec))
     reusable, total = reusable_blocks(trace)
     cost = CostModel.from_testbed()
-    speed, baseline = find_speed(trace, cost)
-    runs = {"baseline": baseline}
-    runs["early"], _ = _replay(trace, cost, "early", speed)
-    runs["predictive"], sim = _replay(trace, cost, "predictive", speed)
-    return TraceResult(name, spec.arrival, varies, reusable / total, speed, runs, _misses(sim),
-                       sim.admission.held)
+    speed, _ = find_speed(trace, cost)
+    speed *= load
+    summary, sim = _replay(trace, cost, "audited", speed)
+    runs = {**sim.shadow_summaries, "audited": summary}    # its shadows are the fixed modes
+    shadow = sim.shadows["predictive"]
+    return TraceResult(name, spec.arrival, varies, reusable / total, speed, runs,
+                       _misses(shadow), shadow.admission.held, list(sim.audit.switches),
+                       dict(sim.audit.in_force), sim.audit.worst_gap)
 
 
 def generalize(requests: int = 4000, seed: int = 5, names: list[str] | None = None,
-               processes: int = 2) -> list[TraceResult]:
-    """Every trace of the family (or ``names``), one worker process per trace."""
-    names = names or list(FAMILY)
-    work = partial(run_trace, requests=requests, seed=seed)
+               processes: int = 2, loads: list[float] | None = None) -> list[TraceResult]:
+    """Every trace of the family (or ``names``), one worker process per trace (and per load
+    in ``loads``, default 1)."""
+    jobs = [(n, x) for n in (names or list(FAMILY)) for x in (loads or [1.0])]
+    work = partial(_run_job, requests=requests, seed=seed)
     if processes <= 1:
-        return [work(n) for n in names]
+        return [work(j) for j in jobs]
     with Pool(processes) as pool:
-        return pool.map(work, names, chunksize=1)
+        return pool.map(work, jobs, chunksize=1)
+
+
+def _run_job(job: tuple[str, float], requests: int, seed: int) -> TraceResult:
+    return run_trace(job[0], requests, seed, job[1])
 
 
 def best_modes(result: TraceResult) -> list[str]:
+    """The fixed modes with the most goodput (ties: each)."""
     top = max(result.goodput(m) for m in MODES)
     return [m for m in MODES if result.goodput(m) == top]
 
 
+def audited_ratio(r: TraceResult) -> float:
+    """The audited run's goodput over the best fixed mode's."""
+    return r.goodput("audited") / max(r.goodput(m) for m in MODES)
+
+
+def waste_ratio(r: TraceResult, mode: str = "audited") -> float:
+    base = r.runs["baseline"].wasted_prefill_s
+    return r.runs[mode].wasted_prefill_s / base if base else 0.0
+
+
+def _in_force(r: TraceResult) -> str:
+    total = sum((r.in_force or {}).values()) or 1
+    return " / ".join(f"{(r.in_force or {}).get(m, 0) / total:.0%}" for m in MODES)
+
+
 def report(results: list[TraceResult], wall_s: float) -> str:
     """The markdown tables of docs/conductor.md's generalization section."""
-    lines = ["| trace | varies | arrival | reusable | speed | baseline rejects "
-             "| rejected: baseline / early / predictive | goodput: baseline / early / predictive "
+    lines = ["| trace | speed | baseline rejects "
+             "| goodput: baseline / early / predictive / audited | audited ÷ best fixed "
              "| predictive ÷ best other | wasted prefill (s): baseline / early / predictive "
-             "| predictive ÷ baseline | held |", "|---" * 12 + "|"]
+             "/ audited | audited ÷ baseline | in force: B / E / P | switches |",
+             "|---" * 10 + "|"]
     ratios, waste = [], []
     for r in results:
-        b, e, p = (r.runs[m] for m in MODES)
-        ratios.append(p.completed_in_slo / max(b.completed_in_slo, e.completed_in_slo))
-        waste.append(p.wasted_prefill_s / b.wasted_prefill_s if b.wasted_prefill_s else 0.0)
+        b, e, p, a = (r.runs[m] for m in ALL_MODES)
+        ratios.append(audited_ratio(r))
+        waste.append(waste_ratio(r))
+        pred = p.completed_in_slo / max(b.completed_in_slo, e.completed_in_slo)
+        label = r.name if not r.name == "heldout" else f"held out ({r.varies})"
         lines.append(
-            f"| {r.name} | {r.varies} | {r.arrival} | {r.reusable:.0%} | {r.speed:.2f}x "
-            f"| {b.rejected / b.requests:.0%} | {b.rejected} / {e.rejected} / {p.rejected} "
-            f"| {b.completed_in_slo} / {e.completed_in_slo} / {p.completed_in_slo} "
-            f"| {ratios[-1]:.3f} | {b.wasted_prefill_s:.0f} / {e.wasted_prefill_s:.0f} / "
-            f"{p.wasted_prefill_s:.0f} | {waste[-1]:.2f} | {r.held} |")
+            f"| {label} | {r.speed:.2f}x | {b.rejected / b.requests:.0%} "
+            f"| {b.completed_in_slo} / {e.completed_in_slo} / {p.completed_in_slo} / "
+            f"{a.completed_in_slo} | {ratios[-1]:.3f} | {pred:.3f} "
+            f"| {b.wasted_prefill_s:.0f} / {e.wasted_prefill_s:.0f} / {p.wasted_prefill_s:.0f} / "
+            f"{a.wasted_prefill_s:.0f} | {waste[-1]:.2f} | {_in_force(r)} | {len(r.switches)} |")
     n = len(results)
     wins = {m: sum(m in best_modes(r) for r in results) for m in MODES}
-    lines += ["", "Best goodput (ties count for each): " + ", ".join(
-        f"{m} {wins[m]} of {n} ({wins[m] / n:.0%})" for m in MODES) + ".",
-        f"Predictive >= 0.99 x the better of baseline and early on {sum(x >= 0.99 for x in ratios)}"
-        f" of {n} traces (lowest {min(ratios):.3f}); wasted prefill <= 0.5 x the baseline's on "
-        f"{sum(w <= 0.5 for w in waste)} of {n} (highest {max(waste):.2f}). Wall time "
-        f"{wall_s:.0f} s.", "", _bias_table(results)]
+    lines += ["", "Best fixed mode (ties count for each): " + ", ".join(
+        f"{m} {wins[m]} of {n}" for m in MODES) + ".",
+        f"Audited >= 0.98 x the best fixed mode on {sum(x >= 0.98 for x in ratios)} of {n} "
+        f"(lowest {min(ratios):.3f}, mean {sum(ratios) / n:.3f}); wasted prefill <= 0.5 x the "
+        f"baseline's on {sum(w <= 0.5 for w in waste)} of {n} (highest {max(waste):.2f}). "
+        f"Wall time {wall_s:.0f} s."]
+    if all(r.name in GRID for r in results):
+        lines += ["", grid_map(results)]
+    return "\n".join(lines)
+
+
+def grid_map(results: list[TraceResult]) -> str:
+    """Where each fixed mode wins on the grid: rows arrival x answers, columns prompt x reuse;
+    a cell names the best fixed mode(s) (B, E, P) and the audited run's ratio to it."""
+    by_name = {r.name: r for r in results}
+    cols = [(p, u) for p in GRID_PROMPT for u in GRID_REUSE]
+    lines = ["| arrivals, answers | " + " | ".join(f"{p} prompts, {u}" for p, u in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    for a in GRID_ARRIVAL_CV:
+        for o in GRID_ANSWER:
+            cells = []
+            for p, u in cols:
+                r = by_name.get(f"{a} / {p} / {u} / {o}")
+                if r is None:
+                    cells.append("")
+                    continue
+                best = "".join(m[0].upper() for m in best_modes(r))
+                cells.append(f"{best} {audited_ratio(r):.3f}")
+            lines.append(f"| {a} (CV {GRID_ARRIVAL_CV[a]:g}), {o} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -189,13 +288,24 @@ def _bias_table(results: list[TraceResult]) -> str:
     return "\n".join(lines)
 
 
-def main(requests: int, seed: int, names: list[str] | None = None) -> None:
-    unknown = sorted(set(names or ()) - set(FAMILY))
+def main(requests: int | None, seed: int, names: list[str] | None = None,
+         family: bool = False, heldout: bool = False) -> None:
+    pool = FAMILY if family else GRID
+    unknown = sorted(set(names or ()) - set(pool))
     if unknown:
-        raise SystemExit(f"unknown trace {', '.join(unknown)} (choose from {', '.join(FAMILY)})")
+        raise SystemExit(f"unknown trace {', '.join(unknown)} (choose from {', '.join(pool)})")
     started = time.perf_counter()
-    results = generalize(requests, seed, names)
-    print(f"Generalization: {len(results)} generated traces of {requests} requests (seed {seed}), "
-          f"{PREFILL}P+{DECODE}D, kvcache-centric, SLO TTFT 30 s / TBT 0.1 s, at the speed where "
-          f"the baseline rejects {BAND[0]:.0%}-{BAND[1]:.0%}\n")
+    if heldout:
+        results = generalize(requests or HELDOUT_REQUESTS, HELDOUT_SEED, ["heldout"],
+                             loads=list(HELDOUT_LOADS))
+        what = f"the held-out trace (seed {HELDOUT_SEED}) at {' and '.join(map(str, HELDOUT_LOADS))} x"
+    else:
+        requests = requests or (4000 if family else GRID_REQUESTS)
+        results = generalize(requests, seed, names or list(pool))
+        what = (f"{len(results)} generated traces of {requests} requests (seed {seed}), at")
+    print(f"Generalization: {what} the speed where the baseline rejects "
+          f"{BAND[0]:.0%}-{BAND[1]:.0%}; {PREFILL}P+{DECODE}D, kvcache-centric, "
+          f"SLO TTFT 30 s / TBT 0.1 s\n")
     print(report(results, time.perf_counter() - started))
+    print()
+    print(_bias_table(results))

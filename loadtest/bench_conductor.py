@@ -125,17 +125,24 @@ def main() -> None:
                     help="only the sweep of splits and speeds (a few minutes)")
     ap.add_argument("--generalize", action="store_true",
                     help="only the admission modes on generated traces (a few minutes)")
-    ap.add_argument("--requests", type=int, default=4000,
-                    help="requests per generated trace (--generalize; default 4000)")
+    ap.add_argument("--family", action="store_true",
+                    help="with --generalize: the family of 17 traces varied from two presets "
+                         "instead of the grid")
+    ap.add_argument("--heldout", action="store_true",
+                    help="with --generalize: the held-out trace at two loads")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per generated trace (--generalize; default 3000 on the grid, "
+                         "4000 for the family and the held-out trace)")
     ap.add_argument("--seed", type=int, default=5,
                     help="seed of the generated traces (--generalize; default 5)")
     ap.add_argument("--traces", default="", metavar="NAME,...",
                     help="only these generated traces (--generalize; default all of "
-                         "admission_sweep.FAMILY)")
+                         "admission_sweep.GRID, or FAMILY with --family)")
     args = ap.parse_args()
     if args.generalize:
         from loadtest.admission_sweep import main as generalize_main
-        generalize_main(args.requests, args.seed, [n for n in args.traces.split(",") if n])
+        generalize_main(args.requests, args.seed, [n for n in args.traces.split(",") if n],
+                        args.family, args.heldout)
         return
     trace, cost, out = load_trace(args.trace), CostModel.from_testbed(), Path(args.out)
     if args.sweep:

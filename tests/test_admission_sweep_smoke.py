@@ -1,18 +1,31 @@
 """`bench_conductor --generalize` end to end on two tiny generated traces (a smoke test: no
 figures are asserted, the benchmark prints them)."""
 from conductor.tracegen import spec_from
-from loadtest.admission_sweep import FAMILY, MODES, generalize, report
+from loadtest.admission_sweep import (ALL_MODES, FAMILY, GRID, _bias_table, generalize, grid_map,
+                                      report)
 
 
 def test_generalize_reports_every_trace_mode_and_horizon():
-    results = generalize(requests=300, seed=5, names=["documents", "agent"], processes=1)
-    assert [r.name for r in results] == ["documents", "agent"]
+    names = [next(iter(GRID)), "agent"]
+    results = generalize(requests=300, seed=5, names=names, processes=1)
+    assert [r.name for r in results] == names
     for r in results:
-        assert set(r.runs) == set(MODES) and r.speed > 0
+        assert set(r.runs) == set(ALL_MODES) and r.speed > 0
         assert all(s.requests == 300 for s in r.runs.values())
     text = report(results, wall_s=1.0)
-    assert "| documents |" in text and "| agent |" in text
-    assert "Best goodput" in text and "| 0-0.5 s |" in text
+    assert f"| {names[0]} |" in text and "| agent |" in text
+    assert "Best fixed mode" in text and "Audited >= 0.98" in text
+    assert "| 0-0.5 s |" in _bias_table(results)
+    assert "steady (CV 0.3), answers 40 |" in grid_map(results[:1])
+
+
+def test_the_grid_crosses_every_knob_and_holds_the_steady_long_reused_short_region():
+    specs = [spec_from(preset, **overrides) for preset, overrides, _ in GRID.values()]
+    assert len(specs) == 24
+    assert {s.burst_cv for s in specs} == {0.3, 1.0, 4.0}
+    assert {s.reuse for s in specs} == {0.2, 0.85}
+    assert any(s.burst_cv < 1 and s.reuse > 0.8 and s.first_tokens.parts[0][1] >= 20000
+               and s.output_tokens.parts[0][1] <= 50 for s in specs)
 
 
 def test_the_family_spans_the_generator():

@@ -134,3 +134,24 @@ def test_live_predictive_keeps_rejecting_when_reports_stay_full():
         assert a.at_arrival(10.0 * i, placement(), d, 200, 10.0) == REJECT_DECODE
         d.observe(10.0 * i + 5.0, DecodeLoad(1, 1800.0))
     assert d.odds.chance(1.0, -0.005) == pytest.approx(0.0)
+
+
+def test_live_predictive_prices_the_claim_on_what_is_on_its_way():
+    # 1,500 of 2,000 tokens reported; two 100-token requests are due at 5 s. A 300-token
+    # request (10-token answer) due at 1 s fits the forecast (490 tokens of room) but
+    # leaves the two behind it 290, less than its 310: it displaces 310 / 110 of their
+    # size. With w = 1 and every request so far taken, that costs 1.4 of a chance.
+    def admission() -> Admission:
+        a = Admission("predictive", Slo(30.0, 0.1))
+        a.prefill_spent_s = 1.0
+        a.reached_decode(1)
+        return a
+    d = live_decode(1500.0)
+    assert admission().at_arrival(0.0, placement(), d, 300, 10.0) is None
+    d.bind(0.0, 100, 5.0)
+    d.bind(0.0, 100, 5.0)
+    assert d.claim(0.0, 1.0, 300, 10.0) == pytest.approx(310 / 110)
+    assert admission().at_arrival(0.0, placement(), d, 300, 10.0) == REJECT_DECODE
+    # a report past their due time has them in its load: they are no longer on their way
+    assert d.observe(6.0, DecodeLoad(3, 1200.0)) == 2
+    assert d.inflight == [] and d.claim(6.0, 7.0, 300, 10.0) == 0.0

@@ -1,0 +1,158 @@
+"""The self-auditing admission: its window, its hysteresis and its bound, and the replay
+that follows it (shadows of every fixed mode, the live run forked from one on a switch)."""
+import random
+
+import pytest
+
+from conductor.audit import Audit
+from conductor.costmodel import CostModel
+from conductor.simulator import SimConfig, Simulator, replay
+from conductor.trace import TraceRequest
+
+MODES = ("baseline", "early", "predictive")
+
+
+def feed(audit: Audit, rid: int, outcomes: dict[str, bool]) -> None:
+    audit.arrived(rid)
+    for mode, served in outcomes.items():
+        audit.resolve(mode, rid, served)
+
+
+def test_an_arrival_enters_the_window_once_every_mode_resolved_it_and_all_before_it():
+    a = Audit(MODES, "predictive", window=4, recent=4, margin=0, z=0, min_audited=0)
+    a.arrived(0)
+    a.arrived(1)
+    for m in MODES:
+        a.resolve(m, 1, True)           # the later arrival is resolved first
+    assert a.audited == 0
+    a.resolve("baseline", 0, False)
+    a.resolve("early", 0, False)
+    assert a.audited == 0               # one mode still pending on arrival 0
+    a.resolve("predictive", 0, True)
+    assert a.audited == 2 and a.scores == [1, 1, 2]
+
+
+def test_the_window_slides():
+    a = Audit(MODES, "predictive", window=4, recent=2, margin=0, z=100, min_audited=0)
+    for rid in range(4):
+        feed(a, rid, {"baseline": True, "early": False, "predictive": False})
+    assert a.scores == [4, 0, 0] and a.recent.scores == [2, 0, 0]
+    for rid in range(4, 7):
+        feed(a, rid, {"baseline": False, "early": True, "predictive": False})
+    assert a.scores == [1, 3, 0] and a.recent.scores == [0, 2, 0] and a.audited == 7
+
+
+def test_no_switch_on_a_lead_within_chance_nor_on_ties():
+    # 64 arrivals split: predictive served the first 28, the baseline the last 36. A lead
+    # of 8 on 64 split arrivals is 1 standard deviation: no switch at z = 3.
+    a = Audit(MODES, "predictive", window=256, recent=64, margin=0.0, z=3.0, min_audited=0)
+    for rid in range(64):
+        feed(a, rid, {"baseline": rid >= 28, "early": rid < 32, "predictive": rid < 28})
+    assert a.scores == [36, 32, 28]
+    assert a.mode == "predictive" and a.switches == []
+    b = Audit(MODES, "early", window=16, recent=8, margin=0.0, z=0.0, min_audited=0)
+    for rid in range(16):
+        feed(b, rid, {m: True for m in MODES})
+    assert b.mode == "early"            # equal scores never switch
+
+
+def test_a_lead_beyond_chance_switches_once_and_the_modes_do_not_flap():
+    a = Audit(MODES, "predictive", window=1024, recent=256, margin=0.01, z=3.0, min_audited=0)
+    rng = random.Random(1)
+    for rid in range(2000):
+        # the baseline serves 10 points more; the others are coin flips at 0.6
+        feed(a, rid, {"baseline": rng.random() < 0.7, "early": rng.random() < 0.6,
+                      "predictive": rng.random() < 0.6})
+    assert a.mode == "baseline"
+    assert [(f, t) for _, f, t in a.switches] == [("predictive", "baseline")]
+
+
+def test_no_switch_before_the_window_holds_min_audited():
+    a = Audit(MODES, "predictive", window=100, recent=10, margin=0.0, z=0.0, min_audited=25)
+    for rid in range(24):
+        feed(a, rid, {"baseline": True, "early": False, "predictive": False})
+    assert a.mode == "predictive" and a.challengers() == ["baseline"]
+    feed(a, 24, {"baseline": True, "early": False, "predictive": False})
+    assert a.mode == "baseline"
+
+
+def test_a_long_lead_that_the_recent_window_contradicts_does_not_switch():
+    # the baseline served more early on; lately predictive serves more: no switch
+    a = Audit(MODES, "predictive", window=1000, recent=100, margin=0.0, z=2.0, min_audited=400)
+    for rid in range(300):
+        feed(a, rid, {"baseline": True, "early": False, "predictive": False})
+    for rid in range(300, 500):
+        feed(a, rid, {"baseline": rid % 2 == 0, "early": False, "predictive": True})
+    assert a.scores[0] - a.scores[2] == 200 and a.recent.scores[2] > a.recent.scores[0]
+    assert a.mode == "predictive" and a.switches == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_mode_ever_beats_the_one_in_force_beyond_chance_in_both_windows(seed):
+    # outcomes whose odds drift between the modes, resolved out of order: after every
+    # resolution, no mode leads the one in force by more than max(margin x n, z sqrt(d))
+    # over both the long and the recent window (the bound)
+    a = Audit(MODES, "predictive", window=512, recent=128, margin=0.01, z=2.0, min_audited=64)
+    rng = random.Random(seed)
+    pending: list[tuple[str, int, bool]] = []
+    for rid in range(3000):
+        phase = (rid // 700) % 3
+        odds = [0.5 + 0.2 * (phase == i) for i in range(3)]
+        a.arrived(rid)
+        pending += [(m, rid, rng.random() < odds[i]) for i, m in enumerate(MODES)]
+        rng.shuffle(pending)
+        for _ in range(len(pending) // 2):
+            a.resolve(*pending.pop())
+            assert a.audited < 64 or a.challengers() == []
+    for item in pending:
+        a.resolve(*item)
+        assert a.challengers() == []
+    assert len(a.switches) >= 2         # it followed the drift
+
+
+def overloaded_trace(n: int = 400) -> list[TraceRequest]:
+    # 15 prefill nodes, one small decode instance: decode memory binds, and a request's
+    # prefill is long enough for the modes to differ
+    rng = random.Random(7)
+    trace = []
+    for i in range(n):
+        length = rng.choice((2000, 6000, 12000))
+        trace.append(TraceRequest(i * 0.05, length, rng.randint(20, 400),
+                                  tuple(range(i * 100, i * 100 + -(-length // 512)))))
+    return trace
+
+
+COST = CostModel.from_testbed()
+SMALL = CostModel(**{**COST.as_dict(), "decode_capacity_tokens": 60_000})
+
+
+def test_audited_shadows_are_the_fixed_modes_and_without_a_switch_the_run_is_predictive():
+    trace = overloaded_trace()
+    sim = Simulator(trace, SimConfig(prefill=15, decode=1, admission="audited"), SMALL)
+    summary = sim.run()
+    for mode in MODES:
+        fixed, _ = replay(trace, SimConfig(prefill=15, decode=1, admission=mode), SMALL)
+        shadow = sim.shadow_summaries[mode]
+        assert (shadow.rejected, shadow.completed_in_slo, shadow.wasted_prefill_s) == \
+            (fixed.rejected, fixed.completed_in_slo, fixed.wasted_prefill_s)
+    assert sim.audit.switches == []     # fewer than MIN_AUDITED arrivals: no switch
+    p = sim.shadow_summaries["predictive"]
+    assert (summary.admission, summary.rejected, summary.completed_in_slo) == \
+        ("audited", p.rejected, p.completed_in_slo)
+
+
+def test_on_a_switch_the_live_run_forks_and_follows_the_mode_in_force():
+    # a hair trigger: any lead switches, from the first audited arrival
+    trace = overloaded_trace()
+    audit = Audit(MODES, "early", window=32, recent=8, margin=0.0, z=0.0, min_audited=0)
+    sim = Simulator(trace, SimConfig(prefill=15, decode=1, admission="audited"), SMALL,
+                    audit=audit)
+    summary = sim.run()
+    assert audit.switches and audit.switches[0][1] == "early"
+    assert sum(audit.in_force.values()) == len(trace)
+    assert sim.admission.mode == "audited"
+    assert summary.requests == len(trace)
+    assert summary.rejected + summary.completed_in_slo <= len(trace)
+    # the shadow the live run forked from went on as the fixed mode
+    fixed, _ = replay(trace, SimConfig(prefill=15, decode=1, admission="early"), SMALL)
+    assert sim.shadow_summaries["early"].rejected == fixed.rejected
