@@ -3,11 +3,13 @@ socket for `CLIENT_TIMEOUT_S` at most and never hold other requests back."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
 
 from llm_procs import get
+from workers import gateway as gateway_module
 from workers import http_app
 from workers.catalog import TINY, TINY_CONTEXT, ByteTokenizer
 from workers.gateway import Router
@@ -67,3 +69,66 @@ def test_errors_and_unknown_routes_are_openai_error_objects(gateway):
     status, body = get(gateway.url, "/v1/chat/completions")
     assert status == 404 and b'"type": "not_found"' in body
     assert get(gateway.url, "/health") == (200, b'{"status": "ok"}')
+
+
+class EndlessRouter(Router):
+    """Tokens every 10 ms until closed; `closed` is set when the stream's generator is."""
+
+    def __init__(self):
+        super().__init__("127.0.0.1:1", TINY, ByteTokenizer(), TINY_CONTEXT, None, GatewayMetrics())
+        self.closed = threading.Event()
+
+    def generate(self, req, ids, served):
+        try:
+            while True:
+                time.sleep(0.01)
+                yield ord("a"), None
+        finally:
+            self.closed.set()
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_decode():
+    router = EndlessRouter()
+    server = http_app.GatewayServer(router, "127.0.0.1", 0).start()
+    try:
+        sock = connect(server)
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "stream": true}'
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        assert b"chat.completion.chunk" in sock.recv(65536)
+        assert not router.closed.is_set()
+        sock.close()
+        assert router.closed.wait(5)
+    finally:
+        server.stop()
+
+
+class WideText:
+    """64 KiB of text per token: a stream that fills the socket buffers in a few dozen events."""
+
+    def __init__(self, router):
+        pass
+
+    def add(self, token: int) -> str:
+        return "x" * 65536
+
+    def rest(self) -> str:
+        return ""
+
+
+def test_a_client_that_stops_reading_its_stream_is_dropped(monkeypatch):
+    monkeypatch.setattr(http_app, "CLIENT_TIMEOUT_S", TIMEOUT_S)
+    monkeypatch.setattr(gateway_module, "IncrementalText", WideText)
+    router = EndlessRouter()
+    server = http_app.GatewayServer(router, "127.0.0.1", 0).start()
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "stream": true}'
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        assert router.closed.wait(15)          # never read: the stream is dropped, its decode closed
+        sock.close()
+    finally:
+        server.stop()
