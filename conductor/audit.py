@@ -148,8 +148,8 @@ class Audit:
         self.auto = True    # decide whenever arrivals enter the windows (else: `decide`)
         self.mode = start
         self._index = {m: i for i, m in enumerate(self.modes)}
-        self._open: dict[int, list[int]] = {}       # rid -> outcome per mode (-1 pending)
-        self._order: deque[int] = deque()           # open arrivals, in arrival order
+        self._open: dict = {}                       # arrival -> outcome per mode (-1 pending)
+        self._order: deque = deque()                # open arrivals, in arrival order
         self.long = Window(len(self.modes), window)
         self.recent = Window(len(self.modes), recent)
         self.audited = 0                            # arrivals that have entered the windows
@@ -167,7 +167,12 @@ class Audit:
         """Audited arrivals some run has not resolved yet."""
         return len(self._open)
 
-    def arrived(self, rid: int) -> None:
+    def forget_open(self) -> None:
+        """Drop the arrivals not yet resolved (their shadows are gone)."""
+        self._open.clear()
+        self._order.clear()
+
+    def arrived(self, rid) -> None:
         self._open[rid] = [_PENDING] * len(self.modes)
         self._order.append(rid)
 
@@ -176,7 +181,7 @@ class Audit:
         self.in_force[self.mode] += 1
         return self.mode
 
-    def resolve(self, mode: str, rid: int, served: bool) -> None:
+    def resolve(self, mode: str, rid, served: bool) -> None:
         outcomes = self._open.get(rid)
         if outcomes is None:
             return

@@ -48,7 +48,8 @@ def _positive(kind: type, flag: str):
 def _slo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=list(POLICIES), default="kvcache-centric")
     p.add_argument("--rejection", choices=MODES, default="none",
-                   help="admission mode (default none)")
+                   help="admission mode (default none); audited follows whichever of "
+                   "baseline, early and predictive its shadow replays show serving the most")
     p.add_argument("--ttft-slo", type=_positive(float, "--ttft-slo"), default=30.0,
                    help="TTFT SLO in seconds (default 30)")
     p.add_argument("--tbt-slo", type=_positive(float, "--tbt-slo"), default=0.1,

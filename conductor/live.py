@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from client import BlockHasher, KVError
-from conductor.admission import REJECT_TTFT, Admission
+from conductor.admission import REJECT_TTFT, Admission, Slo
+from conductor.audit import Audit
 from conductor.cache import BlockDirectory, NodeCache
 from conductor.costmodel import CostModel
 from conductor.decode import DecodeView
@@ -43,7 +44,9 @@ from conductor.fit_odds import FitOdds
 from conductor.outputs import OUTPUT_PRIOR_TOKENS
 from conductor.overtaking import RecentAdmissions
 from conductor.policy import FROM_POOL, Candidates, DecodeLoad, Placement, Policy
+from conductor.simulator import SimConfig, Simulator
 from conductor.stores import Store
+from conductor.trace import TraceRequest
 
 PREFILL, DECODE = "prefill", "decode"
 LIVE, DEAD = "live", "dead"
@@ -64,6 +67,68 @@ class Rejected(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason = reason
+
+
+class LiveAudit:
+    """The audited admission in live mode: the fixed modes of `audit` replayed, on the
+    conductor's cost model, with the arrivals it schedules (`conductor.audit`).
+
+    Each arrival becomes a trace request: its time on the conductor's clock, its input
+    length and block keys (numbered as they first appear), and its output length as
+    the request gives it (else the prior). The shadows are simulated clusters of as
+    many prefill and decode instances as were live at the first arrival; when that
+    changes, or after `RESTART_AFTER` arrivals (the replay keeps every request), they
+    start again from empty and the audit forgets the arrivals they had not resolved.
+    """
+
+    RESTART_AFTER = 100_000
+
+    def __init__(self, audit: Audit, cost: CostModel, slo: Slo, policy: str,
+                 cache_tokens_per_node: int, block_tokens: int):
+        self.audit, self.cost, self.slo, self.policy = audit, cost, slo, policy
+        self.cache_tokens_per_node, self.block_tokens = cache_tokens_per_node, block_tokens
+        self.shape: tuple[int, int] | None = None
+        self.trace: list[TraceRequest] = []
+        self.shadows: dict[str, Simulator] = {}
+        self._ids: dict[str, int] = {}
+        self._start_s = 0.0
+        self.restarts = 0
+
+    def _start(self, now_s: float, shape: tuple[int, int]) -> None:
+        if self.shadows:
+            self.restarts += 1
+            self.audit.forget_open()
+        self.shape, self.trace, self._ids, self._start_s = shape, [], {}, now_s
+        config = SimConfig(prefill=shape[0], decode=shape[1], policy=self.policy, slo=self.slo,
+                           cache_tokens_per_node=self.cache_tokens_per_node,
+                           block_tokens=self.block_tokens)
+        self.shadows = {m: Simulator(self.trace, dataclasses.replace(config, admission=m),
+                                     self.cost, on_outcome=self._resolver(m))
+                        for m in self.audit.modes}
+
+    def _resolver(self, mode: str) -> Callable[[int, bool], None]:
+        offset = self.restarts
+        audit = self.audit
+        return lambda rid, served: audit.resolve(mode, (offset, rid), served)
+
+    def arrive(self, now_s: float, shape: tuple[int, int], keys: list[str], input_length: int,
+               output_length: int) -> str:
+        """Feed one arrival to the shadows; returns the mode in force for it."""
+        if shape != self.shape or len(self.trace) >= self.RESTART_AFTER:
+            self._start(now_s, shape)
+        at_s = now_s - self._start_s
+        rid = len(self.trace)
+        ids = tuple(self._ids.setdefault(k, len(self._ids)) for k in keys)
+        request = TraceRequest(at_s, input_length, output_length or OUTPUT_PRIOR_TOKENS, ids)
+        self.trace.append(request)
+        for shadow in self.shadows.values():
+            shadow.out.ensure(rid + 1)
+            shadow._drain(at_s)
+        mode = self.audit.decided()
+        self.audit.arrived((self.restarts, rid))
+        for shadow in self.shadows.values():
+            shadow._arrive(rid, request, at_s)
+        return mode
 
 
 class ReportedDecode(DecodeView):
@@ -188,6 +253,10 @@ class LiveConductor:
         self.unreachable_at: dict[str, float] = {}  # instance -> clock() when a front end marked it
         self.dead: set[str] = set()                 # as last logged, so each change is logged once
         self.lock = threading.Lock()
+        self.audit: LiveAudit | None = None
+        if self.admission.mode == "audited":
+            self.audit = LiveAudit(Audit(), self.cost, self.admission.slo, self.policy.name,
+                                   self.cache_tokens_per_node, self.hasher.block_tokens)
 
     def register(self, instance_id: str, role: str, address: str) -> None:
         """Add an instance (or take back one that registers again, e.g. after a restart)."""
@@ -316,6 +385,9 @@ class LiveConductor:
         p = _renumbered(self.policy.choose_prefill(cand), live_p)
         j = live_d[self.policy.choose_decode([self.decodes[j].committed_load() for j in live_d], input_length)]
         estimate = output_length or OUTPUT_PRIOR_TOKENS
+        if self.audit is not None:
+            self.admission.follow = self.audit.arrive(self.clock(), (len(live_p), len(live_d)),
+                                                      keys, input_length, output_length)
         reason = self.admission.at_arrival(self.clock(), p, self.decodes[j], input_length, estimate)
         if reason is not None:
             self._count_rejection(reason)

@@ -38,6 +38,20 @@ class Outcomes:
         self.input_tokens = np.zeros(self.n, dtype=np.int64)
         self.reused_tokens = np.zeros(self.n, dtype=np.int64)
 
+    def ensure(self, n: int) -> None:
+        """Room for ``n`` requests (a live replay grows one arrival at a time)."""
+        if n <= self.status.size:
+            self.n = max(self.n, n)
+            return
+        size = max(n, 2 * self.status.size)
+        for name, fill in (("status", SERVED), ("ttft_s", np.nan), ("tbt_s", np.nan),
+                           ("input_tokens", 0), ("reused_tokens", 0)):
+            old = getattr(self, name)
+            new = np.full(size, fill, dtype=old.dtype)
+            new[:old.size] = old
+            setattr(self, name, new)
+        self.n = n
+
 
 @dataclass
 class RunSummary:
@@ -75,6 +89,8 @@ def _stat(values: np.ndarray, q: float | None = None) -> float:
 
 def summarize(out: Outcomes, *, policy: str, admission: str, prefill: int, decode: int,
               speed: float, ttft_slo_s: float, tbt_slo_s: float) -> RunSummary:
+    if out.status.size != out.n:        # grown by `ensure`: only the first n are requests
+        out = _first(out, out.n)
     served = out.status == SERVED
     at_arrival = int((out.status == REJECTED_AT_ARRIVAL).sum())
     at_decode = int((out.status == REJECTED_AT_DECODE).sum())
@@ -92,3 +108,11 @@ def summarize(out: Outcomes, *, policy: str, admission: str, prefill: int, decod
         ttft_p99_s=_stat(ttft, 99), tbt_p90_s=_stat(tbt, 90),
         prefix_hit_rate=int(out.reused_tokens[prefilled].sum()) / tokens if tokens else 0.0,
         prefill_busy_s=out.prefill_busy_s, wasted_prefill_s=out.wasted_prefill_s)
+
+
+def _first(out: Outcomes, n: int) -> Outcomes:
+    view = Outcomes.__new__(Outcomes)
+    view.__dict__.update(out.__dict__)
+    for name in ("status", "ttft_s", "tbt_s", "input_tokens", "reused_tokens"):
+        setattr(view, name, getattr(out, name)[:n])
+    return view

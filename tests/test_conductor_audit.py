@@ -156,3 +156,41 @@ def test_on_a_switch_the_live_run_forks_and_follows_the_mode_in_force():
     # the shadow the live run forked from went on as the fixed mode
     fixed, _ = replay(trace, SimConfig(prefill=15, decode=1, admission="early"), SMALL)
     assert sim.shadow_summaries["early"].rejected == fixed.rejected
+
+
+class NoStore:
+    """A store that holds nothing (the live conductor asks it for prefixes)."""
+
+    def match_prefix(self, keys):
+        return 0
+
+    def locate(self, keys):
+        return []
+
+
+def test_live_audited_admission_replays_the_fixed_modes_on_the_arrivals_it_schedules():
+    from client import BlockHasher
+    from conductor.admission import Admission, Slo
+    from conductor.live import LiveConductor
+    from conductor.policy import make_policy
+
+    now = [10.0]
+    live = LiveConductor(make_policy("kvcache-centric", COST), Admission("audited", Slo()), COST,
+                         NoStore(), BlockHasher("audit", 512), clock=lambda: now[0])
+    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        live.register(name, role, f"{name}:1")
+    for i in range(40):
+        now[0] += 0.1
+        keys = live.block_keys(list(range(i % 4, i % 4 + 1024)))   # 4 shared prompts
+        live.schedule(f"r{i}", keys, 1024, 16)
+        for name in ("p0", "p1", "d0"):
+            live.report(name, 0.0, 0, 0)
+    audit = live.audit
+    assert len(audit.trace) == 40 and sum(audit.audit.in_force.values()) == 40
+    assert set(audit.shadows) == set(MODES)
+    assert all(s.out.n == 40 for s in audit.shadows.values())
+    assert audit.audit.audited > 0                  # the shadows resolve what they serve
+    live.register("d1", "decode", "d1:1")           # the cluster changed: the shadows restart
+    live.report("d1", 0.0, 0, 0)
+    live.schedule("r-next", [], 100, 8)
+    assert audit.restarts == 1 and len(audit.trace) == 1 and audit.shape == (2, 2)
