@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import threading
 
-import openai
 import pytest
 import torch
 
 from llm_procs import LlmUp
 from workers.catalog import SMOLLM2
 from workers.model import load_model
+
+openai = pytest.importorskip("openai", reason="the openai client comes with the engines extra")
 
 MAX_TOKENS = 16
 CONVERSATIONS = [
