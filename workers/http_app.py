@@ -100,9 +100,10 @@ def _json(status: int, body: dict, headers: dict | None = None) -> Response:
 async def _body(request: Request) -> bytes:
     """The whole body, at most MAX_BODY_BYTES, each read within CLIENT_TIMEOUT_S."""
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise api.ApiError(413 if length.isdigit() else 400, f"the body exceeds {MAX_BODY_BYTES} bytes"
-                           if length.isdigit() else "the Content-Length is not a number")
+    if length is not None and not length.isdigit():
+        raise api.ApiError(400, "the Content-Length is not a number")
+    if length is not None and int(length) > MAX_BODY_BYTES:
+        raise api.ApiError(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
     parts, size, more = [], 0, True
     while more:
         try:
