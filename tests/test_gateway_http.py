@@ -97,7 +97,9 @@ def test_a_client_that_disconnects_mid_stream_stops_its_decode():
                      % (len(body), body))
         received = b""
         while b"chat.completion.chunk" not in received:         # the head and the first events, in any cuts
-            received += sock.recv(65536)
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
         assert not router.closed.is_set()
         sock.close()
         assert router.closed.wait(5)
