@@ -354,6 +354,25 @@ class KVClusterClient:
     def get_layers(self, key: Key, start: int = 0, stop: int | None = None, **options: Any) -> Any:
         return self._on_key(key, lambda c: c.get_layers(key, start, stop, **options))
 
+    def batch_put_layers(self, items: Sequence[tuple[Key, int, Any]], *, n_layers: int,
+                         parents: Sequence[Key | None] | None = None, timeout_ms: int | None = None) -> list[bool]:
+        """KVClient.batch_put_layers, each node's slots in one batch, in parallel; a block whose last
+        layer is in is linked to its parent's node as put_layer links it."""
+        links = [None] * len(items) if parents is None else list(parents)
+
+        def put(client: KVClient, ix: list[int]) -> list[bool]:
+            return client.batch_put_layers([items[i] for i in ix], n_layers=n_layers,
+                                           parents=[links[i] for i in ix], timeout_ms=timeout_ms)
+        stored = self._scatter([key for key, _, _ in items], put, tail_first=False)
+        return [self._linked(done, parent, key) if layer == n_layers - 1 else done
+                for (key, layer, _), parent, done in zip(items, links, stored)]
+
+    def batch_get_layers(self, keys: Sequence[Key], start: int = 0, stop: int | None = None, *,
+                         into: Sequence[Any] | None = None, **options: Any) -> list[Any]:
+        """KVClient.batch_get_layers, each node's blocks in one batch, in parallel."""
+        return self._scatter(keys, lambda c, ix: c.batch_get_layers(
+            [keys[i] for i in ix], start, stop, into=None if into is None else [into[i] for i in ix], **options))
+
     # ------------------------------------------------------------ batches
 
     def exists(self, *keys: Key) -> int:
