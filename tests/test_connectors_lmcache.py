@@ -176,7 +176,7 @@ def test_resp_connector_under_eviction_reads_a_miss_never_wrong_bytes(rig, small
 
 def test_redis_plugin_form_through_lmcache_remote_backend(rig, server):
     """`remote_storage_plugins: ["redis"]` + `remote_storage_plugin.redis.redis_url`, as
-    docs/engines_lmcache.md gives it: LMCache's RemoteBackend on its own RedisConnector."""
+    docs/engines.md gives it: LMCache's RemoteBackend on its own RedisConnector."""
     from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
     config = rig.config(extra={"remote_storage_plugin.redis.redis_url": f"redis://{server.host}:{server.port}"},

@@ -250,10 +250,10 @@ def test_an_acl_password_in_the_address_and_a_wrong_one_logged_once(rig, tmp_pat
 
 
 def test_the_documented_yaml_configures_the_plugin(rig, server, tmp_path):
-    """The `kvstore://` YAML of docs/engines_lmcache.md, loaded by LMCache's own config reader."""
+    """The `kvstore://` YAML of docs/engines.md, loaded by LMCache's own config reader."""
     from lmcache.v1.config import LMCacheEngineConfig
 
-    doc = (Path(__file__).parent.parent / "docs" / "engines_lmcache.md").read_text()
+    doc = (Path(__file__).parent.parent / "docs" / "engines.md").read_text()
     block = next(b.split("\n", 1)[1] for b in doc.split("```yaml")[1:]
                  if "remote_storage_plugin.kvstore.url" in b.split("```")[0]).split("```")[0]
     path = tmp_path / "lmcache.yaml"
