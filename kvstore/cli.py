@@ -11,8 +11,8 @@ import logging
 import sys
 
 from kvstore import __version__
-from kvstore.admin.config import (EVICTION_POLICIES, LOG_LEVELS, SSD_COMPRESSIONS, SSD_WRITE_POLICIES, Config, ConfigError,
-                            parse_size)
+from kvstore.admin.config import (EVICTION_POLICIES, LOG_LEVELS, SSD_COMPRESSIONS, SSD_WRITE_POLICIES, Config,
+                                  ConfigError, parse_size)
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from kvstore.store.arena import Extent
 from kvstore.net.protocol import writer
+from kvstore.store.arena import Extent
 
 MAX_ARGS = 32
 MAX_ARG_BYTES = 128

@@ -38,12 +38,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvstore.cluster.tasks import BackgroundTasks
 from kvstore.cluster.node import MOVE_GRACE, ClusterState
 from kvstore.cluster.outgoing import Gathered, Outbox, Taken, in_host_memory, take
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
 from kvstore.cluster.simclock import loop_time
 from kvstore.cluster.slots import SlotMap, keyslot
+from kvstore.cluster.tasks import BackgroundTasks
 
 log = logging.getLogger("kvstore.cluster")
 

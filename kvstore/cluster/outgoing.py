@@ -23,8 +23,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from kvstore.store.eviction import NO_PARENT
 from kvstore.store.entries import DRAM, STAGED
+from kvstore.store.eviction import NO_PARENT
 
 BATCH_BYTES = 8 * 1024 * 1024       # one KV.IMPORT carries about this much
 BATCH_KEYS = 512

@@ -50,11 +50,11 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.cluster.tasks import BackgroundTasks
 from kvstore.cluster.held_copies import HeldCopies
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
 from kvstore.cluster.slots import SlotMap, keyslot
+from kvstore.cluster.tasks import BackgroundTasks
 from kvstore.store.entries import DRAM, STAGED
 
 log = logging.getLogger("kvstore.cluster")

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from kvstore.admin import acl
 
-from kvstore.net import client_pause as pauses
 from kvstore.commands.args import SYNTAX, parse_int
 from kvstore.commands.table import CommandError
+from kvstore.net import client_pause as pauses
 from kvstore.net.protocol import writer
 
 CLIENT_TYPES = (b"normal", b"master", b"replica", b"slave", b"pubsub")

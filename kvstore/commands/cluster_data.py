@@ -37,8 +37,8 @@ from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY
 from kvstore.commands.args import SYNTAX, parse_int, store
 from kvstore.commands.cluster import DISABLED
 from kvstore.commands.table import CommandError, Family
-from kvstore.store.arena import Extent
 from kvstore.net.protocol import writer
+from kvstore.store.arena import Extent
 from proto.wire import KV_HOTKEYS
 
 FAMILY = Family()

@@ -36,9 +36,9 @@ from kvstore.cluster.routing import redirect, redirect_slot
 from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.strings import get, set_plain
 from kvstore.commands.table import Command, CommandError
+from kvstore.net.protocol import writer
 from kvstore.store.arena import Extent
 from kvstore.store.engine import NeedsDemotion, OutOfMemory
-from kvstore.net.protocol import writer
 from kvstore.tiers.manager import ARENA_READERS
 
 log = logging.getLogger("kvstore")

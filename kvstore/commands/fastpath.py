@@ -74,8 +74,8 @@ from typing import NamedTuple, NoReturn
 
 from kvstore.commands.args import check_arena_token, option_map, parse_ids, parse_int, parse_ttl_ms
 from kvstore.commands.table import CommandError, Family
-from kvstore.store.engine import GPU, SSD, STAGED, OutOfMemory
 from kvstore.net.protocol import writer
+from kvstore.store.engine import GPU, SSD, STAGED, OutOfMemory
 from proto import fastpath as fp
 
 FAMILY = Family()

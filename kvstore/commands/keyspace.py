@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 
 from kvstore.commands.args import SYNTAX, options, parse_int
-from kvstore.commands.table import CommandError, Family
-from kvstore.store.engine import now_ms
 from kvstore.commands.glob import matches
+from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
+from kvstore.store.engine import now_ms
 from kvstore.store.watch import touched
 
 FAMILY = Family()

@@ -26,9 +26,9 @@ from __future__ import annotations
 from kvstore.commands.args import check_arena_token, option_map, parse_int, parse_ttl_ms
 from kvstore.commands.fastpath import refuse_outside_arena
 from kvstore.commands.table import CommandError, Family, first_key
-from kvstore.store.arena import Extent
 from kvstore.local.layers import LayerError, PartialBlock, parse_header
 from kvstore.net.protocol import writer
+from kvstore.store.arena import Extent
 from proto import fastpath as fp
 
 FAMILY = Family()

@@ -37,12 +37,12 @@ from collections import deque
 from itertools import islice
 
 from kvstore.admin import acl
-from kvstore.commands.table import CommandError
 from kvstore.commands.dispatch import dispatch, release_queued, run_plain, value_destination
-from kvstore.store.arena import Extent
+from kvstore.commands.table import CommandError
 from kvstore.net.client_state import ClientInfo, RedirectFlags, Transaction
 from kvstore.net.protocol import writer
 from kvstore.net.protocol.reader import ProtocolError, RequestReader
+from kvstore.store.arena import Extent
 
 log = logging.getLogger("kvstore")
 

@@ -20,19 +20,19 @@ import time
 from dataclasses import dataclass
 
 from kvstore.admin import acl
-from kvstore.commands.families import build_table
-from kvstore.net import tls
-from kvstore.cluster.membership import ClusterError
 from kvstore.admin.config import Config
-from kvstore.net.connection import Connection
-from kvstore.store.engine import Engine
+from kvstore.admin.metrics import serve_metrics
+from kvstore.admin.slowlog import SlowLog
+from kvstore.cluster.membership import ClusterError
+from kvstore.commands.families import build_table
 from kvstore.local.layers import BlockTable
 from kvstore.local.leases import LeaseTable, claim_arena_identity
-from kvstore.admin.metrics import serve_metrics
 from kvstore.local.shared_index import SharedIndex
-from kvstore.admin.slowlog import SlowLog
-from kvstore.tiers.manager import open_tiers
+from kvstore.net import tls
+from kvstore.net.connection import Connection
+from kvstore.store.engine import Engine
 from kvstore.tiers import TierError
+from kvstore.tiers.manager import open_tiers
 
 log = logging.getLogger("kvstore")
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from kvstore.store.allocator import BuddyAllocator
 from kvstore.store.arena import Arena, Extent
 from kvstore.store.deadlines import Deadlines
+from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
-from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.tiers.moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 
