@@ -1,71 +1,71 @@
-"""Self-auditing admission: follow whichever fixed mode does best from where the run is.
+"""Self-auditing admission: follow a fixed mode only while no other beats it beyond chance.
 
 No single admission mode is best on every trace. Predictive admission serves
 the most on bursty and conversation-shaped traffic, but on steady arrivals
 of long, mostly cached prompts with short answers the baseline (which wastes
 prefill that costs little there) can serve more. Tuning one mode to one more
-region moves the problem, so the `audited` mode does not guess: it audits
-what each fixed mode (`AUDITED_MODES`) would have done with the same
-arrivals, from the same state, and lets the live arrival check follow the
-one that served the most within the SLO lately.
+region moves the problem, so the `audited` mode does not guess: it keeps a
+shadow replay of every fixed mode (`AUDITED_MODES`), each fed the same
+arrivals as the live decisions and run on the same cost model (calibrated
+from the workers' timings where `--calibrate` is given), and lets the live
+arrival check follow the mode that has served the most within the SLO.
 
-The counterfactuals. The replay forks a shadow of itself for each mode not
-in force (`Simulator._fork`: the same caches, queues, decode batches and
-learned odds, on the same cost model), and each shadow replays its mode over
-the arrivals that follow; the run itself is the shadow of the mode in force.
-The first `AUDIT_SETTLE` arrivals after the fork are not audited: they are
-where each shadow leaves the live run's state for the one its own mode
-makes. The `AUDIT_EVERY` after them are. An arrival's outcome in a run is
-known when the run rejects it (at arrival or at decode) or its KV joins a
-decode batch within the TTFT SLO (served; the batch's TBT is the decode
-check's to keep). When every audited arrival is resolved in every run, the
-audit decides, the shadows are dropped and the next are forked, so at most
-two shadows run beside the live replay.
+The outcomes. An arrival's outcome in a shadow is known when the shadow
+rejects it (at arrival or at decode) or its KV joins a decode batch within
+the TTFT SLO (served; the batch's TBT is the decode check's to keep). The
+modes are compared on the same arrivals: an arrival enters the windows as
+soon as every shadow has resolved it, at most about one TTFT SLO after it
+came. (Waiting for every earlier arrival too, so that arrivals enter in
+arrival order, held the windows up to 1,300 arrivals behind at 128
+requests a second: a request held or queued in one shadow blocked all the
+ones after it.)
 
-What was tried first, and why it is not kept:
-- One shadow per fixed mode running from the start of the trace, the live
-  run following the one that served the most lately. The shadows drift into
-  states of their own (the baseline's deep prefill queue, say), so a mode's
-  lead there is not a lead from where the live run is: on two traces where
-  the baseline and predictive tie, the live run switched and lost 1.7-3.8 %
-  against both.
-- Forked shadows audited from the fork on (no settling). Right after the
-  fork, a mode that admits more (the baseline) spends the headroom the
-  predictive mode kept and serves more for a while; the audit saw that
-  short-term lead and switched, and the live run then did worse than the
-  fixed predictive mode (0.960 of it on a trace predictive wins by 4 %).
-- Deciding whenever arrivals entered the window. A switch in the middle of a
-  fork's audited arrivals changes the live run's mode under the comparison,
-  and the outcomes credited to the mode in force are then a mixture.
+The windows and the switch. Two windows of audited arrivals: the long one
+(the last `WINDOW`, as long as the traces judged here, so in effect the run
+so far) and the recent one (its last `RECENT`). A mode *beats* the mode in
+force in a window when it served more there by more than chance would make
+it: by more than Z x sqrt(d), d the window's arrivals on which the two
+modes' outcomes differ (were both equally good, each of those would go
+either way with even odds), and by more than `MARGIN` of the window. The
+mode in force changes only to a mode that beats it in both windows (the one
+with the most served in the long window among them), and not before the
+long window holds `MIN_AUDITED` arrivals. So, by construction:
 
-The window and the switch. The audited arrivals enter the window in arrival
-order once every run has resolved them; the window holds the last `WINDOW`.
-The mode in force changes to the window's leader only when the leader's lead
-is larger than chance would make it: more than `Z` standard deviations of a
-paired count, Z x sqrt(d), with d the window's arrivals on which the two
-modes' outcomes differ (were both modes equally good, each of those would go
-either way with even odds), and more than `MARGIN` x the window's length;
-and not before the window holds `WINDOW` / `MIN_FILL` arrivals. So:
-
-    after every audited arrival, the mode in force served at least the best
-    mode's count minus max(MARGIN x n, Z x sqrt(d)) over the n arrivals of
-    the window, d <= n (the bound: at most max(MARGIN, Z / sqrt(n)) of the
-    window, 9.4 % of a full window of 1024 if the modes differed on every
-    arrival; they differ on far fewer), and
+    after every audited arrival (past MIN_AUDITED), no mode served more than
+    the mode in force by more than max(MARGIN x n, Z x sqrt(d)) over the
+    long window of n arrivals while also doing so over the recent one
+    (the bound: `challengers` is empty), and
 
     a switch needs a lead that chance alone makes with odds of about 1 in
-    700 at each look (Z = 3), so the modes do not flap on noise (the
-    hysteresis).
+    700 at each look (Z = 3) in both windows, so the modes do not flap on
+    noise, nor on a lead that held once and no longer does (the hysteresis).
 
-The bound is on the audited window, by construction. The live run's goodput
-over a window is the in-force mode's counterfactual exactly (it is that
-run), so what the bound leaves out is only how far the next window differs
-from the last: a trace whose best mode changes faster than a window is
-audited is followed a window late (docs/conductor.md measures the audited
-run against the best fixed mode on every trace of the grid).
+What the bound covers and what it does not. While the live run has not
+switched it *is* the shadow of the mode in force (the same deterministic
+replay): the simulator runs that shadow as the live run until the first
+switch, then forks a copy of it that follows the audit. After a switch the
+live run starts from a state the new mode did not make, and a mode's lead
+over a window is not a promise about the rest of the run: on a trace where
+the baseline serves more for the first thousand arrivals and its queue of
+wasted prefill costs it more later, the audit follows it and then comes
+back (docs/conductor.md, the grid, measures the audited run against the best
+fixed mode on every trace).
 
-The shadows cost up to two replays beside the live one while they run. A
-replay in another mode, or without admission control, does not pay for them.
+What was tried and not kept (judged on four generated traces, two where
+predictive wins by 3-4 %, two where the baseline and predictive tie):
+- One window of 512 arrivals, switching on a lead of 1 % of it: 2-7
+  switches a run, mostly on noise, each costing the live run; 0.962-0.997
+  of the best fixed mode.
+- Shadows forked from the live run's state every 256 arrivals and compared
+  over the arrivals that follow (a lead that includes the cost of the
+  transition), with or without 256 arrivals left to settle first: right
+  after a fork the baseline spends the headroom the predictive mode kept
+  and serves more for a while; the audit switched on that and the live run
+  served 0.92-0.96 of the fixed predictive mode.
+
+The shadows cost a replay each: an audited replay costs about as much as the
+three fixed modes together (plus the live one after a switch). A replay in
+another mode, or without admission control, does not pay for them.
 """
 from __future__ import annotations
 
@@ -127,9 +127,9 @@ class Window:
 class Audit:
     """Per-mode outcomes of recent arrivals, and the mode in force.
 
-    ``arrived(rid)`` opens an arrival (in arrival order); ``resolve(mode, rid,
-    served)`` records a shadow's outcome for it. Arrivals enter the windows in
-    arrival order once every mode has resolved them.
+    ``arrived(rid)`` opens an arrival; ``resolve(mode, rid, served)`` records a
+    shadow's outcome for it. An arrival enters the windows once every mode has
+    resolved it.
     """
 
     def __init__(self, modes: Sequence[str] = AUDITED_MODES, start: str = START_MODE,
@@ -149,7 +149,6 @@ class Audit:
         self.mode = start
         self._index = {m: i for i, m in enumerate(self.modes)}
         self._open: dict = {}                       # arrival -> outcome per mode (-1 pending)
-        self._order: deque = deque()                # open arrivals, in arrival order
         self.long = Window(len(self.modes), window)
         self.recent = Window(len(self.modes), recent)
         self.audited = 0                            # arrivals that have entered the windows
@@ -170,11 +169,9 @@ class Audit:
     def forget_open(self) -> None:
         """Drop the arrivals not yet resolved (their shadows are gone)."""
         self._open.clear()
-        self._order.clear()
 
     def arrived(self, rid) -> None:
         self._open[rid] = [_PENDING] * len(self.modes)
-        self._order.append(rid)
 
     def decided(self) -> str:
         """The mode in force for the next live decision (counted in `in_force`)."""
@@ -186,19 +183,13 @@ class Audit:
         if outcomes is None:
             return
         outcomes[self._index[mode]] = int(served)
-        if rid == self._order[0]:
-            self._advance()
-
-    def _advance(self) -> None:
-        moved = False
-        while self._order and _PENDING not in self._open[self._order[0]]:
-            outcomes = tuple(self._open.pop(self._order.popleft()))
-            self.long.add(outcomes)
-            self.recent.add(outcomes)
+        if _PENDING not in outcomes:
+            del self._open[rid]
+            self.long.add(tuple(outcomes))
+            self.recent.add(tuple(outcomes))
             self.audited += 1
-            moved = True
-        if moved and self.auto:
-            self.decide()
+            if self.auto:
+                self.decide()
 
     def gap(self) -> int:
         """How many fewer arrivals the mode in force served than the best, long window."""

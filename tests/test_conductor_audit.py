@@ -18,18 +18,20 @@ def feed(audit: Audit, rid: int, outcomes: dict[str, bool]) -> None:
         audit.resolve(mode, rid, served)
 
 
-def test_an_arrival_enters_the_window_once_every_mode_resolved_it_and_all_before_it():
+def test_an_arrival_enters_the_windows_once_every_mode_resolved_it():
     a = Audit(MODES, "predictive", window=4, recent=4, margin=0, z=0, min_audited=0)
     a.arrived(0)
     a.arrived(1)
-    for m in MODES:
-        a.resolve(m, 1, True)           # the later arrival is resolved first
-    assert a.audited == 0
     a.resolve("baseline", 0, False)
     a.resolve("early", 0, False)
-    assert a.audited == 0               # one mode still pending on arrival 0
+    assert a.audited == 0 and a.open == 2       # one mode still pending on arrival 0
+    for m in MODES:
+        a.resolve(m, 1, True)                   # a later arrival need not wait for it
+    assert a.audited == 1 and a.scores == [1, 1, 1]
     a.resolve("predictive", 0, True)
-    assert a.audited == 2 and a.scores == [1, 1, 2]
+    assert a.audited == 2 and a.scores == [1, 1, 2] and a.open == 0
+    a.resolve("baseline", 0, True)              # an outcome for an audited arrival: ignored
+    assert a.scores == [1, 1, 2]
 
 
 def test_the_window_slides():
