@@ -25,6 +25,17 @@ revision seen + 1, so no event is missed; if that history is compacted the
 node reads everything again. While etcd is unreachable nothing changes: the
 node keeps its last map, keeps serving, and retries.
 
+A coordinator pause is not a node failure. When etcd stalls (SIGSTOP, a
+long fsync, a partition of etcd itself) for longer than the ttl, every lease
+lapses on its side at once, and when it resumes it deletes every node key
+and the leader key although no node died. Each node notes when etcd last
+failed it (a call that raised `Unavailable`, a keep-alive slower than a
+third of the ttl, its own lease found lapsed); for ``grace`` seconds after
+that (`grace_left`), the leader does not treat nodes missing from the
+registrations as gone: they keep their slots while they register again
+(each does within a keep-alive period of etcd's return), and only a node
+still missing when the grace ends loses them.
+
 `Membership` is what `ClusterState` (node.py) depends on. `EtcdMembership`
 implements it over the small `KV` interface (kv.py); `InMemoryMembership` is
 the same logic over `FakeEtcd`, so tests and simulations of hundreds of nodes
@@ -45,6 +56,7 @@ from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
 log = logging.getLogger("kvstore.cluster")
 
 RETRY_SECONDS = 0.2
+GRACE_MARGIN = 1.0          # beyond the ttl, for nodes to register again after an etcd stall
 MAX_WATCH_BACKOFF = 1.0
 
 
@@ -65,6 +77,10 @@ class Membership(ABC):
 
     is_leader: bool = False
     reachable: bool = True
+
+    def grace_left(self) -> float:
+        """Seconds during which registrations missing after an etcd stall are not node failures."""
+        return 0.0
 
     @abstractmethod
     async def join(self, node_id: str, addr: str, listener: MembershipListener) -> None:
@@ -112,6 +128,19 @@ class EtcdMembership(Membership):
         self._writer: asyncio.Task | None = None
         self._campaigning = False
         self._tasks: set[asyncio.Task] = set()
+        self.disrupted_at: float | None = None     # loop time etcd last failed this node
+
+    @property
+    def grace(self) -> float:
+        return self.ttl + GRACE_MARGIN
+
+    def grace_left(self) -> float:
+        if self.disrupted_at is None:
+            return 0.0
+        return max(0.0, self.disrupted_at + self.grace - asyncio.get_running_loop().time())
+
+    def _disrupted(self) -> None:
+        self.disrupted_at = asyncio.get_running_loop().time()
 
     def _node_key(self, node_id: str) -> bytes:
         return self.prefix + b"nodes/" + node_id.encode()
@@ -202,10 +231,16 @@ class EtcdMembership(Membership):
     # ---------------------------------------------------------------- lease
 
     async def _keep_alive(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                if await self.kv.keepalive(self.lease) <= 0:
+                sent = loop.time()
+                remaining = await self.kv.keepalive(self.lease)
+                if loop.time() - sent > self.ttl / 3:
+                    self._disrupted()               # etcd stalled: leases may have lapsed on its side
+                if remaining <= 0:
+                    self._disrupted()
                     await self._rejoin()
                 elif self.leader_id is None:
                     await self._campaign()
@@ -225,6 +260,8 @@ class EtcdMembership(Membership):
             await self._campaign()
 
     def _set_reachable(self, reachable: bool, why: str = "") -> None:
+        if not reachable:
+            self._disrupted()
         if reachable != self.reachable:
             self.reachable = reachable
             if reachable:
@@ -242,6 +279,7 @@ class EtcdMembership(Membership):
             ok, revision = await self.kv.txn([Compare("create", self.leader_key, 0)],
                                              [Put(self.leader_key, self.node_id.encode(), self.lease)])
         except Unavailable:
+            self._disrupted()
             return                      # the keep-alive loop campaigns again once etcd answers
         finally:
             self._campaigning = False
