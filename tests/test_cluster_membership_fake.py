@@ -126,6 +126,23 @@ def test_leader_crash_elects_another_that_reassigns():
     run_simulated(scenario())
 
 
+def test_a_leader_change_costs_a_campaign_or_two_not_one_per_node():
+    """Nodes campaign in turn (rank x CAMPAIGN_STEP after the key went), so 40 nodes do not all try."""
+    async def scenario():
+        sim = Sim()
+        await sim.join(40)
+        await sim.settle(1.0)
+        leader = next(s for s in sim.live if s.is_leader)
+        txns, failed = sim.store.stats.txns, sim.store.stats.txns_failed
+        await sim.remove(leader, clean=False)
+        took = await sim.settle(TTL + 2.0)
+        assert took <= TTL + 1.0                               # the first in line campaigns at once
+        assert sim.store.stats.txns - txns <= 3                # its campaign and the map
+        assert sim.store.stats.txns_failed - failed <= 1
+        await sim.close()
+    run_simulated(scenario())
+
+
 def test_outage_freezes_the_map_and_nodes_catch_up_after():
     async def scenario():
         sim = Sim()

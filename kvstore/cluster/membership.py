@@ -14,7 +14,11 @@ node restarted on its own address gets in once its old lease has expired).
 Its keep-alive loop refreshes the lease every ttl/3; if etcd says the lease is
 gone (etcd lost it for longer than the ttl) it joins again. Leadership is a
 key created with the leader's lease in a transaction that requires it to be
-absent; when the leader's lease expires the key goes and every node campaigns.
+absent; when the leader's lease expires the key goes and the nodes campaign in
+turn, not at once: each ranks itself among the registered nodes other than
+the old leader (by id) and campaigns ``rank x CAMPAIGN_STEP`` seconds after the
+key went, unless a new leader's key arrived first. The first in rank wins
+with one transaction; the next one campaigns only when it is gone too.
 The leader writes the map in a transaction that compares the leader key's
 create revision (a deposed leader cannot write) and the map's mod revision
 (a map computed from a stale one is not written; the watch brings the newer
@@ -56,6 +60,7 @@ from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
 log = logging.getLogger("kvstore.cluster")
 
 RETRY_SECONDS = 0.2
+CAMPAIGN_STEP = 0.25        # seconds between successive candidates of an election
 GRACE_MARGIN = 1.0          # beyond the ttl, for nodes to register again after an etcd stall
 MAX_WATCH_BACKOFF = 1.0
 
@@ -127,6 +132,8 @@ class EtcdMembership(Membership):
         self._proposal: tuple[SlotMap, int, int] | None = None
         self._writer: asyncio.Task | None = None
         self._campaigning = False
+        self._leaderless_since = 0.0     # loop time the leader key was seen gone
+        self._rank = 0                   # this node's turn to campaign in that election
         self._tasks: set[asyncio.Task] = set()
         self.disrupted_at: float | None = None     # loop time etcd last failed this node
 
@@ -242,7 +249,7 @@ class EtcdMembership(Membership):
                 if remaining <= 0:
                     self._disrupted()
                     await self._rejoin()
-                elif self.leader_id is None:
+                elif self.leader_id is None and self._campaign_due():
                     await self._campaign()
                 self._set_reachable(True)
             except Unavailable as e:
@@ -256,7 +263,7 @@ class EtcdMembership(Membership):
         self._set_leader(False)
         self.lease, self.ttl = await self.kv.grant(self.ttl)
         await self._register()
-        if self.leader_id is None:
+        if self.leader_id is None and self._campaign_due():
             await self._campaign()
 
     def _set_reachable(self, reachable: bool, why: str = "") -> None:
@@ -287,11 +294,21 @@ class EtcdMembership(Membership):
             self.leader_id, self.leader_revision = self.node_id, revision
             self._set_leader(True)
 
+    def _campaign_due(self) -> bool:
+        return asyncio.get_running_loop().time() >= self._leaderless_since + self._rank * CAMPAIGN_STEP
+
+    async def _campaign_in_turn(self) -> None:
+        await asyncio.sleep(self._rank * CAMPAIGN_STEP)
+        await self._campaign()
+
     def _leader_seen(self, kv: KeyValue | None) -> None:
         if kv is None:
-            self.leader_id = None
+            old, self.leader_id = self.leader_id, None
             self._set_leader(False)
-            self._spawn(self._campaign())
+            candidates = sorted(node_id for node_id in self.nodes if node_id != old)
+            self._rank = candidates.index(self.node_id) if self.node_id in candidates else len(candidates)
+            self._leaderless_since = asyncio.get_running_loop().time()
+            self._spawn(self._campaign_in_turn())
             return
         self.leader_id = kv.value.decode(errors="replace")
         mine = self.leader_id == self.node_id and kv.lease == self.lease
