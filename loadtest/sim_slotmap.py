@@ -1,9 +1,9 @@
 """The slot map's size as nodes join one at a time: the real leader over the in-process etcd.
 
-The leader moves as few slots as it can: a joining node takes the highest slots of every node
-over its share, so each join adds about one range per node, and a map built join by join holds
-far more ranges than the map of the same nodes started together. Every node watches the map, so
-each write of it costs etcd its size once per node.
+The leader moves as few slots as it can, and a joining node takes whole runs (each donor's
+highest slots, a node may sit up to 1/8 of its share below or above it), so each join adds a few
+ranges, not one per node. The map is written with owners as runs of node indexes. Every node
+watches the map, so each write of it costs etcd its size once per node.
 """
 from __future__ import annotations
 

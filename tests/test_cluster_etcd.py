@@ -168,3 +168,51 @@ def test_start_cluster_runs_in_a_plain_event_loop_and_a_clean_stop_deregisters(e
         await kv.close()
         assert left == []
     (pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run)(scenario())
+
+
+def _cluster_info(addrs) -> list[dict]:
+    import redis
+    return [redis.Redis(host, port, socket_timeout=5).execute_command("CLUSTER", "INFO") for host, port in addrs]
+
+
+def _epoch_and_state(addrs) -> list[tuple[int, str]]:
+    out = []
+    for info in _cluster_info(addrs):
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+        out.append((int(fields["cluster_current_epoch"]), fields["cluster_state"]))
+    return out
+
+
+def test_an_etcd_paused_past_every_lease_moves_no_slot_and_loses_no_value():
+    """SIGSTOP etcd for longer than the lease ttl, then SIGCONT: etcd drops every lease and registration
+    at once when it resumes. No node failed, so no slot may move and every value stays readable."""
+    from client import KVClusterClient
+    from tests.cluster_procs import ClusterUp
+    ttl = NODE_TIMEOUT
+    with ClusterUp(nodes=3, dram_size="16mb", extra=("--node-timeout", str(ttl))) as up:
+        addrs = [f"{h}:{p}" for h, p in up.addrs]
+        keys = [b"pause-%04d" % i for i in range(600)]
+        with KVClusterClient(addrs, fast_path="off") as kv:
+            until_sync(lambda: {s for _, s in _epoch_and_state(up.addrs)} == {"ok"}, WAIT_S)
+            for key in keys:
+                kv.put(key, key * 8)
+            before = _epoch_and_state(up.addrs)
+            assert len(set(before)) == 1
+            os.kill(up.info["etcd_pid"], signal.SIGSTOP)
+            try:
+                time.sleep(ttl + 2)                     # every lease lapses on etcd's side
+            finally:
+                os.kill(up.info["etcd_pid"], signal.SIGCONT)
+            # The leader looks again once the grace (ttl + 1 s) after its last etcd failure is over;
+            # wait that, a keep-alive period and a 2 s margin for this shared machine.
+            time.sleep(ttl + 1 + ttl / 3 + 2)
+            assert _epoch_and_state(up.addrs) == before
+            assert [kv.get(key) for key in keys] == [key * 8 for key in keys]
+
+
+def until_sync(predicate, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

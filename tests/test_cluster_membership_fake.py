@@ -126,6 +126,23 @@ def test_leader_crash_elects_another_that_reassigns():
     run_simulated(scenario())
 
 
+def test_a_leader_change_costs_a_campaign_or_two_not_one_per_node():
+    """Nodes campaign in turn (rank x CAMPAIGN_STEP after the key went), so 40 nodes do not all try."""
+    async def scenario():
+        sim = Sim()
+        await sim.join(40)
+        await sim.settle(1.0)
+        leader = next(s for s in sim.live if s.is_leader)
+        txns, failed = sim.store.stats.txns, sim.store.stats.txns_failed
+        await sim.remove(leader, clean=False)
+        took = await sim.settle(TTL + 2.0)
+        assert took <= TTL + 1.0                               # the first in line campaigns at once
+        assert sim.store.stats.txns - txns <= 3                # its campaign and the map
+        assert sim.store.stats.txns_failed - failed <= 1
+        await sim.close()
+    run_simulated(scenario())
+
+
 def test_outage_freezes_the_map_and_nodes_catch_up_after():
     async def scenario():
         sim = Sim()
@@ -143,6 +160,50 @@ def test_outage_freezes_the_map_and_nodes_catch_up_after():
         assert took >= TTL - 1
         assert all(s.membership.reachable for s in sim.live)
         assert victim.my_id not in sim.live[0].map.nodes
+        await sim.close()
+    run_simulated(scenario())
+
+
+async def staggered(sim: Sim, count: int) -> None:
+    """Nodes joined apart, so their keep-alives (and their returns after a stall) are out of phase."""
+    for _ in range(count):
+        await sim.join()
+        await asyncio.sleep(0.55)
+    await sim.settle(1.0)
+
+
+@pytest.mark.parametrize("dies", [False, True])
+def test_an_etcd_stall_past_every_lease_moves_no_slot(dies):
+    """A paused etcd lets every lease lapse and deletes every registration when it resumes: nodes
+    register again within the grace and keep their slots; a node that died meanwhile loses its own
+    once the grace is over."""
+    async def scenario():
+        sim = Sim()
+        await staggered(sim, 5)
+        loop = asyncio.get_running_loop()
+        before, epochs = sim.live[0].map, set(sim.maps_by_epoch)
+        sim.store.set_available(False)
+        if dies:
+            victim = sim.live[2]
+            await sim.remove(victim, clean=False)
+        await asyncio.sleep(3 * TTL)
+        sim.store.set_available(True, lapse=True)
+        resumed = loop.time()
+        await asyncio.sleep(0.6)
+        assert sim.store.stats.expired >= 5                  # every lease lapsed, no node failed
+        grace = sim.live[0].membership.grace
+        if not dies:
+            await asyncio.sleep(grace + TTL)
+            assert all(s.map is before or s.map.same_as(before) for s in sim.live)
+            assert set(sim.maps_by_epoch) == epochs             # no map written meanwhile
+            assert sim.converged()
+        else:
+            took = await sim.settle(grace + TTL + 2.0)
+            after = sim.live[0].map
+            assert victim.my_id not in after.nodes
+            assert moved_slots(before, after) == before.counts[victim.my_id]     # its slots only
+            assert loop.time() - resumed >= grace - 1.0      # not before the others could return
+            assert took <= grace + TTL / 3 + 2.0
         await sim.close()
     run_simulated(scenario())
 

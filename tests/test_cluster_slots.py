@@ -86,13 +86,37 @@ def test_partial_map_leaves_gaps_unassigned():
 
 
 def doc() -> dict:
-    return json.loads(three_node_map().to_json())
+    """The older form: ranges and moves by node id (still read)."""
+    m = three_node_map()
+    return {"epoch": m.epoch, "nodes": dict(m.nodes), "slots": [list(r) for r in m.ranges],
+            "migrating": [[slot, src, dst] for slot, (src, dst) in m.migrating.items()]}
 
 
 def mutated(change) -> bytes:
     d = doc()
     change(d)
     return json.dumps(d).encode()
+
+
+def compact(change) -> bytes:
+    d = json.loads(three_node_map().to_json())
+    change(d)
+    return json.dumps(d).encode()
+
+
+def test_compact_form_is_written_and_the_older_form_still_read():
+    d = json.loads(three_node_map().to_json())
+    assert d["runs"] == [5461, 0, 5462, 1, 5461, 2] and d["migrating"] == [[100, 0, 1]]
+    assert SlotMap.from_json(json.dumps(doc()).encode()).same_as(three_node_map())
+
+
+def test_compact_map_size_does_not_grow_with_node_ids_per_range():
+    ids = ["%040x" % i for i in range(256)]
+    owners = [ids[(slot * 7919) % 256] for slot in range(SLOTS)]           # every slot its own run
+    slot_map = SlotMap.build(1, {node_id: f"10.0.{i // 250}.{i % 250}:7000" for i, node_id in enumerate(ids)},
+                             owners)
+    assert len(slot_map.to_json()) < 20 * 256 + 8 * SLOTS                # ids once, a few bytes a run
+    assert SlotMap.from_json(slot_map.to_json()).same_as(slot_map)
 
 
 @pytest.mark.parametrize("raw", [
@@ -118,6 +142,18 @@ def mutated(change) -> bytes:
     mutated(lambda d: d["slots"].__setitem__(0, [0, "5460", A])),
     mutated(lambda d: d["slots"].__setitem__(0, [0, 5460])),
     mutated(lambda d: d.update(slots={})),
+    compact(lambda d: d["runs"].extend([1, 0])),                            # 16385 slots
+    compact(lambda d: d["runs"].__setitem__(0, 5460)),                      # 16383 slots
+    compact(lambda d: d["runs"].__setitem__(1, 3)),                         # no such node
+    compact(lambda d: d["runs"].__setitem__(1, -2)),
+    compact(lambda d: d["runs"].__setitem__(1, "0")),
+    compact(lambda d: d["runs"].append(1)),
+    compact(lambda d: d.update(runs=[0, 0, 16384, 1])),
+    compact(lambda d: d.update(runs={})),
+    compact(lambda d: d["migrating"].__setitem__(0, [100, 0, 3])),
+    compact(lambda d: d["migrating"].__setitem__(0, [100, 1, 2])),           # source is not the owner
+    compact(lambda d: d["migrating"].__setitem__(0, [100, A, B])),           # ids in the compact form
+    compact(lambda d: d.update(slots=[])),
     mutated(lambda d: d["migrating"].append([100, A, C])),                  # slot moved twice
     mutated(lambda d: d["migrating"].__setitem__(0, [100, B, C])),          # source is not the owner
     mutated(lambda d: d["migrating"].__setitem__(0, [100, A, A])),

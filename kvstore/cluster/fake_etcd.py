@@ -8,7 +8,9 @@ transactions of equality compares (a value compare on a missing key fails,
 revision compares treat it as 0); prefix watches that replay history from a
 start revision and raise `Compacted` when it is gone. `set_available(False)`
 is an outage: calls raise `Unavailable`, watches break, and leases freeze;
-when it ends every lease gets a fresh ttl, as when an etcd leader takes over.
+when it ends every lease gets a fresh ttl, as when an etcd leader takes over
+(or, ended with ``lapse``, those whose deadline passed expire, as a paused
+etcd's do when it resumes).
 
 Time is ``loop.time()``: under `simclock.VirtualClockLoop` a simulation of
 hundreds of nodes with real ttls runs in moments. `stats` counts what a real
@@ -74,9 +76,10 @@ class FakeEtcd:
     def client(self) -> "FakeEtcdClient":
         return FakeEtcdClient(self)
 
-    def set_available(self, available: bool) -> None:
-        """Start or end an outage."""
-        if available and not self.available:
+    def set_available(self, available: bool, *, lapse: bool = False) -> None:
+        """Start or end an outage; ``lapse`` ends it as a resumed (SIGCONT) etcd does: leases keep
+        their deadlines, so those that passed meanwhile expire at the next sweep."""
+        if available and not self.available and not lapse:
             now = asyncio.get_running_loop().time()
             for lease in self.leases.values():
                 lease.deadline = now + lease.ttl
@@ -174,6 +177,11 @@ class FakeEtcdClient(KV):
         store = self._check()
         store.stats.keepalives += 1
         found = store.leases.get(lease)
+        now = asyncio.get_running_loop().time()
+        if found is not None and found.deadline <= now:        # expired, not yet swept: etcd refuses it too
+            store.stats.expired += 1
+            store.end_lease(lease)
+            found = None
         if found is None:
             return 0
         found.deadline = asyncio.get_running_loop().time() + found.ttl

@@ -14,7 +14,11 @@ node restarted on its own address gets in once its old lease has expired).
 Its keep-alive loop refreshes the lease every ttl/3; if etcd says the lease is
 gone (etcd lost it for longer than the ttl) it joins again. Leadership is a
 key created with the leader's lease in a transaction that requires it to be
-absent; when the leader's lease expires the key goes and every node campaigns.
+absent; when the leader's lease expires the key goes and the nodes campaign in
+turn, not at once: each ranks itself among the registered nodes other than
+the old leader (by id) and campaigns ``rank x CAMPAIGN_STEP`` seconds after the
+key went, unless a new leader's key arrived first. The first in rank wins
+with one transaction; the next one campaigns only when it is gone too.
 The leader writes the map in a transaction that compares the leader key's
 create revision (a deposed leader cannot write) and the map's mod revision
 (a map computed from a stale one is not written; the watch brings the newer
@@ -24,6 +28,17 @@ Every node watches the whole prefix. A broken watch resumes from the last
 revision seen + 1, so no event is missed; if that history is compacted the
 node reads everything again. While etcd is unreachable nothing changes: the
 node keeps its last map, keeps serving, and retries.
+
+A coordinator pause is not a node failure. When etcd stalls (SIGSTOP, a
+long fsync, a partition of etcd itself) for longer than the ttl, every lease
+lapses on its side at once, and when it resumes it deletes every node key
+and the leader key although no node died. Each node notes when etcd last
+failed it (a call that raised `Unavailable`, a keep-alive slower than a
+third of the ttl, its own lease found lapsed); for ``grace`` seconds after
+that (`grace_left`), the leader does not treat nodes missing from the
+registrations as gone: they keep their slots while they register again
+(each does within a keep-alive period of etcd's return), and only a node
+still missing when the grace ends loses them.
 
 `Membership` is what `ClusterState` (node.py) depends on. `EtcdMembership`
 implements it over the small `KV` interface (kv.py); `InMemoryMembership` is
@@ -45,6 +60,8 @@ from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
 log = logging.getLogger("kvstore.cluster")
 
 RETRY_SECONDS = 0.2
+CAMPAIGN_STEP = 0.25        # seconds between successive candidates of an election
+GRACE_MARGIN = 1.0          # beyond the ttl, for nodes to register again after an etcd stall
 MAX_WATCH_BACKOFF = 1.0
 
 
@@ -65,6 +82,10 @@ class Membership(ABC):
 
     is_leader: bool = False
     reachable: bool = True
+
+    def grace_left(self) -> float:
+        """Seconds during which registrations missing after an etcd stall are not node failures."""
+        return 0.0
 
     @abstractmethod
     async def join(self, node_id: str, addr: str, listener: MembershipListener) -> None:
@@ -111,7 +132,22 @@ class EtcdMembership(Membership):
         self._proposal: tuple[SlotMap, int, int] | None = None
         self._writer: asyncio.Task | None = None
         self._campaigning = False
+        self._leaderless_since = 0.0     # loop time the leader key was seen gone
+        self._rank = 0                   # this node's turn to campaign in that election
         self._tasks: set[asyncio.Task] = set()
+        self.disrupted_at: float | None = None     # loop time etcd last failed this node
+
+    @property
+    def grace(self) -> float:
+        return self.ttl + GRACE_MARGIN
+
+    def grace_left(self) -> float:
+        if self.disrupted_at is None:
+            return 0.0
+        return max(0.0, self.disrupted_at + self.grace - asyncio.get_running_loop().time())
+
+    def _disrupted(self) -> None:
+        self.disrupted_at = asyncio.get_running_loop().time()
 
     def _node_key(self, node_id: str) -> bytes:
         return self.prefix + b"nodes/" + node_id.encode()
@@ -202,12 +238,18 @@ class EtcdMembership(Membership):
     # ---------------------------------------------------------------- lease
 
     async def _keep_alive(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                if await self.kv.keepalive(self.lease) <= 0:
+                sent = loop.time()
+                remaining = await self.kv.keepalive(self.lease)
+                if loop.time() - sent > self.ttl / 3:
+                    self._disrupted()               # etcd stalled: leases may have lapsed on its side
+                if remaining <= 0:
+                    self._disrupted()
                     await self._rejoin()
-                elif self.leader_id is None:
+                elif self.leader_id is None and self._campaign_due():
                     await self._campaign()
                 self._set_reachable(True)
             except Unavailable as e:
@@ -221,10 +263,12 @@ class EtcdMembership(Membership):
         self._set_leader(False)
         self.lease, self.ttl = await self.kv.grant(self.ttl)
         await self._register()
-        if self.leader_id is None:
+        if self.leader_id is None and self._campaign_due():
             await self._campaign()
 
     def _set_reachable(self, reachable: bool, why: str = "") -> None:
+        if not reachable:
+            self._disrupted()
         if reachable != self.reachable:
             self.reachable = reachable
             if reachable:
@@ -242,6 +286,7 @@ class EtcdMembership(Membership):
             ok, revision = await self.kv.txn([Compare("create", self.leader_key, 0)],
                                              [Put(self.leader_key, self.node_id.encode(), self.lease)])
         except Unavailable:
+            self._disrupted()
             return                      # the keep-alive loop campaigns again once etcd answers
         finally:
             self._campaigning = False
@@ -249,11 +294,21 @@ class EtcdMembership(Membership):
             self.leader_id, self.leader_revision = self.node_id, revision
             self._set_leader(True)
 
+    def _campaign_due(self) -> bool:
+        return asyncio.get_running_loop().time() >= self._leaderless_since + self._rank * CAMPAIGN_STEP
+
+    async def _campaign_in_turn(self) -> None:
+        await asyncio.sleep(self._rank * CAMPAIGN_STEP)
+        await self._campaign()
+
     def _leader_seen(self, kv: KeyValue | None) -> None:
         if kv is None:
-            self.leader_id = None
+            old, self.leader_id = self.leader_id, None
             self._set_leader(False)
-            self._spawn(self._campaign())
+            candidates = sorted(node_id for node_id in self.nodes if node_id != old)
+            self._rank = candidates.index(self.node_id) if self.node_id in candidates else len(candidates)
+            self._leaderless_since = asyncio.get_running_loop().time()
+            self._spawn(self._campaign_in_turn())
             return
         self.leader_id = kv.value.decode(errors="replace")
         mine = self.leader_id == self.node_id and kv.lease == self.lease

@@ -23,6 +23,13 @@ values), then the final map once every source has reported with
 or as soon as a node of a move is gone. A slot whose owner died moves at
 once: there is nothing left to push. A draining node gets no slots; it stays
 registered until its slots are gone and then leaves.
+
+An etcd stall is not a node failure: while membership's `grace_left` runs
+(etcd failed this node recently, so leases may have lapsed on etcd's side
+without any node dying), the leader counts the nodes of the map in force
+that are missing from the registrations as live, and looks again when the
+grace ends. A node that registers again meanwhile finds its slots where it
+left them; a node still missing then is gone, and its slots move.
 """
 from __future__ import annotations
 
@@ -71,6 +78,7 @@ class ClusterState:
         self._reports: dict[int, set[str]] = {}  # step epoch -> sources that finished pushing
         self._step_timer: asyncio.TimerHandle | None = None
         self._step_expired = 0                  # epoch of the last step whose time ran out
+        self._grace_timer: asyncio.TimerHandle | None = None
         self.copies = None                      # replication.HotCopies, when the node runs it
         self.moves = None                       # migration.Migrator, when the node runs it
         self.cascade = None                     # cascade.Cascade, when the node runs it
@@ -167,21 +175,44 @@ class ClusterState:
         self._pending = None
         if not self.is_leader:
             return
+        live = self._live()
         if self.map.migrating:
-            if self._step_over():
-                self.membership.propose(finish_moves(self.map, self._assignable()))
+            if self._step_over(live):
+                self.membership.propose(finish_moves(self.map, self._assignable(live)))
             return
-        plan = rebalance(self.map, self._assignable(), force=self._repair)
+        plan = rebalance(self.map, self._assignable(live), force=self._repair)
         if plan is self.map:
             return
         if self.move_budget > 0:
-            plan = plan_moves(self.map, plan, self.nodes)
+            plan = plan_moves(self.map, plan, live)
         self.membership.propose(plan)
 
-    def _assignable(self) -> dict[str, str]:
+    def _live(self) -> dict[str, str]:
+        """The registered nodes, plus, within an etcd stall's grace, the map's nodes missing from them."""
+        missing = {node_id: addr for node_id, addr in self.map.nodes.items()
+                   if node_id not in self.nodes and node_id not in self.draining}
+        if not missing:
+            return self.nodes
+        wait = self.membership.grace_left()
+        if wait <= 0:
+            return self.nodes
+        if self._grace_timer is None:
+            log.info("%d nodes of the map are not registered within %.1f s of an etcd stall: "
+                     "they keep their slots until it ends", len(missing), wait)
+            self._grace_timer = asyncio.get_running_loop().call_later(wait + 0.05, self._grace_over)
+        taken = set(self.nodes.values())        # a node restarted on an address replaces the old one
+        live = {node_id: addr for node_id, addr in missing.items() if addr not in taken}
+        live.update(self.nodes)
+        return live
+
+    def _grace_over(self) -> None:
+        self._grace_timer = None
+        self._reconcile_soon()
+
+    def _assignable(self, live: dict[str, str]) -> dict[str, str]:
         """The nodes that get slots: the live ones not draining (all of them when every one drains)."""
-        staying = {node_id: addr for node_id, addr in self.nodes.items() if node_id not in self.draining}
-        return staying or self.nodes
+        staying = {node_id: addr for node_id, addr in live.items() if node_id not in self.draining}
+        return staying or live
 
     # ---------------------------------------------------------------- clean moves (leader)
 
@@ -205,11 +236,11 @@ class ClusterState:
             if epoch == self.map.epoch:
                 self._reconcile_soon()
 
-    def _step_over(self) -> bool:
+    def _step_over(self, live: dict[str, str]) -> bool:
         step = self.map
         ends = {node_id for move in step.migrating.values() for node_id in move}
         sources = {source for source, _ in step.migrating.values()}
-        return (self._step_expired == step.epoch or not ends <= self.nodes.keys()
+        return (self._step_expired == step.epoch or not ends <= live.keys()
                 or sources <= self._reports.get(step.epoch, set()))
 
     def _time_step(self) -> None:
@@ -235,10 +266,10 @@ class ClusterState:
 
     async def stop(self, clean: bool = True) -> None:
         """Leave (``clean``) or just go silent, as a crash would."""
-        for timer in (self._pending, self._step_timer):
+        for timer in (self._pending, self._step_timer, self._grace_timer):
             if timer is not None:
                 timer.cancel()
-        self._pending = self._step_timer = None
+        self._pending = self._step_timer = self._grace_timer = None
         if clean:
             await self.membership.leave()
         else:

@@ -9,7 +9,12 @@ key costs a few hundred nanoseconds, cheap enough for every command.
 The slot map is the one piece of shared state of a cluster: an epoch, the nodes
 (id -> ``host:port``), the owner of every slot, and the slots being moved. The
 leader writes it to etcd as JSON; every node reads it back through `from_json`,
-which refuses anything malformed (a bad map is logged and never applied). A map
+which refuses anything malformed (a bad map is logged and never applied).
+Owners are written by node index (position in the id-sorted ``nodes``) as
+runs, ``"runs": [length, index, length, index, ...]`` over slots 0..16383
+(index -1: unassigned), and moves as ``[slot, source index, target index]``,
+so a run costs a few bytes rather than a 40-digit id; the older form,
+``"slots": [[first, last, node id], ...]`` with moves by id, is still read. A map
 is immutable once built, so one parsed map can be shared by every node of an
 in-process simulation, and its derived views (ranges, per-slot owner list) are
 computed once.
@@ -147,9 +152,13 @@ class SlotMap:
 
     @cached_property
     def _json(self) -> bytes:
-        doc = {"epoch": self.epoch, "nodes": self.nodes,
-               "slots": [[s, e, node_id] for s, e, node_id in self.ranges],
-               "migrating": [[slot, src, dst] for slot, (src, dst) in sorted(self.migrating.items())]}
+        owners = self.owners.astype(np.int32)
+        starts = np.flatnonzero(np.diff(owners, prepend=-2))
+        lengths = np.diff(np.append(starts, SLOTS))
+        runs = np.column_stack([lengths, owners[starts]]).ravel().tolist()
+        index = {node_id: i for i, node_id in enumerate(self.ids)}
+        doc = {"epoch": self.epoch, "nodes": self.nodes, "runs": runs,
+               "migrating": [[slot, index[src], index[dst]] for slot, (src, dst) in sorted(self.migrating.items())]}
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @staticmethod
@@ -167,16 +176,17 @@ def _parse(raw: bytes) -> SlotMap:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise SlotMapError(f"slot map is not JSON: {e}") from None
-    if not isinstance(doc, dict) or set(doc) != {"epoch", "nodes", "slots", "migrating"}:
-        raise SlotMapError("slot map must be an object with exactly epoch, nodes, slots, migrating")
+    if not isinstance(doc, dict) or set(doc) not in ({"epoch", "nodes", "runs", "migrating"},
+                                                     {"epoch", "nodes", "slots", "migrating"}):
+        raise SlotMapError("slot map must be an object with exactly epoch, nodes, runs (or slots), migrating")
     epoch = doc["epoch"]
     if type(epoch) is not int or not 0 <= epoch < 2**63:
         raise SlotMapError(f"bad epoch {epoch!r}")
     nodes = _parse_nodes(doc["nodes"])
     index = {node_id: i for i, node_id in enumerate(sorted(nodes))}
-    owners = _parse_ranges(doc["slots"], index)
+    owners = _parse_runs(doc["runs"], len(index)) if "runs" in doc else _parse_ranges(doc["slots"], index)
     slot_map = SlotMap(epoch, dict(sorted(nodes.items())), owners)
-    moves = _parse_migrating(doc["migrating"], slot_map)
+    moves = _parse_migrating(doc["migrating"], slot_map, by_index="runs" in doc)
     return SlotMap(epoch, slot_map.nodes, owners, moves) if moves else slot_map
 
 
@@ -217,14 +227,32 @@ def _parse_ranges(ranges, index: dict[str, int]) -> np.ndarray:
     return owners
 
 
-def _parse_migrating(moves, slot_map: SlotMap) -> dict[int, tuple[str, str]]:
+def _parse_runs(runs, nodes: int) -> np.ndarray:
+    if not isinstance(runs, list) or len(runs) % 2 or len(runs) > 2 * SLOTS:
+        raise SlotMapError("runs must be a list of at most 16384 pairs length, node index")
+    if not all(type(v) is int for v in runs):
+        raise SlotMapError("runs must hold integers only")
+    lengths, owners = np.array(runs[0::2], dtype=np.int64), np.array(runs[1::2], dtype=np.int64)
+    if np.any(lengths < 1) or int(lengths.sum()) != SLOTS:
+        raise SlotMapError(f"runs must cover the {SLOTS} slots with positive lengths")
+    if np.any((owners < UNASSIGNED) | (owners >= nodes)):
+        raise SlotMapError(f"runs name a node index outside the {nodes} nodes")
+    return np.repeat(owners, lengths).astype(np.int16)
+
+
+def _parse_migrating(moves, slot_map: SlotMap, by_index: bool = False) -> dict[int, tuple[str, str]]:
     if not isinstance(moves, list) or len(moves) > SLOTS:
-        raise SlotMapError("migrating must be a list of [slot, source id, target id]")
+        raise SlotMapError("migrating must be a list of [slot, source, target]")
     result: dict[int, tuple[str, str]] = {}
+    ids = slot_map.ids
     for item in moves:
         if not (isinstance(item, list) and len(item) == 3 and _is_slot(item[0])):
             raise SlotMapError(f"bad migration {item!r}")
         slot, src, dst = item
+        if by_index:
+            if not all(type(v) is int and 0 <= v < len(ids) for v in (src, dst)):
+                raise SlotMapError(f"bad migration {item!r}")
+            src, dst = ids[src], ids[dst]
         if slot in result or slot_map.owner(slot) != src or dst not in slot_map.nodes or dst == src:
             raise SlotMapError(f"migration {item!r} must move a slot once, from its owner to another node")
         result[slot] = (src, dst)
