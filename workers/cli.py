@@ -20,33 +20,9 @@ import sys
 import threading
 
 from workers.catalog import MODELS, SMOLLM2, ModelError
-
-DEFAULT_BLOCK_TOKENS = 64
-DEFAULT_STORE = "127.0.0.1:6380"
-DEFAULT_GATEWAY_PORT = 8000
-
-
-class UsageError(Exception):
-    """A user error: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise UsageError(message)
-
-
-def address(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"{flag} must be HOST:PORT, got '{text}'")
-    return host, int(port)
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
-    return int(text)
-
+from workers.flags import (DEFAULT_BLOCK_TOKENS, DEFAULT_GATEWAY_PORT, DEFAULT_STORE, CommandLineParser, UsageError,
+                           address, positive)
+from workers.launcher import launch, llm_parser
 
 def _wait_for_signal() -> None:
     stop = threading.Event()
@@ -56,7 +32,7 @@ def _wait_for_signal() -> None:
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvstore worker", description="Run a prefill or decode worker of a LLaMA model.")
+    p = CommandLineParser(prog="kvstore worker", description="Run a prefill or decode worker of a LLaMA model.")
     p.add_argument("role", choices=("prefill", "decode"))
     where = p.add_mutually_exclusive_group()
     where.add_argument("--store", metavar="HOST:PORT", help=f"the store node (default {DEFAULT_STORE})")
@@ -69,10 +45,10 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", help="instance id (default: ROLE-PID)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: any free one)")
-    p.add_argument("--block-tokens", type=_positive, default=DEFAULT_BLOCK_TOKENS,
+    p.add_argument("--block-tokens", type=positive, default=DEFAULT_BLOCK_TOKENS,
                    help=f"tokens per KV block (default {DEFAULT_BLOCK_TOKENS}; the conductor's must match)")
-    p.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's)")
-    p.add_argument("--max-batch", type=_positive, default=32, help="decode: sequences in the batch at most")
+    p.add_argument("--threads", type=positive, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-batch", type=positive, default=32, help="decode: sequences in the batch at most")
     return p
 
 
@@ -137,7 +113,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def gateway_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvstore gateway",
+    p = CommandLineParser(prog="kvstore gateway",
                 description="Serve OpenAI's /v1/completions and /v1/chat/completions through the conductor.")
     p.add_argument("--conductor", required=True, metavar="HOST:PORT")
     p.add_argument("--model", choices=MODELS, default=SMOLLM2, help="the model the workers serve")
@@ -188,6 +164,4 @@ def gateway_main(argv: list[str]) -> int:
 
 def llm_main(argv: list[str]) -> int:
     """`kvstore llm up --prefill N --decode M [flags]`; returns the exit status."""
-    from workers.launcher import launch, llm_parser
-
-    return _main(llm_parser(_Parser), launch, argv)
+    return _main(llm_parser(CommandLineParser), launch, argv)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.cli import DEFAULT_BLOCK_TOKENS, DEFAULT_GATEWAY_PORT, UsageError, address
+from workers.flags import DEFAULT_BLOCK_TOKENS, DEFAULT_GATEWAY_PORT, UsageError, address
 from workers.catalog import MODELS, SMOLLM2, converted_dir, namespace_of
 
 START_TIMEOUT_S = 180.0
