@@ -83,6 +83,9 @@ class Connection:
         self.writing = False
         self.multi: list | None = None      # commands queued since MULTI
         self.multi_dirty = False
+        self.reply_off = False                  # CLIENT REPLY OFF: no replies until ON
+        self.reply_skip = False                 # CLIENT REPLY SKIP: no reply to the next command
+        self.muting = False                     # a command runs with its reply dropped (dispatch.py)
         self.watched: dict[bytes, bool] = {}    # WATCHed key -> already expired then (kvstore/watch.py)
         self.watch_dirty = False                # a watched key was touched: EXEC answers null
         self.asking = False                 # cluster: ASKING was sent (the next command may run here)
@@ -122,12 +125,16 @@ class Connection:
             raise CommandError(f"Unrecognized option '{attr.decode(errors='replace')}'")
         return writer.OK
 
-    def describe(self) -> str:
-        """A CLIENT LIST line."""
+    def describe(self, running: list | None = None) -> str:
+        """A CLIENT LIST line; ``running``: the request this connection is running (CLIENT LIST or
+        INFO of its own), which Redis still counts in the query buffer."""
         now = time.monotonic()
+        qbuf = self.reader.end - self.reader.start
+        if running is not None:
+            qbuf += 3 + len(str(len(running))) + sum(len(a) + 5 + len(str(len(a))) for a in running)
         return (f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} name={self.name.decode()} "
                 f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
-                f"ssub=0 multi={-1 if self.multi is None else len(self.multi)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
+                f"ssub=0 multi={-1 if self.multi is None else len(self.multi)} qbuf={qbuf} qbuf-free={len(self.reader.buf) - self.reader.end} "
                 f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
                 f"omem={self.out_bytes} tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} "
                 f"user={acl.printable(self.user.name)} redir=-1 "
@@ -309,7 +316,7 @@ class Connection:
         engine = self.engine
         size = engine.size_of(slot)
         self.wbuf += b"$%d\r\n" % size
-        if size < BIG_REPLY or len(self.wbuf) + self.out_bytes + size <= COPIED_REPLIES:
+        if size < BIG_REPLY or len(self.wbuf) + self.out_bytes + size <= COPIED_REPLIES or self.muting:
             self.wbuf += engine.view(slot)
             self.wbuf += b"\r\n"
             if size >= BIG_REPLY:

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore import acl, tls
 from kvstore.cluster.membership import ClusterError
@@ -45,6 +45,7 @@ class ServerStats:
     rejected: int = 0
     output_limit_disconnections: int = 0
     query_limit_disconnections: int = 0
+    cmdstats: dict = field(default_factory=dict)    # command -> [calls, ns, rejected, failed]
 
 
 class Server:
@@ -66,6 +67,7 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_name = "asyncio"
         self.started_at = 0.0
+        self.replid = os.urandom(20).hex()      # INFO replication's master_replid
         self._next_id = 1
         self._stopped: asyncio.Future | None = None
         self._cron_jobs: list = []          # (callable) run every CRON_SECONDS
