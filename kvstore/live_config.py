@@ -25,11 +25,13 @@ from kvstore.redis_params import PARAMS
 log = logging.getLogger("kvstore")
 
 FIXED_AT_START = frozenset({"bind", "port", "unixsocket", "dram-size", "ssd-dir", "ssd-size", "ssd-compression",
-                            "gpu-size", "gpu-device", "metrics-port", "save", "appendonly",
+                            "gpu-size", "gpu-device", "metrics-port", "appendonly",
                             "cluster", "announce", "cluster-node-timeout", "aclfile", "tls-port", "tls-cert-file",
                             "tls-key-file", "tls-ca-cert-file", "tls-auth-clients", "tls-cluster"})
-# Redis settings clients ask about; the node persists nothing but its SSD tier (as Redis with save "").
-REDIS_ONLY = {"save": "", "appendonly": "no"}
+# The node keeps no append-only file: appendonly stays "no" (refused as immutable, unlike the
+# other Redis parameters, so that no one believes writes are logged). It persists nothing but its
+# SSD tier, so ``save`` reads "" until CONFIG SET stores another value, which changes nothing.
+REDIS_ONLY = {"appendonly": "no"}
 # Redis's own parameters (kvstore/redis_params.py), by name and by alias: stored, never used.
 REDIS_NAME = {alias: name for name, alias, _, _ in PARAMS if alias} | {name: name for name, *_ in PARAMS}
 REDIS_DEFAULT = {name: default for name, _, default, _ in PARAMS}
@@ -71,7 +73,7 @@ def redis_values(server) -> dict[str, str]:
     """The values CONFIG SET gave Redis parameters kvstore does not use (``dir``: the working directory)."""
     stored = getattr(server, "redis_params", None)
     if stored is None:
-        stored = server.redis_params = {"dir": os.getcwd()}
+        stored = server.redis_params = {"dir": os.getcwd(), "save": ""}
     return stored
 
 
