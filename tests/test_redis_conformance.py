@@ -14,9 +14,12 @@ import time
 
 import pytest
 
-from conftest import Daemon, start_kvstore, start_redis
+from conftest import Daemon
 from test_redis_compat import (RespConnection, Step, assert_same_replies, decode, encode_command, normalize,
                                run_steps)
+# The fixtures: a kvstore node and a redis-server for the module, and each of them in turn
+# with an empty keyspace (``target``).
+from test_redis_compat_more import kv, redis, target  # noqa: F401
 
 SCENARIOS: dict[str, list[Step]] = {
     "client-list-filters": [
@@ -101,29 +104,6 @@ SCENARIOS: dict[str, list[Step]] = {
         ("SET", "abcde", "1"), ("KEYS", "a*c*e"), ("KEYS", "a**e"), ("KEYS", "*b?d*"),
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def kv(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-conformance"))
-    yield daemon
-    daemon.stop()
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory) -> Daemon:
-    daemon = start_redis(tmp_path_factory.mktemp("redis-conformance"))
-    yield daemon
-    daemon.stop()
-
-
-@pytest.fixture(params=["redis", "kvstore"])
-def target(request, redis, kv) -> Daemon:
-    """Each server in turn, with an empty keyspace."""
-    daemon = redis if request.param == "redis" else kv
-    with RespConnection(daemon) as conn:
-        conn.call("FLUSHALL")
-    return daemon
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
