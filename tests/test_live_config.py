@@ -23,7 +23,7 @@ MIB = 1 << 20
 
 FIXED = {"bind": "127.0.0.2", "port": "7777", "unixsocket": "/tmp/elsewhere.sock", "dram-size": "8mb",
          "ssd-dir": "/tmp/ssd", "ssd-size": "2gb", "ssd-compression": "off", "gpu-size": "1gb",
-         "gpu-device": "1", "metrics-port": "9999", "save": "900 1", "appendonly": "yes"}
+         "gpu-device": "1", "metrics-port": "9999", "appendonly": "yes"}
 
 
 @pytest.fixture(scope="module")

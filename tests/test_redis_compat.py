@@ -719,7 +719,7 @@ def info_sections(raw: bytes) -> dict[str, dict[str, str]]:
         if line.startswith("# "):
             current = sections.setdefault(line[2:].lower(), {})
         elif line:
-            assert current is not None and re.fullmatch(r"[A-Za-z0-9_.\-]+:.*", line), line
+            assert current is not None and re.fullmatch(r"[A-Za-z0-9_.|\-]+:.*", line), line  # cmdstat_client|list
             name, value = line.split(":", 1)
             current[name] = value
     return sections

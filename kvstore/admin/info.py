@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import sys
 import time
 
@@ -16,6 +17,10 @@ from kvstore import __version__
 from kvstore.store.engine import DRAM, GPU, SSD, now_ms
 
 DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd")
+# What INFO (and INFO default) shows, in Redis's order; INFO all / everything adds commandstats.
+INFO_DEFAULT = ("server", "clients", "memory", "stats", "replication", "cpu", "cluster", "keyspace",
+                "kvcache", "gpu", "dram", "ssd")
+INFO_ALL = INFO_DEFAULT + ("commandstats",)
 
 
 def human(n: float) -> str:
@@ -68,6 +73,43 @@ def stats_section(server) -> dict:
             "client_query_buffer_limit_disconnections": s.query_limit_disconnections,
             "client_output_buffer_limit_disconnections": s.output_limit_disconnections,
             "keyspace_hits": e.hits, "keyspace_misses": e.misses, "oom_rejections": e.oom_rejections}
+
+
+def replication_section(server) -> dict:
+    """A node is always a primary without replicas in Redis's sense (cluster copies are not replication)."""
+    return {"role": "master", "connected_slaves": 0, "master_failover_state": "no-failover",
+            "master_replid": server.replid, "master_replid2": "0" * 40, "master_repl_offset": 0,
+            "second_repl_offset": -1, "repl_backlog_active": 0, "repl_backlog_size": 1048576,
+            "repl_backlog_first_byte_offset": 0, "repl_backlog_histlen": 0}
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.6f}"
+
+
+def cpu_section(server) -> dict:
+    """CPU time of the process (all threads), its children and the event-loop thread, as Redis's."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    fields = {"used_cpu_sys": _seconds(me.ru_stime), "used_cpu_user": _seconds(me.ru_utime),
+              "used_cpu_sys_children": _seconds(children.ru_stime),
+              "used_cpu_user_children": _seconds(children.ru_utime)}
+    try:
+        main = resource.getrusage(resource.RUSAGE_THREAD)     # INFO runs on the loop thread
+        fields.update(used_cpu_sys_main_thread=_seconds(main.ru_stime),
+                      used_cpu_user_main_thread=_seconds(main.ru_utime))
+    except (AttributeError, OSError):
+        pass
+    return fields
+
+
+def commandstats_section(server) -> dict:
+    """Per command: calls, time spent in it, and calls that failed (Redis's cmdstat_ lines)."""
+    fields = {}
+    for name, (calls, ns, rejected, failed) in sorted(server.stats.cmdstats.items()):
+        usec = ns // 1000
+        fields[f"cmdstat_{name}"] = (f"calls={calls},usec={usec},usec_per_call={usec / calls if calls else 0:.2f},"
+                                     f"rejected_calls={rejected},failed_calls={failed}")
+    return fields
 
 
 def cluster_section(server) -> dict:
@@ -161,10 +203,11 @@ def gpu_section(server) -> dict:
 
 
 SECTIONS = {"server": server_section, "clients": clients_section, "memory": memory_section,
-            "stats": stats_section, "cluster": cluster_section, "keyspace": keyspace_section, "kvcache": kvcache_section,
+            "stats": stats_section, "replication": replication_section, "cpu": cpu_section,
+            "commandstats": commandstats_section, "cluster": cluster_section, "keyspace": keyspace_section, "kvcache": kvcache_section,
             "gpu": gpu_section, "dram": dram_section, "ssd": ssd_section}
 
-TITLES = {"kvcache": "KVCache", "gpu": "GPU", "dram": "DRAM", "ssd": "SSD"}
+TITLES = {"kvcache": "KVCache", "gpu": "GPU", "dram": "DRAM", "ssd": "SSD", "cpu": "CPU", "commandstats": "Commandstats"}
 
 
 def collect(server, names=DEFAULT_SECTIONS) -> dict[str, dict]:
@@ -173,11 +216,14 @@ def collect(server, names=DEFAULT_SECTIONS) -> dict[str, dict]:
 
 
 def render(server, wanted: list[str]) -> str:
-    """The INFO text for the named sections (all of them when none or 'all')."""
-    if not wanted or any(w in ("all", "everything", "default") for w in wanted):
-        names = list(DEFAULT_SECTIONS)
-    else:
-        names = [w for w in SECTIONS if w in wanted]
+    """The INFO text for the named sections, each once, in Redis's order: none or 'default'
+    means the default ones, 'all' and 'everything' add commandstats."""
+    chosen = set(wanted)
+    if not wanted or "default" in chosen:
+        chosen |= set(INFO_DEFAULT)
+    if chosen & {"all", "everything"}:
+        chosen |= set(INFO_ALL)
+    names = [name for name in INFO_ALL if name in chosen]
     parts = []
     for name, fields in collect(server, names).items():
         lines = [f"# {TITLES.get(name, name.capitalize())}"]

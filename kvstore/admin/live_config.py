@@ -17,15 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from kvstore.admin.config import LOG_LEVELS, Config, ConfigError, parse_size
+from kvstore.admin.redis_params import PARAMS
+
+log = logging.getLogger("kvstore")
 
 FIXED_AT_START = frozenset({"bind", "port", "unixsocket", "dram-size", "ssd-dir", "ssd-size", "ssd-compression",
-                            "gpu-size", "gpu-device", "metrics-port", "save", "appendonly",
+                            "gpu-size", "gpu-device", "metrics-port", "appendonly",
                             "cluster", "announce", "cluster-node-timeout", "aclfile", "tls-port", "tls-cert-file",
                             "tls-key-file", "tls-ca-cert-file", "tls-auth-clients", "tls-cluster"})
-# Redis settings clients ask about; the node persists nothing but its SSD tier (as Redis with save "").
-REDIS_ONLY = {"save": "", "appendonly": "no"}
+# The node keeps no append-only file: appendonly stays "no" (refused as immutable, unlike the
+# other Redis parameters, so that no one believes writes are logged). It persists nothing but its
+# SSD tier, so ``save`` reads "" until CONFIG SET stores another value, which changes nothing.
+REDIS_ONLY = {"appendonly": "no"}
+# Redis's own parameters (kvstore/admin/redis_params.py), by name and by alias: stored, never used.
+REDIS_NAME = {alias: name for name, alias, _, _ in PARAMS if alias} | {name: name for name, *_ in PARAMS}
+REDIS_DEFAULT = {name: default for name, _, default, _ in PARAMS}
+REDIS_IMMUTABLE = frozenset(name for name, _, _, kind in PARAMS if kind == "i")
+HIDDEN = frozenset(n for name, alias, _, kind in PARAMS if kind == "h" for n in (name, alias) if n)
 
 
 class UnknownSetting(Exception):
@@ -51,7 +62,19 @@ def current(server) -> dict[str, str]:
     values = {name: cfg.get(name) for name in cfg.names()}
     values["maxmemory"] = str(server.engine.limit)
     values.update(REDIS_ONLY)
+    stored = redis_values(server)
+    for name, canonical in REDIS_NAME.items():
+        if name not in values:
+            values[name] = stored.get(canonical, REDIS_DEFAULT[canonical])
     return values
+
+
+def redis_values(server) -> dict[str, str]:
+    """The values CONFIG SET gave Redis parameters kvstore does not use (``dir``: the working directory)."""
+    stored = getattr(server, "redis_params", None)
+    if stored is None:
+        stored = server.redis_params = {"dir": os.getcwd(), "save": ""}
+    return stored
 
 
 def apply(server, changes: list[tuple[str, str]]) -> None:
@@ -61,13 +84,25 @@ def apply(server, changes: list[tuple[str, str]]) -> None:
         canonical = name.lower()
         if canonical not in known:
             raise UnknownSetting(name)
-        if canonical in FIXED_AT_START:
+        if canonical in FIXED_AT_START or (canonical not in server.config.names()
+                                           and REDIS_NAME.get(canonical) in REDIS_IMMUTABLE):
             raise SettingRefused(name, "can't set immutable config")
         if canonical in seen:
             raise SettingRefused(name, "duplicate parameter")
         seen.add(canonical)
-    lowered = [(name.lower(), value) for name, value in changes]
+    own = set(server.config.names()) | {"maxmemory"}
+    lowered = [(name.lower(), value) for name, value in changes if name.lower() in own]
+    unused = [(REDIS_NAME[name.lower()], name, value) for name, value in changes if name.lower() not in own]
+    for canonical, name, value in unused:
+        if REDIS_DEFAULT[canonical] in ("yes", "no") and value.lower() not in ("yes", "no"):
+            raise SettingRefused(name, "argument must be 'yes' or 'no'")
     server.config, server.engine.limit = _checked(server, lowered)
+    stored = redis_values(server)
+    for canonical, name, value in unused:
+        if canonical not in stored:
+            log.warning("CONFIG SET %s: a Redis parameter kvstore does not use; the value is kept for "
+                        "CONFIG GET and otherwise ignored", canonical)
+        stored[canonical] = value.lower() if REDIS_DEFAULT[canonical] in ("yes", "no") else value
     if "requirepass" in seen:
         server.users.use_requirepass(server.config.requirepass)
     push_to_running(server)

@@ -107,6 +107,8 @@ def command_getkeys(conn, args: list) -> bytes:
     if not cmd.arity_ok(len(target)):
         raise CommandError("Invalid number of arguments specified for command")
     keys = cmd.keys_of(target)
+    if cmd.name == "memory" and len(target) > 2 and target[1].lower() == b"usage":
+        keys = [target[2]]          # MEMORY USAGE key: the key spec of the subcommand
     if not keys:
         raise CommandError("The command has no key arguments")
     return writer.bulk_array(keys)

@@ -44,7 +44,8 @@ from kvstore.tiers.manager import ARENA_READERS
 log = logging.getLogger("kvstore")
 
 PREFETCH_COMMANDS = 16     # pipelined commands whose SSD values are fetched together
-OOM_ERROR = writer.error("command not allowed when used memory > 'maxmemory'.", "OOM")
+OOM_MESSAGE = "command not allowed when used memory > 'maxmemory'."
+OOM_ERROR = writer.error(OOM_MESSAGE, "OOM")
 NOAUTH_ERROR = writer.error("Authentication required.", "NOAUTH")
 INTERNAL_ERROR = writer.error("internal error while running the command")
 # Commands that run at once inside MULTI instead of being queued (Redis's list); their own
@@ -81,6 +82,8 @@ def value_destination(conn, args: list, size: int):
 
 def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bool = False) -> None:
     """Run one request for ``conn``: its reply (or a deferral) is queued on the connection."""
+    if conn.reply_mode.muted and not conn.reply_mode.muting:
+        return _dispatch_muted(conn, args, failure, has_extents)
     settled = True          # False while the request is queued in MULTI or deferred
     cmd = None
     try:
@@ -94,6 +97,11 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bo
             settled = False     # CLIENT PAUSE: run again once it is over (kvstore/net/client_pause.py)
             conn.defer(pause.over, lambda _: dispatch(conn, args, None, has_extents))
             return
+        if conn.engine.limit < conn.engine.allocator.capacity and _uses_memory(conn, cmd) \
+                and conn.engine.refuses_writes():
+            if conn.transaction.queued is not None and cmd.name == "exec":
+                raise _abort_transaction(conn, CommandError(OOM_MESSAGE, "OOM"))
+            raise OutOfMemory(OOM_MESSAGE)
         if conn.transaction.queued is not None and cmd.name.encode() not in RUN_INSIDE_MULTI:
             if "no_multi" in cmd.flags:
                 raise CommandError(NO_MULTI_ERROR)     # and EXEC answers EXECABORT
@@ -114,6 +122,35 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bo
             if has_extents:
                 release_extents(conn.engine, args)
             conn.server.stats.commands += 1
+
+
+def _uses_memory(conn, cmd: Command) -> bool:
+    """A command Redis refuses when out of memory: one flagged denyoom; inside MULTI, any
+    but EXEC, DISCARD and QUIT (queuing takes memory); EXEC of a transaction that queued one."""
+    if "denyoom" in cmd.flags:
+        return True
+    queued = conn.transaction.queued
+    if queued is None:
+        return False
+    if cmd.name != "exec":
+        return cmd.name not in ("discard", "quit")
+    return any("denyoom" in (conn.commands.lookup(args[0]) or cmd).flags for args, _ in queued)
+
+
+def _dispatch_muted(conn, args: list, failure: Exception | None, has_extents: bool) -> None:
+    """`dispatch` under CLIENT REPLY OFF or SKIP: the command runs, its reply is dropped
+    (unless it was CLIENT REPLY ON); a SKIP is used up once the command has run."""
+    mode = conn.reply_mode
+    skip, mark, queued, ran = mode.skip, len(conn.wbuf), len(conn.out), conn.server.stats.commands
+    mode.muting = True
+    try:
+        dispatch(conn, args, failure, has_extents)
+    finally:
+        mode.muting = False
+    if (mode.off or (skip and mode.skip)) and len(conn.out) == queued:
+        del conn.wbuf[mark:]
+    if skip and conn.server.stats.commands != ran:
+        mode.skip = False
 
 
 def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_extents: bool) -> bool:
@@ -156,6 +193,7 @@ def run_plain(conn) -> None:
     if not backlog or not _plain_allowed(conn):
         return
     tiers, threshold = conn.tiers, conn.server.slowlog.threshold_ns
+    cmdstats = conn.server.stats.cmdstats
     done = 0
     try:
         while backlog and conn.waiting is None and not conn.close_after_reply:
@@ -172,6 +210,7 @@ def run_plain(conn) -> None:
                 start = perf_counter_ns()
                 reply = handler(conn, args)
                 elapsed = perf_counter_ns() - start
+                _count(cmdstats, cmd.name, elapsed)
                 if elapsed >= threshold:
                     _log_slow(conn, cmd, args, elapsed)
                 if reply is not None:
@@ -191,10 +230,10 @@ def run_plain(conn) -> None:
 def _plain_allowed(conn) -> bool:
     """Whether this connection's requests need none of the checks `dispatch` makes before
     a GET or SET runs: authenticated as a user allowed everything, no MULTI, no ASKING,
-    no CLIENT PAUSE, no cluster routing, no SSD index still loading."""
+    no CLIENT REPLY OFF or SKIP, no CLIENT PAUSE, no cluster routing, no SSD index still loading."""
     server, tiers = conn.server, conn.tiers
     return conn.authenticated and conn.user.unrestricted and conn.transaction.queued is None and not conn.redirects.asking \
-        and server.pause is None and server.cluster is None and (tiers is None or not tiers.loading)
+        and not conn.reply_mode.muted and server.pause is None and server.cluster is None and (tiers is None or not tiers.loading)
 
 
 def _checked(conn, args: list) -> Command | None:
@@ -252,10 +291,18 @@ def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
 
 
 def _run(conn, cmd: Command, args: list) -> None:
-    conn.last_command = cmd.name
+    name = cmd.name
+    if cmd.subcommands and len(args) > 1:
+        name = f"{name}|{args[1].lower().decode(errors='replace')}"     # client|list, as Redis names it
+    conn.last_command = name
     start = perf_counter_ns()
-    reply = cmd.handler(conn, args)
+    try:
+        reply = cmd.handler(conn, args)
+    except CommandError:
+        _count(conn.server.stats.cmdstats, name, perf_counter_ns() - start, failed=1)
+        raise
     elapsed = perf_counter_ns() - start
+    _count(conn.server.stats.cmdstats, name, elapsed)
     slowlog = conn.server.slowlog
     if elapsed >= slowlog.threshold_ns:
         _log_slow(conn, cmd, args, elapsed)
@@ -268,6 +315,17 @@ def _run(conn, cmd: Command, args: list) -> None:
     if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
         # A write of a replicated key: the reply waits until its copies are gone.
         conn.defer(cluster.copies.take_unacked(), _ordering_only)
+
+
+def _count(cmdstats: dict, name: str, elapsed: int, failed: int = 0) -> None:
+    """INFO commandstats: one more call of ``name`` that took ``elapsed`` ns (and failed)."""
+    stat = cmdstats.get(name)
+    if stat is None:
+        cmdstats[name] = [1, elapsed, 0, failed]
+    else:
+        stat[0] += 1
+        stat[1] += elapsed
+        stat[3] += failed
 
 
 def _log_slow(conn, cmd: Command, args: list, elapsed: int) -> None:

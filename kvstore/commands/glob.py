@@ -14,24 +14,44 @@ from functools import lru_cache
 
 @lru_cache(maxsize=256)
 def compile_pattern(pattern: bytes) -> re.Pattern:
-    """Redis glob -> regex (``*``, ``?``, ``[...]`` with ``^`` and ranges, ``\\x``)."""
-    out, i, n = [], 0, len(pattern)
+    """Redis glob -> regex (``*``, ``?``, ``[...]`` with ``^`` and ranges, ``\\x``).
+
+    Every token but ``*`` matches exactly one byte, so the stretches between
+    stars have fixed lengths and the leftmost place each one fits is as good as
+    any later one: each inner stretch is an atomic group (``(?>.*?seg)``) the
+    regex engine never re-enters. Without that, ``a*a*a*...*b`` against a long
+    run of ``a`` backtracks exponentially and stalls the node (Redis's own
+    matcher bails out of such patterns too).
+    """
+    tokens, i, n = [], 0, len(pattern)
     while i < n:
         c = pattern[i:i + 1]
         if c == b"*":
-            out.append(b".*")
+            if not tokens or tokens[-1] is not None:
+                tokens.append(None)          # one star for a run of stars
         elif c == b"?":
-            out.append(b".")
+            tokens.append(b".")
         elif c == b"\\" and i + 1 < n:
             i += 1
-            out.append(re.escape(pattern[i:i + 1]))
+            tokens.append(re.escape(pattern[i:i + 1]))
         elif c == b"[":
             i, cls = _char_class(pattern, i + 1)
-            out.append(cls)
+            tokens.append(cls)
         else:
-            out.append(re.escape(c))
+            tokens.append(re.escape(c))
         i += 1
-    return re.compile(b"".join(out), re.DOTALL)
+    segments, seg = [], []
+    for tok in tokens:
+        if tok is None:
+            segments.append(b"".join(seg))
+            seg = []
+        else:
+            seg.append(tok)
+    segments.append(b"".join(seg))
+    if len(segments) == 1:
+        return re.compile(segments[0], re.DOTALL)
+    inner = b"".join(b"(?>.*?" + s + b")" for s in segments[1:-1] if s)
+    return re.compile(segments[0] + inner + b".*" + segments[-1], re.DOTALL)
 
 
 def _char_class(pattern: bytes, i: int) -> tuple[int, bytes]:

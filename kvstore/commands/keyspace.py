@@ -12,6 +12,7 @@ import random
 
 from kvstore.commands.args import SYNTAX, options, parse_int
 from kvstore.commands.glob import matches
+from kvstore.commands.strings import is_raw
 from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
 from kvstore.store.engine import now_ms
@@ -57,14 +58,17 @@ RANDOM_TRIES = 64
 
 @FAMILY.command("RANDOMKEY", 1, "readonly", "keyspace", "Returns a random key name from the database.", keys=(0, 0, 0))
 def randomkey(conn, args):
-    """A few random entries first (O(1) each); the index in order when they all miss."""
+    """A few random entries first (O(1) each); when they all miss (an entry table mostly free
+    after a flush), the index from a random place on, so every key can still come up."""
     engine = conn.engine
     names = engine.entries.keys
     for _ in range(RANDOM_TRIES if names else 0):
         key = names[random.randrange(len(names))]
         if key is not None and engine.index.get(key) is not None and engine.lookup(key) is not None:
             return writer.bulk(key)
-    for key in list(engine.index):
+    keys = list(engine.index)
+    start = random.randrange(len(keys)) if keys else 0
+    for key in keys[start:] + keys[:start]:
         if engine.lookup(key) is not None:
             return writer.bulk(key)
     return conn.enc.null
@@ -93,7 +97,10 @@ NO_IDLE_TIME = "kvstore keeps the order of accesses, not their times: the idle t
 
 
 def _encoding(engine, entry: int) -> str:
-    """Redis's encoding of a string it was given whole: int, embstr (up to 44 bytes) or raw."""
+    """Redis's encoding of a string: int, embstr (up to 44 bytes) or raw when it was given
+    whole; raw when APPEND or SETRANGE built it."""
+    if is_raw(engine, engine.key_of(entry)):
+        return "raw"
     size = engine.size_of(entry)
     if size <= 20:
         try:

@@ -1,5 +1,5 @@
 """Connection and server commands: PING, ECHO, SELECT, HELLO, CLIENT,
-CONFIG, INFO, COMMAND, MEMORY, QUIT, SHUTDOWN.
+TIME, CONFIG, INFO, COMMAND, MEMORY, QUIT, SHUTDOWN.
 
 These are what clients send on connect (redis-py: HELLO, CLIENT SETINFO;
 redis-cli: COMMAND DOCS) and what operators use, so their error texts are
@@ -7,9 +7,11 @@ Redis 7's, word for word.
 """
 from __future__ import annotations
 
+import time
+
 from kvstore.admin import acl, info, live_config
 from kvstore.commands.args import SYNTAX, parse_int
-from kvstore.commands.client_kill import client_kill, client_pause, command_getkeys
+from kvstore.commands.client_kill import CLIENT_TYPES, client_kill, client_pause, command_getkeys
 from kvstore.commands.glob import matches
 from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
@@ -81,6 +83,7 @@ def hello(conn, args):
                                       "setinfo": (4, "Sets information specific to the client or connection."),
                                       "kill": (-3, "Terminates open connections."),
                                       "no-evict": (3, "Sets the client eviction mode of the connection."),
+                                      "reply": (3, "Instructs the server whether to reply to commands."),
                                       "pause": (-3, "Suspends commands processing."),
                                       "unpause": (2, "Resumes processing commands from paused clients.")})
 def client(conn, args):
@@ -101,13 +104,53 @@ def client(conn, args):
     if sub == b"id":
         return writer.integer(conn.id)
     if sub == b"list":
-        if len(args) > 2:
-            raise CommandError(SYNTAX)
-        return conn.enc.verbatim("".join(c.describe() + "\n" for c in conn.server.clients.values()))
+        return conn.enc.verbatim("".join(c.describe(args if c is conn else None) + "\n"
+                                         for c in _listed(conn, args[2:])))
     if sub == b"info":
-        return conn.enc.verbatim(conn.describe() + "\n")
+        return conn.enc.verbatim(conn.describe(args) + "\n")
+    if sub == b"reply":
+        return _client_reply(conn, args[2].lower())
     conn.client_info.set_lib_info(args[2], args[3])
     return writer.OK
+
+
+def _listed(conn, options: list) -> list:
+    """The connections CLIENT LIST [TYPE type] [ID id ...] names (all normal clients here)."""
+    clients = conn.server.clients
+    if not options:
+        return list(clients.values())
+    opt = options[0].lower()
+    if opt == b"type" and len(options) == 2:
+        kind = options[1].lower()
+        if kind not in CLIENT_TYPES:
+            raise CommandError(f"Unknown client type '{options[1].decode(errors='replace')}'")
+        return list(clients.values()) if kind == b"normal" else []
+    if opt == b"id" and len(options) >= 2:
+        ids = [parse_int(value, "Invalid client ID") for value in options[1:]]
+        return [clients[i] for i in ids if i in clients]
+    raise CommandError(SYNTAX)
+
+
+def _client_reply(conn, mode: bytes):
+    """CLIENT REPLY ON|OFF|SKIP: OFF and SKIP answer nothing themselves (kvstore/commands/dispatch.py mutes)."""
+    reply_mode = conn.reply_mode
+    if mode == b"on":
+        reply_mode.off = reply_mode.skip = False
+        return writer.OK
+    if mode == b"off":
+        reply_mode.off = True
+        return None
+    if mode == b"skip":
+        if not reply_mode.off:
+            reply_mode.skip = True
+        return None
+    raise CommandError(SYNTAX)
+
+
+@FAMILY.command("TIME", 1, "loading stale fast", "server", "Returns the server time.", keys=(0, 0, 0))
+def time_(conn, args):
+    now = time.time_ns() // 1000
+    return writer.bulk_array([str(now // 1_000_000).encode(), str(now % 1_000_000).encode()])
 
 
 @FAMILY.command("CONFIG", -2, "admin noscript loading stale", "server", "A container for server configuration commands.",
@@ -136,7 +179,7 @@ def _config_get(conn, patterns: list[bytes]) -> bytes:
                 found.setdefault(pattern, value)
             continue
         for name, value in values.items():
-            if matches(pattern.lower(), name.encode()):
+            if name not in live_config.HIDDEN and matches(pattern.lower(), name.encode()):
                 found.setdefault(name.encode(), value)
     return conn.enc.map([(writer.bulk(k), writer.bulk(v)) for k, v in found.items()])
 
@@ -195,11 +238,31 @@ def command_(conn, args):
     if sub == b"count":
         return writer.integer(len(commands))
     if sub == b"list":
-        return writer.bulk_array([c.name for c in commands])
+        return writer.bulk_array(_command_list(commands, args[2:]))
     wanted = [conn.commands.lookup(a) for a in args[2:]] if len(args) > 2 else commands
     if sub == b"info":
         return writer.array([conn.enc.null if c is None else _command_info(c) for c in wanted])
     return conn.enc.map([(writer.bulk(c.name), _command_docs(conn, c)) for c in wanted if c is not None])
+
+
+def _command_list(commands: list, options: list) -> list[str]:
+    """COMMAND LIST [FILTERBY MODULE name | ACLCAT category | PATTERN pattern]: command and
+    subcommand names (``config|get``)."""
+    names = [(c, None, c.name) for c in commands]
+    names += [(c, sub, f"{c.name}|{sub}") for c in commands for sub in c.subcommands]
+    if not options:
+        return [n for _, _, n in names]
+    if len(options) != 3 or options[0].lower() != b"filterby":
+        raise CommandError(SYNTAX)
+    kind, value = options[1].lower(), options[2]
+    if kind == b"module":
+        return []
+    if kind == b"aclcat":
+        category = value.lower().decode(errors="replace")
+        return [n for c, sub, n in names if category in acl.command_categories(c, sub)]
+    if kind == b"pattern":
+        return [n for _, _, n in names if matches(value.lower(), n.encode())]
+    raise CommandError(SYNTAX)
 
 
 @FAMILY.command("MEMORY", -2, "readonly", "server", "A container for memory diagnostics commands.",

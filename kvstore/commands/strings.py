@@ -230,6 +230,30 @@ def getex(conn, args):
 MAX_STRING = 512 * 1024 * 1024     # Redis's proto-max-bulk-len default
 
 
+class RawStrings:
+    """Keys whose value APPEND or SETRANGE built: Redis keeps those as ``raw`` strings (OBJECT
+    ENCODING) until the key is written whole again. Installed on an engine by the first such
+    command, so a node that never sees one pays nothing per write."""
+
+    def __init__(self, engine):
+        self.keys: set[bytes] = set()
+        engine.commit_listeners.append(lambda key, entry: self.keys.discard(key))
+        engine.drop_listeners.append(lambda entry, key: self.keys.discard(key))
+        engine.overwrite_listeners.append(self.keys.discard)
+
+    @staticmethod
+    def of(engine) -> "RawStrings":
+        raw = getattr(engine, "raw_strings", None)
+        if raw is None:
+            raw = engine.raw_strings = RawStrings(engine)
+        return raw
+
+
+def is_raw(engine, key: bytes) -> bool:
+    raw = getattr(engine, "raw_strings", None)
+    return raw is not None and key in raw.keys
+
+
 @FAMILY.command("APPEND", 3, "write denyoom fast", "string", "Appends a string to the value of a key. Creates the key if it "
          "doesn't exist.", reads=first_key)
 def append(conn, args):
@@ -241,7 +265,9 @@ def append(conn, args):
     size = engine.size_of(entry)
     if size + len(args[2]) > MAX_STRING:
         raise CommandError("string exceeds maximum allowed size (proto-max-bulk-len)")
-    return writer.integer(engine.splice(args[1], size, args[2]))
+    size = engine.splice(args[1], size, args[2])
+    RawStrings.of(engine).keys.add(args[1])
+    return writer.integer(size)
 
 
 @FAMILY.command("SETRANGE", 4, "write denyoom", "string", "Overwrites a part of a string value with another by an offset. "
@@ -258,5 +284,8 @@ def setrange(conn, args):
         raise CommandError("string exceeds maximum allowed size (proto-max-bulk-len)")
     if entry is None:
         store(conn, args[1], bytes(offset) + value)
-        return writer.integer(offset + len(value))
-    return writer.integer(engine.splice(args[1], offset, value))
+        size = offset + len(value)
+    else:
+        size = engine.splice(args[1], offset, value)
+    RawStrings.of(engine).keys.add(args[1])
+    return writer.integer(size)

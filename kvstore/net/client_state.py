@@ -3,8 +3,8 @@ transaction, and the cluster flags that change how its next commands are routed.
 
 `Connection` (connection.py) moves bytes: the socket, the request and reply buffers,
 the backlog. The state that commands set and read lives here, one object per concern,
-so CLIENT SETNAME touches only `ClientInfo`, MULTI/EXEC/WATCH only `Transaction`, and
-ASKING/READONLY only `RedirectFlags`.
+so CLIENT SETNAME touches only `ClientInfo`, MULTI/EXEC/WATCH only `Transaction`,
+ASKING/READONLY only `RedirectFlags`, and CLIENT REPLY only `ReplyMode`.
 """
 from __future__ import annotations
 
@@ -58,3 +58,18 @@ class RedirectFlags:
 
     asking: bool = False
     readonly: bool = False
+
+
+@dataclass(slots=True)
+class ReplyMode:
+    """CLIENT REPLY ON|OFF|SKIP: whether the client's commands are answered. Under OFF or SKIP
+    a command still runs, with its reply dropped (kvstore/commands/dispatch.py mutes it)."""
+
+    off: bool = False               # CLIENT REPLY OFF: no replies until ON
+    skip: bool = False              # CLIENT REPLY SKIP: no reply to the next command
+    muting: bool = False            # a command runs now with its reply to be dropped
+
+    @property
+    def muted(self) -> bool:
+        """Replies are being dropped: OFF, or a SKIP not used up yet."""
+        return self.off or self.skip

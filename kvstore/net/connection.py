@@ -39,7 +39,7 @@ from itertools import islice
 from kvstore.admin import acl
 from kvstore.commands.dispatch import dispatch, release_queued, run_plain, value_destination
 from kvstore.commands.table import CommandError
-from kvstore.net.client_state import ClientInfo, RedirectFlags, Transaction
+from kvstore.net.client_state import ClientInfo, RedirectFlags, ReplyMode, Transaction
 from kvstore.net.protocol import writer
 from kvstore.net.protocol.reader import ProtocolError, RequestReader
 from kvstore.store.arena import Extent
@@ -84,6 +84,7 @@ class Connection:
         self.writing = False
         self.transaction = Transaction()
         self.redirects = RedirectFlags()
+        self.reply_mode = ReplyMode()
         self.close_callbacks: list = []     # run once when the client goes (leases, reservations)
         self.backlog: deque = deque()       # parsed commands not run yet
         self.prefetched: list[int] = []     # entries staged for commands still in the backlog
@@ -103,12 +104,16 @@ class Connection:
         self.user = user
         self.authenticated = self.reader.authenticated = True
 
-    def describe(self) -> str:
-        """A CLIENT LIST line."""
+    def describe(self, running: list | None = None) -> str:
+        """A CLIENT LIST line; ``running``: the request this connection is running (CLIENT LIST or
+        INFO of its own), which Redis still counts in the query buffer."""
         now = time.monotonic()
+        qbuf = self.reader.end - self.reader.start
+        if running is not None:
+            qbuf += 3 + len(str(len(running))) + sum(len(a) + 5 + len(str(len(a))) for a in running)
         return (f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} name={self.client_info.name.decode()} "
                 f"age={int(now - self.created)} idle={int(now - self.last_active)} flags=N db=0 sub=0 psub=0 "
-                f"ssub=0 multi={-1 if self.transaction.queued is None else len(self.transaction.queued)} qbuf={self.reader.end - self.reader.start} qbuf-free={len(self.reader.buf) - self.reader.end} "
+                f"ssub=0 multi={-1 if self.transaction.queued is None else len(self.transaction.queued)} qbuf={qbuf} qbuf-free={len(self.reader.buf) - self.reader.end} "
                 f"argv-mem=0 multi-mem=0 rbs={len(self.reader.buf)} rbp=0 obl={len(self.wbuf)} oll={len(self.out)} "
                 f"omem={self.out_bytes} tot-mem={len(self.reader.buf)} events=r cmd={self.last_command} "
                 f"user={acl.printable(self.user.name)} redir=-1 "
@@ -290,7 +295,7 @@ class Connection:
         engine = self.engine
         size = engine.size_of(entry)
         self.wbuf += b"$%d\r\n" % size
-        if size < BIG_REPLY or len(self.wbuf) + self.out_bytes + size <= COPIED_REPLIES:
+        if size < BIG_REPLY or len(self.wbuf) + self.out_bytes + size <= COPIED_REPLIES or self.reply_mode.muting:
             self.wbuf += engine.view(entry)
             self.wbuf += b"\r\n"
             if size >= BIG_REPLY:

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.admin import acl
 from kvstore.admin.config import Config
@@ -47,6 +47,7 @@ class ServerStats:
     rejected: int = 0
     output_limit_disconnections: int = 0
     query_limit_disconnections: int = 0
+    cmdstats: dict = field(default_factory=dict)    # command -> [calls, ns, rejected, failed]
 
 
 class Server:
@@ -69,6 +70,7 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_name = "asyncio"
         self.started_at = 0.0
+        self.replid = os.urandom(20).hex()      # INFO replication's master_replid
         self._next_id = 1
         self._stopped: asyncio.Future | None = None
         self._cron_jobs: list = []          # (callable) run every CRON_SECONDS

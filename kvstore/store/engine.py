@@ -110,6 +110,15 @@ class Engine:
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # entry -> (key, deadline ms)
 
+    def refuses_writes(self) -> bool:
+        """Redis's out-of-memory state for commands that use memory, under a maxmemory lowered
+        below the arena: more in use than the limit with no eviction allowed, or a limit
+        smaller than the smallest value takes (no write can succeed)."""
+        alloc = self.allocator
+        if self.limit >= alloc.capacity:
+            return False
+        return self.limit < (1 << alloc.min_order) or (self.policy == "noeviction" and alloc.used > self.limit)
+
     @property
     def tier_bytes(self) -> list[int]:
         """Value bytes per tier code."""
