@@ -119,9 +119,18 @@ def test_moved_refreshes_a_stale_map(client, cluster):
     assert client.batch_get([key, "absent"]) == [b"v", None]
 
 
-def test_stats_and_ping_cover_every_node(client):
+def test_stats_and_ping_cover_every_node(client, cluster):
     assert client.ping()
-    assert client.stats()["keys"] >= 0
+    one_per_node: dict[str, str] = {}
+    for i in range(10_000):
+        one_per_node.setdefault(client.node_of(f"stats:{i}"), f"stats:{i}")
+        if len(one_per_node) == len(cluster.addrs):
+            break
+    for key in one_per_node.values():
+        assert client.put(key, b"v", overwrite=True)
+    per_node = [client._client(addr).stats()["keys"] for addr in client.nodes]
+    assert len(per_node) == len(cluster.addrs) and all(keys >= 1 for keys in per_node)
+    assert client.stats()["keys"] == sum(per_node)     # every node's count, added up
 
 
 def test_reads_of_a_hot_block_spread_over_its_copies():
