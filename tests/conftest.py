@@ -2,7 +2,14 @@
 
 `server` starts `python -m kvstore serve` on a free port and a Unix socket in
 a temporary folder, waits until it answers PING, and stops it with SIGTERM.
+`kvstore_factory` starts as many as a test asks for (`kvstore_factory(*flags)`,
+the arguments of `start_kvstore` after the folder) and stops every one it
+started (or was handed with `.adopt`, e.g. a restarted one) at teardown, so a test needs no try/finally of its own; a test that
+stops a daemon itself (to restart it, or with a signal) may: stopping twice is
+harmless. `kv` is a KVClient of `server`.
 `redis_server` does the same for a real redis-server (the reference).
+
+Names: `kv` is always a client; a daemon is `server` or `node`.
 """
 from __future__ import annotations
 
@@ -122,11 +129,47 @@ def start_kvstore(tmp_path, *extra: str, password: str | None = None,
     return daemon
 
 
+
+
+class KVStoreFactory:
+    """Starts kvstore daemons in one folder; `stop_all` stops every one started or adopted."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.started: list[Daemon] = []
+
+    def __call__(self, *extra: str, **kwargs) -> Daemon:
+        return self.adopt(start_kvstore(self.tmp_path, *extra, **kwargs))
+
+    def adopt(self, daemon: Daemon) -> Daemon:
+        """Stop ``daemon`` (started some other way, e.g. a restart) with the others."""
+        self.started.append(daemon)
+        return daemon
+
+    def stop_all(self) -> None:
+        for daemon in reversed(self.started):
+            daemon.stop()
+
+
 @pytest.fixture
-def server(tmp_path):
-    daemon = start_kvstore(tmp_path)
-    yield daemon
-    daemon.stop()
+def kvstore_factory(tmp_path):
+    """Starts kvstore daemons in ``tmp_path`` on demand; stops all of them at teardown."""
+    factory = KVStoreFactory(tmp_path)
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture
+def server(kvstore_factory):
+    return kvstore_factory()
+
+
+@pytest.fixture
+def kv(server):
+    """A KVClient of ``server``, closed at teardown."""
+    from client import KVClient
+    with KVClient(server.host, server.port) as client:
+        yield client
 
 
 @pytest.fixture

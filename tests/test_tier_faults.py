@@ -19,11 +19,12 @@ import threading
 import pytest
 import redis
 
-from conftest import free_port, start_kvstore, wait_until
+from conftest import free_port, wait_until
 from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import VALUE_CF
 from test_tier_ssd import flip_byte, private_mount_prefix
-from test_tiering import KIB, MIB, client, digest, key_of, restart, start_tiered, value_of, write_values
+from test_tiering import KIB, MIB, client, digest, key_of, restart, value_of, write_values
+from test_tiering import tiered  # noqa: F401  (fixture)
 
 RECOVERED = re.compile(r"Recovered (\d+) values from the SSD tier in ([\d.]+) s \(([\d.]+) values/s\)")
 
@@ -37,122 +38,100 @@ def serves_from_dram(r: redis.Redis) -> None:
 # ------------------------------------------------------------------ unusable directories
 
 
-def test_unwritable_ssd_dir_is_logged_and_the_node_serves_from_dram(tmp_path):
+def test_unwritable_ssd_dir_is_logged_and_the_node_serves_from_dram(tmp_path, kvstore_factory):
     readonly = tmp_path / "ro"
     readonly.mkdir()
     prefix = private_mount_prefix(f"mount --bind {readonly} {readonly} && mount -o remount,ro,bind {readonly}")
-    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(readonly / "ssd"),
+    daemon = kvstore_factory("--dram-size", "8mb", "--ssd-dir", str(readonly / "ssd"),
                            prefix=prefix)
-    try:
-        assert "SSD tier disabled" in daemon.log()
-        assert "cannot be created" in daemon.log() or "not writable" in daemon.log(), daemon.log()
-        r = client(daemon)
-        assert r.info("ssd") == {"ssd_enabled": 0}
-        serves_from_dram(r)
-    finally:
-        daemon.stop()
+    assert "SSD tier disabled" in daemon.log()
+    assert "cannot be created" in daemon.log() or "not writable" in daemon.log(), daemon.log()
+    r = client(daemon)
+    assert r.info("ssd") == {"ssd_enabled": 0}
+    serves_from_dram(r)
 
 
-def test_ssd_dir_that_cannot_be_a_directory(tmp_path):
+def test_ssd_dir_that_cannot_be_a_directory(tmp_path, kvstore_factory):
     (tmp_path / "file").write_text("not a directory")
-    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "file" / "ssd"))
-    try:
-        assert "SSD tier disabled" in daemon.log() and "cannot be created" in daemon.log(), daemon.log()
-        serves_from_dram(client(daemon))
-    finally:
-        daemon.stop()
+    daemon = kvstore_factory("--dram-size", "8mb", "--ssd-dir", str(tmp_path / "file" / "ssd"))
+    assert "SSD tier disabled" in daemon.log() and "cannot be created" in daemon.log(), daemon.log()
+    serves_from_dram(client(daemon))
 
 
-def test_ssd_dir_locked_by_another_kvstore(tmp_path):
-    first = start_tiered(tmp_path)
-    second = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"))
-    try:
-        assert "locked by another process" in second.log(), second.log()
-        assert client(second).info("ssd") == {"ssd_enabled": 0}
-        serves_from_dram(client(second))
-        r = client(first)
-        written = write_values(r, range(48))
-        wait_until(lambda: r.info("ssd")["ssd_records"] > 0, what="the first node still writing to SSD")
-        for key, got in zip(written, r.mget(list(written))):
-            assert got is None or digest(got) == written[key], key
-    finally:
-        second.stop()
-        first.stop()
+def test_ssd_dir_locked_by_another_kvstore(tmp_path, tiered, kvstore_factory):
+    first = tiered()
+    second = kvstore_factory("--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"))
+    assert "locked by another process" in second.log(), second.log()
+    assert client(second).info("ssd") == {"ssd_enabled": 0}
+    serves_from_dram(client(second))
+    r = client(first)
+    written = write_values(r, range(48))
+    wait_until(lambda: r.info("ssd")["ssd_records"] > 0, what="the first node still writing to SSD")
+    for key, got in zip(written, r.mget(list(written))):
+        assert got is None or digest(got) == written[key], key
 
 
 # ------------------------------------------------------------------ damaged or oversized values
 
 
-def test_corrupted_value_on_disk_is_dropped_counted_and_logged(tmp_path):
-    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", dram="64mb")
-    try:
-        r = client(daemon)
-        written = write_values(r, range(5))
-        wait_until(lambda: r.info("ssd")["ssd_records"] == 5, what="5 records on SSD")
-        daemon.stop()
-        flip_byte(str(tmp_path / "ssd"), VALUE_CF, key_of(2), 1000)
-        daemon = restart(daemon, tmp_path, signal.SIGTERM)
-        r = client(daemon)
-        assert r.get(key_of(2)) is None                  # never the damaged bytes
-        assert r.info("ssd")["ssd_checksum_failures"] == 1
-        assert "dropped" in daemon.log() and "failed verification" in daemon.log(), daemon.log()
-        assert r.get(key_of(2)) is None and r.dbsize() == 4
-        assert {k: digest(r.get(k)) for k in written if k != key_of(2)} == \
-            {k: v for k, v in written.items() if k != key_of(2)}
-    finally:
-        daemon.stop()
+def test_corrupted_value_on_disk_is_dropped_counted_and_logged(tmp_path, tiered, kvstore_factory):
+    daemon = tiered("--ssd-write-policy", "write-through", dram="64mb")
+    r = client(daemon)
+    written = write_values(r, range(5))
+    wait_until(lambda: r.info("ssd")["ssd_records"] == 5, what="5 records on SSD")
+    daemon.stop()
+    flip_byte(str(tmp_path / "ssd"), VALUE_CF, key_of(2), 1000)
+    daemon = kvstore_factory.adopt(restart(daemon, tmp_path, signal.SIGTERM))
+    r = client(daemon)
+    assert r.get(key_of(2)) is None                  # never the damaged bytes
+    assert r.info("ssd")["ssd_checksum_failures"] == 1
+    assert "dropped" in daemon.log() and "failed verification" in daemon.log(), daemon.log()
+    assert r.get(key_of(2)) is None and r.dbsize() == 4
+    assert {k: digest(r.get(k)) for k in written if k != key_of(2)} == \
+        {k: v for k, v in written.items() if k != key_of(2)}
 
 
-def test_value_larger_than_the_ssd_tier_stays_in_dram(tmp_path):
-    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", dram="64mb", ssd_size="1mb")
-    try:
-        r = client(daemon)
-        r.set(b"huge", value_of(1, 2 * MIB))
-        r.set(b"small", value_of(2, 64 * KIB))
-        wait_until(lambda: "larger than the SSD tier" in daemon.log(), what="the log line")
-        wait_until(lambda: r.info("ssd")["ssd_records"] == 1, what="the small value on SSD")
-        assert digest(r.get(b"huge")) == digest(value_of(1, 2 * MIB))
-        assert r.execute_command("KV.LOCATE", b"huge")[0][0] == b"dram"
-    finally:
-        daemon.stop()
+def test_value_larger_than_the_ssd_tier_stays_in_dram(tiered):
+    daemon = tiered("--ssd-write-policy", "write-through", dram="64mb", ssd_size="1mb")
+    r = client(daemon)
+    r.set(b"huge", value_of(1, 2 * MIB))
+    r.set(b"small", value_of(2, 64 * KIB))
+    wait_until(lambda: "larger than the SSD tier" in daemon.log(), what="the log line")
+    wait_until(lambda: r.info("ssd")["ssd_records"] == 1, what="the small value on SSD")
+    assert digest(r.get(b"huge")) == digest(value_of(1, 2 * MIB))
+    assert r.execute_command("KV.LOCATE", b"huge")[0][0] == b"dram"
 
 
-def test_value_larger_than_dram_is_refused_with_oom(tmp_path):
-    daemon = start_tiered(tmp_path)
-    try:
-        r = client(daemon)
-        with pytest.raises(redis.exceptions.OutOfMemoryError):
-            r.set(b"huge", value_of(1, 12 * MIB))
-        assert r.get(b"huge") is None
-        serves_from_dram(r)
-    finally:
-        daemon.stop()
+def test_value_larger_than_dram_is_refused_with_oom(tiered):
+    daemon = tiered()
+    r = client(daemon)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        r.set(b"huge", value_of(1, 12 * MIB))
+    assert r.get(b"huge") is None
+    serves_from_dram(r)
 
 
-def test_full_disk_is_logged_and_values_stay_readable(tmp_path):
+def test_full_disk_is_logged_and_values_stay_readable(tmp_path, kvstore_factory):
     small = tmp_path / "small"
     small.mkdir()
     prefix = private_mount_prefix(f"mount -t tmpfs -o size=6m tmpfs {small}")
-    daemon = start_kvstore(tmp_path, "--dram-size", "64mb", "--ssd-dir", str(small / "ssd"),
+    daemon = kvstore_factory("--dram-size", "64mb", "--ssd-dir", str(small / "ssd"),
                            "--ssd-size", "1gb", "--ssd-write-policy", "write-through",
                            prefix=prefix)
-    try:
-        r = client(daemon)
-        written = write_values(r, range(40))             # 10 MiB onto a 6 MiB disk
-        wait_until(lambda: "SSD tier write failed" in daemon.log(), what="the full-disk log line")
-        assert "disk is full" in daemon.log(), daemon.log()
-        assert {k: digest(r.get(k)) for k in written} == written
-        assert r.info("ssd")["ssd_errors"] >= 1
-        serves_from_dram(r)
-    finally:
-        daemon.stop()
+    r = client(daemon)
+    written = write_values(r, range(40))             # 10 MiB onto a 6 MiB disk
+    wait_until(lambda: "SSD tier write failed" in daemon.log(), what="the full-disk log line")
+    assert "disk is full" in daemon.log(), daemon.log()
+    assert {k: digest(r.get(k)) for k in written} == written
+    assert r.info("ssd")["ssd_errors"] >= 1
+    serves_from_dram(r)
 
 
 # ------------------------------------------------------------------ crashes and restarts
 
 
-def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path):
-    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", dram="16mb")
+def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path, tiered, kvstore_factory):
+    daemon = tiered("--ssd-write-policy", "write-through", dram="16mb")
     size, stop, acknowledged = 64 * KIB, threading.Event(), []
 
     def writer() -> None:
@@ -173,7 +152,7 @@ def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path):
         daemon.stop(signal.SIGKILL)
         stop.set()
         thread.join(10)
-        daemon = restart(daemon, tmp_path, signal.SIGKILL)
+        daemon = kvstore_factory.adopt(restart(daemon, tmp_path, signal.SIGKILL))
         r = client(daemon)
         keys = [key_of(n) for n in range(len(acknowledged) + 1)]
         found = 0
@@ -184,28 +163,24 @@ def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path):
         assert found == recovered == r.dbsize() > 0
     finally:
         stop.set()
-        daemon.stop()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["clean-stop", "kill-9"])
-def test_warm_restart_logs_how_many_values_and_how_long(tmp_path, sig):
-    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", dram="64mb")
-    try:
-        r = client(daemon)
-        written = write_values(r, range(30), 32 * KIB)
-        wait_until(lambda: r.info("ssd")["ssd_records"] == 30, what="30 records on SSD")
-        daemon = restart(daemon, tmp_path, sig)
-        match = RECOVERED.search(daemon.log())
-        assert match, daemon.log()
-        assert int(match.group(1)) == 30 and float(match.group(2)) >= 0
-        r = client(daemon)
-        assert r.info("ssd")["ssd_recovered"] == 30
-        assert {k: digest(r.get(k)) for k in written} == written
-    finally:
-        daemon.stop()
+def test_warm_restart_logs_how_many_values_and_how_long(tmp_path, sig, tiered, kvstore_factory):
+    daemon = tiered("--ssd-write-policy", "write-through", dram="64mb")
+    r = client(daemon)
+    written = write_values(r, range(30), 32 * KIB)
+    wait_until(lambda: r.info("ssd")["ssd_records"] == 30, what="30 records on SSD")
+    daemon = kvstore_factory.adopt(restart(daemon, tmp_path, sig))
+    match = RECOVERED.search(daemon.log())
+    assert match, daemon.log()
+    assert int(match.group(1)) == 30 and float(match.group(2)) >= 0
+    r = client(daemon)
+    assert r.info("ssd")["ssd_recovered"] == 30
+    assert {k: digest(r.get(k)) for k in written} == written
 
 
-def test_gpu_size_without_a_gpu_exits_with_a_clear_error(tmp_path):
+def test_gpu_size_without_a_gpu_exits_with_a_clear_error():
     usable, reason = gpu_available()
     if usable:
         pytest.skip("this machine has a GPU")
