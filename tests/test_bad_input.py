@@ -33,14 +33,14 @@ MAXCLIENTS = 4
 
 
 @pytest.fixture(scope="module")
-def kv(tmp_path_factory) -> Daemon:
+def node(tmp_path_factory) -> Daemon:
     daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
     yield daemon
     daemon.stop()
 
 
 @pytest.fixture(scope="module")
-def kv_guarded(tmp_path_factory) -> Daemon:
+def node_guarded(tmp_path_factory) -> Daemon:
     """A password, a 1 MiB bulk limit and a small client limit."""
     daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-guarded"), "--proto-max-bulk-len", "1mb",
                            "--maxclients", str(MAXCLIENTS), password=PASSWORD)
@@ -49,7 +49,7 @@ def kv_guarded(tmp_path_factory) -> Daemon:
 
 
 @pytest.fixture(scope="module")
-def kv_noeviction(tmp_path_factory) -> Daemon:
+def node_noeviction(tmp_path_factory) -> Daemon:
     daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-noeviction"),
                            "--maxmemory-policy", "noeviction")
     yield daemon
@@ -72,14 +72,14 @@ def flushed(daemon: Daemon) -> Daemon:
 
 
 @pytest.fixture(params=["redis", "kvstore"])
-def target(request, kv) -> Daemon:
-    return flushed(request.getfixturevalue("redis_server") if request.param == "redis" else kv)
+def target(request, node) -> Daemon:
+    return flushed(request.getfixturevalue("redis_server") if request.param == "redis" else node)
 
 
 @pytest.fixture(params=["redis", "kvstore"])
-def guarded(request, kv_guarded) -> Daemon:
+def guarded(request, node_guarded) -> Daemon:
     if request.param == "kvstore":
-        return flushed(kv_guarded)
+        return flushed(node_guarded)
     redis = configure(request.getfixturevalue("redis_server"), "proto-max-bulk-len", "1mb",
                       "maxclients", str(MAXCLIENTS), "requirepass", PASSWORD)
     redis.password = PASSWORD
@@ -87,9 +87,9 @@ def guarded(request, kv_guarded) -> Daemon:
 
 
 @pytest.fixture(params=["redis", "kvstore"])
-def noeviction(request, kv_noeviction) -> Daemon:
+def noeviction(request, node_noeviction) -> Daemon:
     if request.param == "kvstore":
-        return flushed(kv_noeviction)
+        return flushed(node_noeviction)
     return configure(request.getfixturevalue("redis_server"), "maxmemory-policy", "noeviction",
                      "maxmemory", "64mb")
 
@@ -343,11 +343,11 @@ def test_half_sent_value_leaves_nothing(noeviction):
         assert other.call("STRLEN", "full-7") == b":4194304\r\n"
 
 
-def test_half_sent_kv_put_leaves_nothing(kv_noeviction):
-    flushed(kv_noeviction)
-    with RespConnection(kv_noeviction) as other:
+def test_half_sent_kv_put_leaves_nothing(node_noeviction):
+    flushed(node_noeviction)
+    with RespConnection(node_noeviction) as other:
         for _ in range(4):
-            with RespConnection(kv_noeviction) as quitter:
+            with RespConnection(node_noeviction) as quitter:
                 quitter.send(encode_command("KV.PUT", "block", b"\x01" * (4 * MiB), "PARENT", "root")
                              [:3 * MiB])
                 assert other.call("PING") == b"+PONG\r\n"

@@ -27,15 +27,15 @@ STATS_FIELDS = ["hits", "misses", "keys", "evictions", "bytes_gpu", "bytes_dram"
 
 
 @pytest.fixture(scope="module")
-def kv(tmp_path_factory) -> Daemon:
+def node(tmp_path_factory) -> Daemon:
     daemon = start_kvstore(tmp_path_factory.mktemp("kvcache"))
     yield daemon
     daemon.stop()
 
 
 @pytest.fixture
-def client(kv) -> redis.Redis:
-    with redis.Redis(host=kv.host, port=kv.port) as client:
+def client(node) -> redis.Redis:
+    with redis.Redis(host=node.host, port=node.port) as client:
         client.flushall()
         yield client
 
@@ -106,8 +106,8 @@ def test_kv_put_parent(client):
     ("k", "v", "NX", "EX", "10"),
     ("k", "v", "PARENT", "p", "NX", "extra"),
 ])
-def test_kv_put_syntax_errors_store_nothing(kv, args):
-    with RespConnection(kv) as conn:
+def test_kv_put_syntax_errors_store_nothing(node, args):
+    with RespConnection(node) as conn:
         conn.call("FLUSHALL")
         assert conn.call(KV_PUT, *args) == b"-ERR syntax error\r\n"
         assert conn.call("EXISTS", "k") == b":0\r\n"
@@ -122,8 +122,8 @@ def test_kv_put_syntax_error_with_a_big_value_gives_the_memory_back(client):
 
 
 @pytest.mark.parametrize("args", [(), ("k",)])
-def test_kv_put_arity(kv, args):
-    with RespConnection(kv) as conn:
+def test_kv_put_arity(node, args):
+    with RespConnection(node) as conn:
         assert conn.call(KV_PUT, *args) == b"-ERR wrong number of arguments for 'kv.put' command\r\n"
 
 
@@ -141,16 +141,16 @@ def test_kv_match_counts_leading_present_keys(client):
     assert client.execute_command(KV_MATCH, keys[0], keys[0], keys[1]) == 3
 
 
-def test_kv_match_of_an_empty_chain(kv):
-    with RespConnection(kv) as conn:
+def test_kv_match_of_an_empty_chain(node):
+    with RespConnection(node) as conn:
         assert conn.call(KV_MATCH) == b"-ERR wrong number of arguments for 'kv.match' command\r\n"
         assert conn.call(KV_MATCH, "nothing-here") == b":0\r\n"
 
 
-def test_kv_match_of_a_256_key_chain_is_one_request_and_one_reply(kv, client):
+def test_kv_match_of_a_256_key_chain_is_one_request_and_one_reply(node, client):
     keys = block_keys("long", 256)
     put_chain(client, keys)
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         before = int(conn.call("INFO", "stats").split(b"total_commands_processed:")[1].split(b"\r\n")[0])
         conn.send(encode_command(KV_MATCH, *keys))
         assert conn.read_reply() == b":256\r\n"
@@ -171,8 +171,8 @@ def test_kv_match_skips_expired_keys(client):
 
 # ----------------------------------------------------------------- KV.LOCATE
 
-def test_kv_locate_raw_reply(kv):
-    with RespConnection(kv) as conn:
+def test_kv_locate_raw_reply(node):
+    with RespConnection(node) as conn:
         conn.call("FLUSHALL")
         conn.call(KV_PUT, "a", "hello")
         conn.call(KV_PUT, "b", block(1, BLOCK))
@@ -184,8 +184,8 @@ def test_kv_locate_raw_reply(kv):
         assert conn.call(KV_LOCATE) == b"-ERR wrong number of arguments for 'kv.locate' command\r\n"
 
 
-def test_kv_locate_in_resp3(kv):
-    with RespConnection(kv) as conn:
+def test_kv_locate_in_resp3(node):
+    with RespConnection(node) as conn:
         conn.call("HELLO", "3")
         conn.call(KV_PUT, "a", "hello")
         conn.call("DEL", "missing")
@@ -216,8 +216,8 @@ def test_kv_stats_fields_and_counts(client):
     assert after["bytes_gpu"] == after["bytes_ssd"] == 0
 
 
-def test_kv_stats_is_a_flat_array_in_resp2_and_a_map_in_resp3(kv):
-    with RespConnection(kv) as conn:
+def test_kv_stats_is_a_flat_array_in_resp2_and_a_map_in_resp3(node):
+    with RespConnection(node) as conn:
         reply = conn.call(KV_STATS)
         assert reply.startswith(b"*14\r\n")
         assert [k.decode() for k in decode(reply)[0::2]] == STATS_FIELDS
@@ -231,7 +231,7 @@ def test_kv_stats_is_a_flat_array_in_resp2_and_a_map_in_resp3(kv):
 
 # ----------------------------------------------------------------- INFO
 
-def test_info_kvcache_section(kv, client):
+def test_info_kvcache_section(node, client):
     client.execute_command(KV_PUT, "a", "x" * 100)
     info = client.info("kvcache")
     for field in ("metadata_bytes_per_key", "dram_internal_fragmentation", "dram_external_fragmentation",
@@ -240,7 +240,7 @@ def test_info_kvcache_section(kv, client):
     assert float(info["dram_internal_fragmentation"]) == pytest.approx(1 - 100 / 128, abs=1e-4)
     assert 0.0 <= float(info["dram_external_fragmentation"]) < 1.0
     assert info["dram_capacity"] == 64 * MiB and info["dram_used"] == 128
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         text = decode(conn.call("INFO")).decode()
     assert "# KVCache" in text.splitlines(), "INFO with no section includes kvcache"
 
