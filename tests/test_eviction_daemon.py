@@ -12,17 +12,16 @@ import numpy as np
 import pytest
 import redis
 
-from conftest import start_kvstore
 from proto import wire
 
 KIB, MIB = 1 << 10, 1 << 20
 
 
 @pytest.fixture
-def node(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "8mb")
-    yield redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-    daemon.stop()
+def r(kvstore_factory) -> redis.Redis:
+    """A redis-py client of a node with an 8 MiB arena (the node is stopped at teardown)."""
+    node = kvstore_factory("--dram-size", "8mb")
+    return redis.Redis(node.host, node.port, socket_timeout=10)
 
 
 def value_of(number: int, size: int) -> bytes:
@@ -35,34 +34,34 @@ def fill_past_the_arena(r: redis.Redis) -> None:
         assert r.set(b"filler-%d" % n, value_of(n, 256 * KIB))
 
 
-def test_a_key_that_is_its_own_parent_does_not_hang_the_node(node):
-    assert node.execute_command(wire.KV_PUT, b"a", value_of(1, 64 * KIB), "PARENT", b"a") == 1
-    fill_past_the_arena(node)
-    assert node.ping()
-    assert node.exists(b"a") == 0 and node.info("stats")["evicted_keys"] > 0
+def test_a_key_that_is_its_own_parent_does_not_hang_the_node(r):
+    assert r.execute_command(wire.KV_PUT, b"a", value_of(1, 64 * KIB), "PARENT", b"a") == 1
+    fill_past_the_arena(r)
+    assert r.ping()
+    assert r.exists(b"a") == 0 and r.info("stats")["evicted_keys"] > 0
 
 
-def test_a_parent_cycle_through_several_keys_does_not_hang_the_node(node):
+def test_a_parent_cycle_through_several_keys_does_not_hang_the_node(r):
     keys = [b"a", b"b", b"c"]
     for i, key in enumerate(keys):
         parent = ["PARENT", keys[i - 1]] if i else []
-        assert node.execute_command(wire.KV_PUT, key, value_of(i, 64 * KIB), *parent) == 1
+        assert r.execute_command(wire.KV_PUT, key, value_of(i, 64 * KIB), *parent) == 1
     # a re-put under its own descendant: were a's children to follow it, a -> c -> b -> a.
-    assert node.execute_command(wire.KV_PUT, b"a", value_of(9, 128 * KIB), "PARENT", b"c") == 1
-    fill_past_the_arena(node)
-    assert node.ping()
-    assert node.exists(*keys) == 0
+    assert r.execute_command(wire.KV_PUT, b"a", value_of(9, 128 * KIB), "PARENT", b"c") == 1
+    fill_past_the_arena(r)
+    assert r.ping()
+    assert r.exists(*keys) == 0
 
 
-def test_a_long_chain_loses_its_tail_first(node):
+def test_a_long_chain_loses_its_tail_first(r):
     """1,500 blocks of 4 KiB (6 MiB), then 4 MiB of newer values: what stays is a prefix."""
     chain = [b"block-%05d" % i for i in range(1500)]
-    pipe = node.pipeline(transaction=False)
+    pipe = r.pipeline(transaction=False)
     for i, key in enumerate(chain):
         pipe.execute_command(wire.KV_PUT, key, value_of(i, 4 * KIB), *(["PARENT", chain[i - 1]] if i else []))
     assert all(pipe.execute())
     for n in range(4):
-        assert node.set(b"newer-%d" % n, value_of(n, MIB))
-    cached = node.execute_command(wire.KV_MATCH, *chain)
+        assert r.set(b"newer-%d" % n, value_of(n, MIB))
+    cached = r.execute_command(wire.KV_MATCH, *chain)
     assert 0 < cached < len(chain)
-    assert node.exists(*chain) == cached, "every cached block is in the matched prefix"
+    assert r.exists(*chain) == cached, "every cached block is in the matched prefix"
