@@ -295,3 +295,28 @@ def test_node_entries_written_by_others_are_checked():
         assert sim.converged() and len(sim.live[0].map.nodes) == 2
         await sim.close()
     run_simulated(scenario())
+
+
+def test_a_join_reaches_the_leader_and_then_every_node_once_through_the_map():
+    """Followers watch the map and the leader key; only the leader watches the registrations, so a
+    join costs O(N) watch events across the cluster (its node key to the leader, the map to all)."""
+    async def scenario():
+        sim = Sim()
+        await sim.join(20)
+        await sim.settle(1.0)
+        leader = next(s for s in sim.live if s.is_leader)
+        watching = {}
+        for watch in sim.store.watches:
+            watching.setdefault(watch.client, set()).add(watch.prefix.rpartition(b"/sim/")[2])
+        for state in sim.live:
+            expected = {b"slotmap", b"leader"} | ({b"nodes/"} if state is leader else set())
+            assert watching[state.membership.kv] == expected
+        events = sim.store.stats.watch_events
+        await sim.join()
+        await sim.settle(1.0)
+        await asyncio.sleep(0.5)
+        assert sim.store.stats.watch_events - events <= 1 + len(sim.live)   # was 3 per node
+        assert all(s.nodes == s.map.nodes for s in sim.live if s is not leader)
+        assert leader.nodes.keys() == leader.map.nodes.keys()
+        await sim.close()
+    run_simulated(scenario())

@@ -66,7 +66,7 @@ class ClusterState:
         self.membership = membership
         self.settle = settle
         self.move_budget = move_budget          # seconds a clean move may take; 0: slots just change owner
-        self.nodes: dict[str, str] = {}         # live registrations, as membership last said
+        self.nodes: dict[str, str] = {}         # leader: live registrations; others: the map's nodes
         self.refused = 0                        # maps refused since start
         self.map = SlotMap.empty()
         self._owners: list[str | None] = self.map.owner_list
@@ -129,6 +129,8 @@ class ClusterState:
                 return False
             raise SlotMapError(f"a different map with epoch {new.epoch}, the epoch in force")
         self.map = new
+        if not self.is_leader:
+            self.nodes = dict(new.nodes)
         self._owners = new.owner_list
         self.mine = new.slots_of(self.my_id).astype(np.uint8).tobytes()
         self._repair = False
@@ -165,6 +167,11 @@ class ClusterState:
         self._time_step()
         if leader:
             self._reconcile_soon()
+        else:
+            self.nodes = dict(self.map.nodes)
+
+    def map_nodes(self) -> dict[str, str]:
+        return self.map.nodes
 
     def _reconcile_soon(self) -> None:
         if self.is_leader and self._pending is None:
