@@ -3,10 +3,10 @@
 The leader moves as few slots as it can, and a joining node takes whole runs (each donor's
 highest slots, a node may sit up to 1/8 of its share below or above it), so each join adds a few
 ranges, not one per node. The map is written with owners as runs of node indexes. Every node
-watches the map, so each write of it costs etcd its size once per node; only the leader watches
-the registrations, so a join's node key reaches one watcher. Each row also gives what etcd
-delivered to all watchers for the join that reached that size (events, and bytes as a multiple
-of the map).
+watches the map's change record (a node reads the whole map only when it missed an epoch), and
+only the leader watches the registrations, so a join's node key reaches one watcher. Each row
+also gives what etcd delivered to all watchers for the join that reached that size (events, and
+bytes as a multiple of the map), beside what delivering the whole map to every node would cost.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def map_growth(nodes: int, seed: int = 1) -> None:
     started together) and what one write of it costs the watchers."""
     rows = run_simulated(_grow(nodes, seed))
     print(f"\nSlot map as {nodes} nodes join one at a time (the leader's own assignment, clean moves off)")
-    print("| nodes | ranges | map bytes | started together: ranges, bytes | one write to every watcher "
+    print("| nodes | ranges | map bytes | started together: ranges, bytes | the whole map to every node "
           "| this join: watch events | this join: bytes to watchers (x map) |")
     print("|---|---|---|---|---|---|---|")
     for n, ranges, size, events, delivered in rows:

@@ -6,6 +6,7 @@ Layout under ``/kvstore/<cluster>/``::
     addrs/<host:port> -> node id       (under the node's lease: one node per address)
     leader            -> node id       (under the leader's lease)
     slotmap           -> the JSON slot map (no lease: it outlives every node)
+    mapchange         -> the change record that took the previous map to it (slots.py)
 
 A node joins by granting a lease with ttl = its node timeout and creating its
 two keys in one transaction that requires both to be absent: a second node
@@ -19,16 +20,20 @@ turn, not at once: each ranks itself among the map's nodes other than the
 old leader (by id) and campaigns ``rank x CAMPAIGN_STEP`` seconds after the
 key went, unless a new leader's key arrived first. The first in rank wins
 with one transaction; the next one campaigns only when it is gone too.
-The leader writes the map in a transaction that compares the leader key's
+The leader writes the map and its change record in a transaction that compares the leader key's
 create revision (a deposed leader cannot write) and the map's mod revision
 (a map computed from a stale one is not written; the watch brings the newer
 map and the leader computes again).
 
-Every node watches two keys, the map and the leader key; only the leader
-watches the registrations (``nodes/``), which it reads when it takes the
-lead, before it acts as leader. A join or leave thus reaches the leader once
-and every node once more only through the map it causes: O(N) watch events
-per join across the cluster, not O(N) per key. A follower's view of who is
+Every node watches two keys, the change record and the leader key; only the
+leader watches the registrations (``nodes/``), which it reads when it takes
+the lead, before it acts as leader. A join or leave thus reaches the leader
+once and every node once more only through the map change it causes: O(N)
+watch events per join across the cluster, not O(N) per key, each a record of
+a few hundred bytes rather than the map; a node reads the whole map only when
+the record is not for the map it holds (it missed an epoch) or when a write
+of the leader's fails on the map's revision. A map written without a record
+(by hand, or by a leader of an older version) is not seen until then. A follower's view of who is
 in the cluster is the map's node set (``map_nodes``), which is also what it
 ranks itself in when an election is due. A broken watch resumes from the
 last revision it saw + 1, so no event is missed; if that history is
@@ -62,7 +67,7 @@ from typing import Protocol
 
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.kv import KV, Compacted, Compare, Event, KeyValue, Put, Unavailable
-from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
+from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, change_record, check_address
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -81,6 +86,7 @@ class MembershipListener(Protocol):
 
     def on_nodes(self, nodes: dict[str, str]) -> None: ...
     def on_map(self, raw: bytes) -> None: ...
+    def on_change(self, raw: bytes) -> bool: ...
     def on_leader(self, leader: bool) -> None: ...
     def map_nodes(self) -> dict[str, str]: ...
 
@@ -104,8 +110,9 @@ class Membership(ABC):
         """
 
     @abstractmethod
-    def propose(self, slot_map: SlotMap) -> None:
-        """As leader, write ``slot_map`` unless the map or the leadership changed since it was computed."""
+    def propose(self, slot_map: SlotMap, base: SlotMap | None = None) -> None:
+        """As leader, write ``slot_map`` (made from ``base``, the map in force) unless the map or the
+        leadership changed since it was computed."""
 
     @abstractmethod
     async def leave(self) -> None:
@@ -129,6 +136,7 @@ class EtcdMembership(Membership):
         self.prefix = f"/kvstore/{cluster}/".encode()
         self.leader_key = self.prefix + b"leader"
         self.map_key = self.prefix + b"slotmap"
+        self.change_key = self.prefix + b"mapchange"
         self.node_id = self.addr = ""
         self.listener: MembershipListener | None = None
         self.lease, self.ttl = 0, max(1, math.ceil(node_timeout))
@@ -137,7 +145,8 @@ class EtcdMembership(Membership):
         self.map_revision = 0           # mod revision of the map last delivered (0: none)
         self.leader_id: str | None = None
         self.leader_revision = 0        # create revision of the leader key while we hold it
-        self._proposal: tuple[SlotMap, int, int] | None = None
+        self._proposal: tuple[SlotMap, SlotMap | None, int, int] | None = None
+        self._fetching: asyncio.Task | None = None
         self._writer: asyncio.Task | None = None
         self._leading: asyncio.Task | None = None    # reads and watches the registrations
         self._campaigning = False
@@ -175,7 +184,7 @@ class EtcdMembership(Membership):
         except Unavailable as e:
             raise ClusterError(f"lost {self.where} while joining cluster {self.cluster!r}: {e}") from None
         self._spawn(self._keep_alive())
-        self._spawn(self._watch(self.map_key, self._read_map, self._on_map_event))
+        self._spawn(self._watch(self.change_key, self._read_map, self._on_change_event))
         self._spawn(self._watch(self.leader_key, self._read_leader, self._on_leader_event))
 
     async def _first_lease(self) -> None:
@@ -355,24 +364,25 @@ class EtcdMembership(Membership):
 
     # ---------------------------------------------------------------- the map
 
-    def propose(self, slot_map: SlotMap) -> None:
+    def propose(self, slot_map: SlotMap, base: SlotMap | None = None) -> None:
         if not self.is_leader:
             return
-        self._proposal = (slot_map, self.map_revision, self.leader_revision)
+        self._proposal = (slot_map, base, self.map_revision, self.leader_revision)
         if self._writer is None or self._writer.done():
             self._writer = self._spawn(self._write_proposals())
 
     async def _write_proposals(self) -> None:
         while self._proposal is not None and self.is_leader:
-            slot_map, base, leadership = self._proposal
+            slot_map, made_from, base, leadership = self._proposal
             self._proposal = None
+            record = change_record(made_from or SlotMap.empty().with_epoch(-1), slot_map)
             try:
                 ok, _ = await self.kv.txn([Compare("create", self.leader_key, leadership),
                                            Compare("mod", self.map_key, base)],
-                                          [Put(self.map_key, slot_map.to_json())])
+                                          [Put(self.map_key, slot_map.to_json()), Put(self.change_key, record)])
             except Unavailable as e:
                 self._set_reachable(False, str(e))
-                self._proposal = self._proposal or (slot_map, base, leadership)
+                self._proposal = self._proposal or (slot_map, made_from, base, leadership)
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
             if ok:
@@ -380,6 +390,7 @@ class EtcdMembership(Membership):
                          slot_map.epoch, len(slot_map.nodes), slot_map.assigned)
             else:
                 log.info("Slot map epoch %d not written: the map or the leader changed meanwhile", slot_map.epoch)
+                self._fetch_map()           # a map written without a record is seen only this way
 
     # ---------------------------------------------------------------- watching
 
@@ -394,8 +405,29 @@ class EtcdMembership(Membership):
         return kvs
 
     async def _read_map(self) -> None:
-        for kv in await self._read(self.map_key):
+        """The whole map, as the change watch starts (or restarts after a compaction) from here."""
+        revision, kvs = await self.kv.get_prefix(self.map_key)
+        self.revisions[self.change_key] = revision
+        for kv in kvs:
             if kv.key == self.map_key and kv.mod_revision != self.map_revision:
+                self.map_revision = kv.mod_revision
+                self.listener.on_map(kv.value)
+
+    def _fetch_map(self) -> None:
+        if self._fetching is None or self._fetching.done():
+            self._fetching = self._spawn(self._fetch())
+
+    async def _fetch(self) -> None:
+        """Read the whole map once (a record was not for the map held, or a write failed on it)."""
+        while True:
+            try:
+                _, kvs = await self.kv.get_prefix(self.map_key)
+                break
+            except Unavailable as e:
+                self._set_reachable(False, str(e))
+                await asyncio.sleep(RETRY_SECONDS)
+        for kv in kvs:
+            if kv.key == self.map_key and kv.mod_revision > self.map_revision:
                 self.map_revision = kv.mod_revision
                 self.listener.on_map(kv.value)
 
@@ -441,10 +473,13 @@ class EtcdMembership(Membership):
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_WATCH_BACKOFF)
 
-    def _on_map_event(self, event: Event) -> None:
-        if event.kv.key == self.map_key:
-            self.map_revision = 0 if event.deleted else event.kv.mod_revision
-            self.listener.on_map(event.kv.value)
+    def _on_change_event(self, event: Event) -> None:
+        if event.kv.key != self.change_key or event.deleted or event.kv.mod_revision <= self.map_revision:
+            return
+        if self.listener.on_change(event.kv.value):
+            self.map_revision = event.kv.mod_revision      # written with the map, in one transaction
+        else:
+            self._fetch_map()
 
     def _on_leader_event(self, event: Event) -> None:
         if event.kv.key == self.leader_key:

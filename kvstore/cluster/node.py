@@ -42,7 +42,7 @@ import numpy as np
 
 from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.membership import Membership
-from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
+from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError, apply_change
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -158,6 +158,18 @@ class ClusterState:
         if changed:
             self._reconcile_soon()
 
+    def on_change(self, raw: bytes) -> bool:
+        """Apply a change record to the map in force; False when it is not for that map (membership
+        then reads the whole map)."""
+        new = apply_change(self.map, bytes(raw))
+        try:
+            if new is None or not self.apply(new):
+                return new is not None
+        except SlotMapError:
+            return False                # the whole map will say what is wrong
+        self._reconcile_soon()
+        return True
+
     def on_nodes(self, nodes: dict[str, str]) -> None:
         self.nodes = nodes
         self.draining &= nodes.keys()
@@ -185,14 +197,14 @@ class ClusterState:
         live = self._live()
         if self.map.migrating:
             if self._step_over(live):
-                self.membership.propose(finish_moves(self.map, self._assignable(live)))
+                self.membership.propose(finish_moves(self.map, self._assignable(live)), self.map)
             return
         plan = rebalance(self.map, self._assignable(live), force=self._repair)
         if plan is self.map:
             return
         if self.move_budget > 0:
             plan = plan_moves(self.map, plan, live)
-        self.membership.propose(plan)
+        self.membership.propose(plan, self.map)
 
     def _live(self) -> dict[str, str]:
         """The registered nodes, plus, within an etcd stall's grace, the map's nodes missing from them."""
