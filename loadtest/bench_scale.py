@@ -7,7 +7,7 @@ nodes (`sim_cluster`). docs/scale.md is written from what this prints.
     python -m loadtest.bench_scale growth                   # wall time vs requests, vs instances
     python -m loadtest.bench_scale cluster --nodes 16 64 256
     python -m loadtest.bench_scale hits --nodes 16          # hit ratio vs DRAM per node
-    python -m loadtest.bench_scale map --nodes 256          # map size as nodes join one by one
+    python -m loadtest.bench_scale map --nodes 256          # map size, watch events and bytes per join
 
 Replays run one at a time, each in a fresh process that generates its trace itself (the
 conversation preset, its rate scaled with the prefill instances so each sees the load of the

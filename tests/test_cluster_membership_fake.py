@@ -273,7 +273,8 @@ def test_a_bad_map_in_etcd_is_refused_and_the_leader_writes_a_newer_one(bad):
         await sim.settle(1.0)
         good = sim.live[0].map
         raw = SlotMap.build(0, {}, [None] * SLOTS).to_json() if bad == "lower epoch" else bad
-        await sim.store.client().txn([], [Put(b"/kvstore/sim/slotmap", raw)])
+        await sim.store.client().txn([], [Put(b"/kvstore/sim/slotmap", raw),
+                                          Put(b"/kvstore/sim/mapchange", b"not a record for it")])
         await sim.settle(1.0)
         await asyncio.sleep(0.5)
         repaired = sim.live[0].map
@@ -293,5 +294,33 @@ def test_node_entries_written_by_others_are_checked():
                               Put(b"/kvstore/sim/nodes/" + b"f" * 40, b"no port")])
         await asyncio.sleep(1.0)
         assert sim.converged() and len(sim.live[0].map.nodes) == 2
+        await sim.close()
+    run_simulated(scenario())
+
+
+def test_a_join_reaches_the_leader_and_then_every_node_once_through_the_map():
+    """Followers watch the map's change record and the leader key; only the leader watches the
+    registrations, so a join costs O(N) watch events across the cluster (its node key to the
+    leader, the record of the map's change to all), each a few hundred bytes."""
+    async def scenario():
+        sim = Sim()
+        await sim.join(20)
+        await sim.settle(1.0)
+        leader = next(s for s in sim.live if s.is_leader)
+        watching = {}
+        for watch in sim.store.watches:
+            watching.setdefault(watch.client, set()).add(watch.prefix.rpartition(b"/sim/")[2])
+        for state in sim.live:
+            expected = {b"mapchange", b"leader"} | ({b"nodes/"} if state is leader else set())
+            assert watching[state.membership.kv] == expected
+        events, delivered = sim.store.stats.watch_events, sim.store.stats.watch_bytes
+        await sim.join()
+        await sim.settle(1.0)
+        await asyncio.sleep(0.5)
+        assert sim.store.stats.watch_events - events <= 1 + len(sim.live)   # was 3 per node
+        assert sim.store.stats.watch_bytes - delivered <= 500 * (1 + len(sim.live))  # a record, not the map
+        assert all(s.map.same_as(leader.map) for s in sim.live)
+        assert all(s.nodes == s.map.nodes for s in sim.live if s is not leader)
+        assert leader.nodes.keys() == leader.map.nodes.keys()
         await sim.close()
     run_simulated(scenario())

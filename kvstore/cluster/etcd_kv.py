@@ -5,6 +5,11 @@ timeout) becomes `Unavailable`, and a compacted watch becomes `Compacted`, so
 membership has two cases to handle. gRPC's reconnect backoff is capped at one
 second: after an etcd restart nodes are back within a second, not after
 gRPC's default of up to two minutes.
+
+Each watched prefix gets a client (a gRPC channel and watch stream) of its
+own: aetcd multiplexes the watches of one client over one stream, and when
+that stream breaks, watches re-created on it concurrently can be left without
+events (seen with two watches over an etcd restart).
 """
 from __future__ import annotations
 
@@ -42,8 +47,16 @@ class EtcdKV(KV):
     """One aetcd client; ``timeout`` bounds every unary call (seconds)."""
 
     def __init__(self, host: str, port: int, timeout: float = 2.0):
+        self.host, self.port, self.timeout = host, port, timeout
         self.client = aetcd.Client(host, port, timeout=timeout, options=CHANNEL_OPTIONS)
         self.ops = self.client.transactions
+        self.watchers: dict[bytes, aetcd.Client] = {}    # per watched prefix (the first one: self.client)
+
+    def _watcher(self, prefix: bytes) -> aetcd.Client:
+        if prefix not in self.watchers:
+            self.watchers[prefix] = (aetcd.Client(self.host, self.port, timeout=self.timeout, options=CHANNEL_OPTIONS)
+                                     if self.watchers else self.client)
+        return self.watchers[prefix]
 
     @_unavailable_on_error
     async def grant(self, ttl: int) -> tuple[int, int]:
@@ -88,7 +101,7 @@ class EtcdKV(KV):
         return self.ops.delete(op.key)
 
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> AsyncIterator[Event]:
-        watch = await _unavailable_on_error(self.client.watch_prefix)(prefix, start_revision=start_revision)
+        watch = await _unavailable_on_error(self._watcher(prefix).watch_prefix)(prefix, start_revision=start_revision)
         try:
             events = aiter(watch)
             while True:
@@ -103,7 +116,8 @@ class EtcdKV(KV):
                 pass            # the stream is already gone
 
     async def close(self) -> None:
-        try:
-            await self.client.close()
-        except (aetcd_errors.ClientError, asyncio.TimeoutError):
-            pass
+        for client in {id(c): c for c in [self.client, *self.watchers.values()]}.values():
+            try:
+                await client.close()
+            except (aetcd_errors.ClientError, asyncio.TimeoutError):
+                pass

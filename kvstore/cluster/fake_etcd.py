@@ -39,6 +39,7 @@ class FakeEtcdStats:
     txns: int = 0
     txns_failed: int = 0
     watch_events: int = 0           # events delivered, summed over watchers
+    watch_bytes: int = 0            # their keys and values, summed over watchers
     bytes_written: int = 0
 
 
@@ -227,6 +228,7 @@ class FakeEtcdClient(KV):
                 if isinstance(item, Exception):
                     raise item
                 store.stats.watch_events += 1
+                store.stats.watch_bytes += len(item.kv.key) + len(item.kv.value)
                 yield item
         finally:
             store.watches.discard(watch)

@@ -6,6 +6,7 @@ Layout under ``/kvstore/<cluster>/``::
     addrs/<host:port> -> node id       (under the node's lease: one node per address)
     leader            -> node id       (under the leader's lease)
     slotmap           -> the JSON slot map (no lease: it outlives every node)
+    mapchange         -> the change record that took the previous map to it (slots.py)
 
 A node joins by granting a lease with ttl = its node timeout and creating its
 two keys in one transaction that requires both to be absent: a second node
@@ -15,19 +16,30 @@ Its keep-alive loop refreshes the lease every ttl/3; if etcd says the lease is
 gone (etcd lost it for longer than the ttl) it joins again. Leadership is a
 key created with the leader's lease in a transaction that requires it to be
 absent; when the leader's lease expires the key goes and the nodes campaign in
-turn, not at once: each ranks itself among the registered nodes other than
-the old leader (by id) and campaigns ``rank x CAMPAIGN_STEP`` seconds after the
+turn, not at once: each ranks itself among the map's nodes other than the
+old leader (by id) and campaigns ``rank x CAMPAIGN_STEP`` seconds after the
 key went, unless a new leader's key arrived first. The first in rank wins
 with one transaction; the next one campaigns only when it is gone too.
-The leader writes the map in a transaction that compares the leader key's
+The leader writes the map and its change record in a transaction that compares the leader key's
 create revision (a deposed leader cannot write) and the map's mod revision
 (a map computed from a stale one is not written; the watch brings the newer
 map and the leader computes again).
 
-Every node watches the whole prefix. A broken watch resumes from the last
-revision seen + 1, so no event is missed; if that history is compacted the
-node reads everything again. While etcd is unreachable nothing changes: the
-node keeps its last map, keeps serving, and retries.
+Every node watches two keys, the change record and the leader key; only the
+leader watches the registrations (``nodes/``), which it reads when it takes
+the lead, before it acts as leader. A join or leave thus reaches the leader
+once and every node once more only through the map change it causes: O(N)
+watch events per join across the cluster, not O(N) per key, each a record of
+a few hundred bytes rather than the map; a node reads the whole map only when
+the record is not for the map it holds (it missed an epoch) or when a write
+of the leader's fails on the map's revision. A map written without a record
+(by hand, or by a leader of an older version) is not seen until then. A follower's view of who is
+in the cluster is the map's node set (``map_nodes``), which is also what it
+ranks itself in when an election is due. A broken watch resumes from the
+last revision it saw + 1, so no event is missed; if that history is
+compacted the node reads that key (or the registrations) again. While etcd
+is unreachable nothing changes: the node keeps its last map, keeps serving,
+and retries.
 
 A coordinator pause is not a node failure. When etcd stalls (SIGSTOP, a
 long fsync, a partition of etcd itself) for longer than the ttl, every lease
@@ -55,7 +67,7 @@ from typing import Protocol
 
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.kv import KV, Compacted, Compare, Event, KeyValue, Put, Unavailable
-from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
+from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, change_record, check_address
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -74,7 +86,9 @@ class MembershipListener(Protocol):
 
     def on_nodes(self, nodes: dict[str, str]) -> None: ...
     def on_map(self, raw: bytes) -> None: ...
+    def on_change(self, raw: bytes) -> bool: ...
     def on_leader(self, leader: bool) -> None: ...
+    def map_nodes(self) -> dict[str, str]: ...
 
 
 class Membership(ABC):
@@ -96,8 +110,9 @@ class Membership(ABC):
         """
 
     @abstractmethod
-    def propose(self, slot_map: SlotMap) -> None:
-        """As leader, write ``slot_map`` unless the map or the leadership changed since it was computed."""
+    def propose(self, slot_map: SlotMap, base: SlotMap | None = None) -> None:
+        """As leader, write ``slot_map`` (made from ``base``, the map in force) unless the map or the
+        leadership changed since it was computed."""
 
     @abstractmethod
     async def leave(self) -> None:
@@ -121,16 +136,19 @@ class EtcdMembership(Membership):
         self.prefix = f"/kvstore/{cluster}/".encode()
         self.leader_key = self.prefix + b"leader"
         self.map_key = self.prefix + b"slotmap"
+        self.change_key = self.prefix + b"mapchange"
         self.node_id = self.addr = ""
         self.listener: MembershipListener | None = None
         self.lease, self.ttl = 0, max(1, math.ceil(node_timeout))
-        self.nodes: dict[str, str] = {}
-        self.revision = 0               # last revision seen; a watch resumes after it
+        self.nodes: dict[str, str] = {}         # the registrations, kept while leader
+        self.revisions: dict[bytes, int] = {}   # per watched prefix: last revision seen
         self.map_revision = 0           # mod revision of the map last delivered (0: none)
         self.leader_id: str | None = None
         self.leader_revision = 0        # create revision of the leader key while we hold it
-        self._proposal: tuple[SlotMap, int, int] | None = None
+        self._proposal: tuple[SlotMap, SlotMap | None, int, int] | None = None
+        self._fetching: asyncio.Task | None = None
         self._writer: asyncio.Task | None = None
+        self._leading: asyncio.Task | None = None    # reads and watches the registrations
         self._campaigning = False
         self._leaderless_since = 0.0     # loop time the leader key was seen gone
         self._rank = 0                   # this node's turn to campaign in that election
@@ -166,7 +184,8 @@ class EtcdMembership(Membership):
         except Unavailable as e:
             raise ClusterError(f"lost {self.where} while joining cluster {self.cluster!r}: {e}") from None
         self._spawn(self._keep_alive())
-        self._spawn(self._watch())
+        self._spawn(self._watch(self.change_key, self._read_map, self._on_change_event))
+        self._spawn(self._watch(self.leader_key, self._read_leader, self._on_leader_event))
 
     async def _first_lease(self) -> None:
         """Grant our lease, retrying until ``connect_timeout``: the one bounded wait at start."""
@@ -305,7 +324,7 @@ class EtcdMembership(Membership):
         if kv is None:
             old, self.leader_id = self.leader_id, None
             self._set_leader(False)
-            candidates = sorted(node_id for node_id in self.nodes if node_id != old)
+            candidates = sorted(node_id for node_id in self.listener.map_nodes() if node_id != old)
             self._rank = candidates.index(self.node_id) if self.node_id in candidates else len(candidates)
             self._leaderless_since = asyncio.get_running_loop().time()
             self._spawn(self._campaign_in_turn())
@@ -317,6 +336,26 @@ class EtcdMembership(Membership):
         self._set_leader(mine)
 
     def _set_leader(self, leader: bool) -> None:
+        """Start leading (once the registrations are read: `_lead`) or stop."""
+        if leader:
+            if not self.is_leader and (self._leading is None or self._leading.done()):
+                self._leading = self._spawn(self._lead())
+            return
+        if self._leading is not None:
+            self._leading.cancel()
+            self._leading = None
+        self.nodes = {}
+        self.revisions.pop(self.prefix + b"nodes/", None)      # read them again when leading again
+        self._announce_leader(False)
+
+    async def _lead(self) -> None:
+        """Read the registrations, act as leader, and follow them while leading."""
+        def started() -> None:
+            self.listener.on_nodes(dict(self.nodes))
+            self._announce_leader(True)
+        await self._watch(self.prefix + b"nodes/", self._read_nodes, self._on_node_event, started)
+
+    def _announce_leader(self, leader: bool) -> None:
         if leader != self.is_leader:
             self.is_leader = leader
             log.info("%s leadership of cluster %r", "Took" if leader else "Lost", self.cluster)
@@ -325,24 +364,25 @@ class EtcdMembership(Membership):
 
     # ---------------------------------------------------------------- the map
 
-    def propose(self, slot_map: SlotMap) -> None:
+    def propose(self, slot_map: SlotMap, base: SlotMap | None = None) -> None:
         if not self.is_leader:
             return
-        self._proposal = (slot_map, self.map_revision, self.leader_revision)
+        self._proposal = (slot_map, base, self.map_revision, self.leader_revision)
         if self._writer is None or self._writer.done():
             self._writer = self._spawn(self._write_proposals())
 
     async def _write_proposals(self) -> None:
         while self._proposal is not None and self.is_leader:
-            slot_map, base, leadership = self._proposal
+            slot_map, made_from, base, leadership = self._proposal
             self._proposal = None
+            record = change_record(made_from or SlotMap.empty().with_epoch(-1), slot_map)
             try:
                 ok, _ = await self.kv.txn([Compare("create", self.leader_key, leadership),
                                            Compare("mod", self.map_key, base)],
-                                          [Put(self.map_key, slot_map.to_json())])
+                                          [Put(self.map_key, slot_map.to_json()), Put(self.change_key, record)])
             except Unavailable as e:
                 self._set_reachable(False, str(e))
-                self._proposal = self._proposal or (slot_map, base, leadership)
+                self._proposal = self._proposal or (slot_map, made_from, base, leadership)
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
             if ok:
@@ -350,41 +390,82 @@ class EtcdMembership(Membership):
                          slot_map.epoch, len(slot_map.nodes), slot_map.assigned)
             else:
                 log.info("Slot map epoch %d not written: the map or the leader changed meanwhile", slot_map.epoch)
+                self._fetch_map()           # a map written without a record is seen only this way
 
     # ---------------------------------------------------------------- watching
 
     async def _resync(self) -> None:
-        """Read the whole cluster state (at join, and when watch history is compacted)."""
-        revision, kvs = await self.kv.get_prefix(self.prefix)
-        nodes, leader = {}, None
-        self.revision = revision
+        """Read the map and the leader key (at join)."""
+        await self._read_map()
+        await self._read_leader()
+
+    async def _read(self, prefix: bytes) -> list[KeyValue]:
+        revision, kvs = await self.kv.get_prefix(prefix)
+        self.revisions[prefix] = revision
+        return kvs
+
+    async def _read_map(self) -> None:
+        """The whole map, as the change watch starts (or restarts after a compaction) from here."""
+        revision, kvs = await self.kv.get_prefix(self.map_key)
+        self.revisions[self.change_key] = revision
         for kv in kvs:
-            name = kv.key[len(self.prefix):]
-            if name.startswith(b"nodes/"):
-                node_id, addr = name[6:].decode(errors="replace"), kv.value.decode(errors="replace")
-                if self._valid_node(node_id, addr):
-                    nodes[node_id] = addr
-            elif name == b"leader":
-                leader = kv
-            elif name == b"slotmap" and kv.mod_revision != self.map_revision:
+            if kv.key == self.map_key and kv.mod_revision != self.map_revision:
                 self.map_revision = kv.mod_revision
                 self.listener.on_map(kv.value)
-        self._set_nodes(nodes)
-        self._leader_seen(leader)
 
-    async def _watch(self) -> None:
-        backoff, resync = RETRY_SECONDS, False
+    def _fetch_map(self) -> None:
+        if self._fetching is None or self._fetching.done():
+            self._fetching = self._spawn(self._fetch())
+
+    async def _fetch(self) -> None:
+        """Read the whole map once (a record was not for the map held, or a write failed on it)."""
+        while True:
+            try:
+                _, kvs = await self.kv.get_prefix(self.map_key)
+                break
+            except Unavailable as e:
+                self._set_reachable(False, str(e))
+                await asyncio.sleep(RETRY_SECONDS)
+        for kv in kvs:
+            if kv.key == self.map_key and kv.mod_revision > self.map_revision:
+                self.map_revision = kv.mod_revision
+                self.listener.on_map(kv.value)
+
+    async def _read_leader(self) -> None:
+        found = [kv for kv in await self._read(self.leader_key) if kv.key == self.leader_key]
+        self._leader_seen(found[0] if found else None)
+
+    async def _read_nodes(self) -> None:
+        nodes = {}
+        for kv in await self._read(self.prefix + b"nodes/"):
+            node_id, addr = kv.key[len(self.prefix) + 6:].decode(errors="replace"), kv.value.decode(errors="replace")
+            if self._valid_node(node_id, addr):
+                nodes[node_id] = addr
+        self._set_nodes(nodes)
+
+    async def _watch(self, prefix: bytes, read, on_event, started=None) -> None:
+        """Follow ``prefix`` from the revision after the last one seen; ``read`` it (again) first
+        when nothing was read yet or the history is compacted; ``started()`` once it was read."""
+        backoff, resync = RETRY_SECONDS, prefix not in self.revisions
         while True:
             try:
                 if resync:
-                    await self._resync()
+                    await read()
                     resync = False
-                async for event in self.kv.watch_prefix(self.prefix, self.revision + 1):
+                    if started is not None:
+                        started()
+                        started = None
+                async for event in self.kv.watch_prefix(prefix, self.revisions[prefix] + 1):
                     self._set_reachable(True)
                     backoff = RETRY_SECONDS
-                    self._on_event(event)
+                    self.revisions[prefix] = max(self.revisions[prefix], event.kv.mod_revision)
+                    try:
+                        on_event(event)
+                    except Exception:
+                        # A bug applying one event must not stop the watch (the node would go deaf).
+                        log.exception("Applying watch event on %r failed", event.kv.key)
             except Compacted as e:
-                log.warning("Watch history is compacted (%s): reading the cluster state again", e)
+                log.warning("Watch history is compacted (%s): reading %r again", e, prefix)
                 resync = True
                 continue
             except Unavailable as e:
@@ -392,21 +473,21 @@ class EtcdMembership(Membership):
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, MAX_WATCH_BACKOFF)
 
-    def _on_event(self, event: Event) -> None:
-        self.revision = max(self.revision, event.kv.mod_revision)
-        name = event.kv.key[len(self.prefix):]
-        try:
-            if name.startswith(b"nodes/"):
-                self._node_changed(name[6:].decode(errors="replace"),
-                                   None if event.deleted else event.kv.value.decode(errors="replace"))
-            elif name == b"slotmap":
-                self.map_revision = 0 if event.deleted else event.kv.mod_revision
-                self.listener.on_map(event.kv.value)
-            elif name == b"leader":
-                self._leader_seen(None if event.deleted else event.kv)
-        except Exception:
-            # A bug applying one event must not stop the watch (the node would go deaf).
-            log.exception("Applying watch event on %r failed", event.kv.key)
+    def _on_change_event(self, event: Event) -> None:
+        if event.kv.key != self.change_key or event.deleted or event.kv.mod_revision <= self.map_revision:
+            return
+        if self.listener.on_change(event.kv.value):
+            self.map_revision = event.kv.mod_revision      # written with the map, in one transaction
+        else:
+            self._fetch_map()
+
+    def _on_leader_event(self, event: Event) -> None:
+        if event.kv.key == self.leader_key:
+            self._leader_seen(None if event.deleted else event.kv)
+
+    def _on_node_event(self, event: Event) -> None:
+        self._node_changed(event.kv.key[len(self.prefix) + 6:].decode(errors="replace"),
+                           None if event.deleted else event.kv.value.decode(errors="replace"))
 
     def _node_changed(self, node_id: str, addr: str | None) -> None:
         nodes = dict(self.nodes)

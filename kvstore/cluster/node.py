@@ -42,7 +42,7 @@ import numpy as np
 
 from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.membership import Membership
-from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
+from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError, apply_change
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -66,7 +66,7 @@ class ClusterState:
         self.membership = membership
         self.settle = settle
         self.move_budget = move_budget          # seconds a clean move may take; 0: slots just change owner
-        self.nodes: dict[str, str] = {}         # live registrations, as membership last said
+        self.nodes: dict[str, str] = {}         # leader: live registrations; others: the map's nodes
         self.refused = 0                        # maps refused since start
         self.map = SlotMap.empty()
         self._owners: list[str | None] = self.map.owner_list
@@ -129,6 +129,8 @@ class ClusterState:
                 return False
             raise SlotMapError(f"a different map with epoch {new.epoch}, the epoch in force")
         self.map = new
+        if not self.is_leader:
+            self.nodes = dict(new.nodes)
         self._owners = new.owner_list
         self.mine = new.slots_of(self.my_id).astype(np.uint8).tobytes()
         self._repair = False
@@ -156,6 +158,18 @@ class ClusterState:
         if changed:
             self._reconcile_soon()
 
+    def on_change(self, raw: bytes) -> bool:
+        """Apply a change record to the map in force; False when it is not for that map (membership
+        then reads the whole map)."""
+        new = apply_change(self.map, bytes(raw))
+        try:
+            if new is None or not self.apply(new):
+                return new is not None
+        except SlotMapError:
+            return False                # the whole map will say what is wrong
+        self._reconcile_soon()
+        return True
+
     def on_nodes(self, nodes: dict[str, str]) -> None:
         self.nodes = nodes
         self.draining &= nodes.keys()
@@ -165,6 +179,11 @@ class ClusterState:
         self._time_step()
         if leader:
             self._reconcile_soon()
+        else:
+            self.nodes = dict(self.map.nodes)
+
+    def map_nodes(self) -> dict[str, str]:
+        return self.map.nodes
 
     def _reconcile_soon(self) -> None:
         if self.is_leader and self._pending is None:
@@ -178,14 +197,14 @@ class ClusterState:
         live = self._live()
         if self.map.migrating:
             if self._step_over(live):
-                self.membership.propose(finish_moves(self.map, self._assignable(live)))
+                self.membership.propose(finish_moves(self.map, self._assignable(live)), self.map)
             return
         plan = rebalance(self.map, self._assignable(live), force=self._repair)
         if plan is self.map:
             return
         if self.move_budget > 0:
             plan = plan_moves(self.map, plan, live)
-        self.membership.propose(plan)
+        self.membership.propose(plan, self.map)
 
     def _live(self) -> dict[str, str]:
         """The registered nodes, plus, within an etcd stall's grace, the map's nodes missing from them."""
