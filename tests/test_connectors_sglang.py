@@ -162,7 +162,7 @@ def test_a_store_that_goes_down_gives_misses_and_is_used_again_when_back(sg, tmp
                 assert backend.batch_set_v1(keys, src) == [False, False]
                 assert backend.get("d0", torch.empty(4)) is None and backend.set("d0", torch.zeros(4)) is False
                 time.sleep(0.25)
-        unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        unreachable = [r for r in caplog.records if "cannot be used" in r.getMessage()]
         assert len(unreachable) == 1 and f"{daemon.host}:{daemon.port}" in unreachable[0].getMessage()
         restart(daemon)
         time.sleep(0.25)

@@ -55,6 +55,7 @@ from typing import Any, Callable, Coroutine, List, Optional
 from urllib.parse import urlsplit
 
 from client import AsyncKVClient, KVClient
+from client.connectors.store_health import StoreHealth
 from client.errors import AuthenticationError, BufferTooSmall, KVError
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -111,49 +112,6 @@ def address_from_config(config: Any, plugin_name: str) -> tuple[str, str]:
     return url, key
 
 
-class _Reachability:
-    """Whether to try the node now, and the one log line per outage."""
-
-    def __init__(self, where: str, retry_interval: float):
-        self.where = where
-        self.retry_interval = retry_interval
-        self._lock = threading.Lock()
-        self._down_since: float | None = None
-        self._next_try = 0.0
-
-    def worth_trying(self) -> bool:
-        """True while the node answers; while it is down, for one call every `retry_interval` (the
-        probe: the other calls meanwhile miss at once rather than each wait for a dead node)."""
-        with self._lock:
-            if self._down_since is None:
-                return True
-            now = time.monotonic()
-            if now < self._next_try:
-                return False
-            self._next_try = now + self.retry_interval
-            return True
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            now = time.monotonic()
-            self._next_try = now + self.retry_interval
-            if self._down_since is not None:
-                return
-            self._down_since = now
-        logger.warning("kvstore at %s cannot be used (%s: %s): LMCache's remote reads miss and its "
-                       "writes are dropped; trying again every %.1f s",
-                       self.where, type(exc).__name__, exc, self.retry_interval)
-
-    def answered(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            logger.warning("kvstore at %s answers again after %.1f s: remote reads and writes resume",
-                           self.where, time.monotonic() - since)
-
-
 class KVStoreConnector(RemoteConnector):
     """LMCache's `RemoteConnector` over the kvstore SDK (see the module's docstring)."""
 
@@ -189,7 +147,8 @@ class KVStoreConnector(RemoteConnector):
         self.local_cpu_backend = local_cpu_backend
         self.store = AsyncKVClient(self.host, self.port, **common)     # used on `loop` only
         self.sync_store = KVClient(self.host, self.port, **common)     # for the synchronous lookups
-        self.reach = _Reachability(f"{self.host}:{self.port}", option("retry_interval", float))
+        self.reach = StoreHealth(f"kvstore at {self.host}:{self.port}", logger,
+                                 "LMCache's remote reads miss and its writes are dropped", option("retry_interval", float))
         self._refusal_lock = threading.Lock()
         self._refusals, self._refusal_logged = 0, -REFUSAL_LOG_INTERVAL
         threading.Thread(target=self._map_arena, name="kvstore-arena-map", daemon=True).start()
@@ -209,7 +168,7 @@ class KVStoreConnector(RemoteConnector):
     async def _guarded(self, call: Callable[[], Coroutine[Any, Any, Any]], miss: Any, tried: bool = False) -> Any:
         """``call()``'s result, or ``miss`` when the node is down or refuses it (``tried``: the caller
         has already asked `worth_trying`, which claims the probe of a node that is down)."""
-        if not tried and not self.reach.worth_trying():
+        if not tried and not self.reach.usable():
             return miss
         try:
             result = await call()
@@ -223,7 +182,7 @@ class KVStoreConnector(RemoteConnector):
         return result
 
     def _guarded_sync(self, call: Callable[[], Any], miss: Any) -> Any:
-        if not self.reach.worth_trying():
+        if not self.reach.usable():
             return miss
         try:
             result = call()
@@ -300,7 +259,7 @@ class KVStoreConnector(RemoteConnector):
         return None
 
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
-        if not self.reach.worth_trying():
+        if not self.reach.usable():
             return None
         memory_obj = self._allocate()
         if memory_obj is None:
@@ -319,7 +278,7 @@ class KVStoreConnector(RemoteConnector):
 
     async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
         """One chunk or None per key, received in pipelined round trips."""
-        if not self.reach.worth_trying():
+        if not self.reach.usable():
             return [None] * len(keys)
         memory_objs = []
         for _ in keys:

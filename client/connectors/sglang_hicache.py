@@ -49,6 +49,7 @@ from typing import Any, Sequence
 import torch
 
 from client import KVClient
+from client.connectors.store_health import StoreHealth
 from client.errors import BufferTooSmall, ConnectionError as StoreConnectionError, KVError, TimeoutError as StoreTimeout
 from client.tensors import TensorMismatch
 
@@ -184,8 +185,8 @@ class HiCacheStore(_Base):
         self.mem_pool_host = None
         self._pages: _PoolPages | None = None
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._down_since: float | None = None
+        self.health = StoreHealth(f"HiCacheStore: kvstore at {self.address[0]}:{self.address[1]}", logger,
+                                  "HiCache storage misses", self.retry_s)
         self._refusals: set[tuple[str, str]] = set()
         self._counts = {"get_hits": 0, "get_misses": 0, "sets": 0, "set_failures": 0, "exists_queries": 0,
                         "prefix_hits": 0, "store_errors": 0, "skipped_while_down": 0}
@@ -220,31 +221,14 @@ class HiCacheStore(_Base):
     # ------------------------------------------------------- store health
 
     def _usable(self) -> bool:
-        if time.monotonic() >= self._down_until:
+        if self.health.usable():
             return True
         self._count("skipped_while_down")
         return False
 
     def _failed(self, what: str, error: BaseException) -> None:
         self._count("store_errors")
-        with self._lock:
-            self._down_until = time.monotonic() + self.retry_s
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-        if first:
-            logger.warning("HiCacheStore: kvstore at %s:%s unreachable during %s (%s: %s); HiCache storage "
-                           "misses until it answers again (retrying every %.1f s)",
-                           *self.address, what, type(error).__name__, error, self.retry_s)
-
-    def _answered(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            logger.warning("HiCacheStore: kvstore at %s:%s answers again after %.1f s",
-                           *self.address, time.monotonic() - since)
+        self.health.failed(error, what)
 
     def _call(self, what: str, fn, *args, default: Any = None, **kwargs) -> Any:
         """fn(*args) against the store; ``default`` (nothing raised) when it is down, slow or refuses."""
@@ -256,16 +240,16 @@ class HiCacheStore(_Base):
             self._failed(what, e)
             return default
         except (BufferTooSmall, TensorMismatch):      # a value other than the caller's buffer: theirs to judge
-            self._answered()
+            self.health.answered()
             raise
         except KVError as e:                          # the store answered, with an error
-            self._answered()
+            self.health.answered()
             self._count("store_errors")
             seen = (what, type(e).__name__) in self._refusals
             self._refusals.add((what, type(e).__name__))
             logger.log(logging.DEBUG if seen else logging.WARNING, "HiCacheStore: %s failed: %s", what, e)
             return default
-        self._answered()
+        self.health.answered()
         return result
 
     # ------------------------------------------------------ zero-copy (v1)

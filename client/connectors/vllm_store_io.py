@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from client import ConnectionError, KVClient, KVError, ResponseError, TimeoutError
+from client.connectors import store_health
 
 log = logging.getLogger(__name__)
 
@@ -40,55 +40,18 @@ MAX_QUEUED_SAVE_BYTES = 256 << 20      # saves waiting for the store beyond this
 SAVE_BATCH_BYTES = 64 << 20            # slots one batch of the saver writes at most
 
 
-class StoreHealth:
-    """Whether to use the store now: one log line when it goes away, one when it is back."""
+class StoreHealth(store_health.StoreHealth):
+    """The store's health as the vLLM-shaped connectors see it, and a put refused for room, logged once."""
 
     def __init__(self, name: str, retry_s: float = RETRY_S):
-        self.name = name
-        self.retry_s = retry_s
-        self._down_since: float | None = None
-        self._retry_at = 0.0
+        super().__init__(f"KV store {name}", log, "serving without the cache", retry_s)
         self._full_logged = False
-        self._lock = threading.Lock()
-
-    def usable(self) -> bool:
-        """False while a failed store is being left alone (then one caller may try it again)."""
-        with self._lock:
-            if self._down_since is None:
-                return True
-            if time.monotonic() >= self._retry_at:
-                self._retry_at = time.monotonic() + self.retry_s
-                return True
-            return False
-
-    @property
-    def down(self) -> bool:
-        return self._down_since is not None
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-            self._retry_at = time.monotonic() + self.retry_s
-        if first:
-            log.warning("KV store %s unavailable (%s): serving without the cache until it answers again",
-                        self.name, exc)
-
-    def answered(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("KV store %s is back after %.1f s: using the cache again", self.name,
-                        time.monotonic() - since)
 
     def full(self, exc: ResponseError) -> None:
         """A put refused for lack of room (OOM): logged once; the engine keeps its KV to itself."""
         if not self._full_logged:
             self._full_logged = True
-            log.warning("KV store %s refuses puts (%s): new blocks are not cached", self.name, exc.message)
+            log.warning("%s refuses puts (%s): new blocks are not cached", self.name, exc.message)
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -144,7 +107,7 @@ class BlockSaver:
                 job.release()
             if over and not self._dropped_logged:
                 self._dropped_logged = True
-                log.warning("KV store %s is slower than the engine: saves beyond %d queued bytes are dropped",
+                log.warning("%s is slower than the engine: saves beyond %d queued bytes are dropped",
                             self.health.name, self.max_queued_bytes)
             return False
         self._jobs.put(job)
