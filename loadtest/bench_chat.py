@@ -25,23 +25,17 @@ first passes' prefill is what a busy neighbour slows most.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from contextlib import contextmanager
-from typing import Iterator
 
 import openai
 import torch
 
 from loadtest.bench_serving import QUESTIONS, SYSTEM
 from loadtest.report import Figure, describe_machine, log, machine_info
+from loadtest.serving_replay import llm_up
 from workers.catalog import SMOLLM2
 from workers.model import LoadedModel, load_model
 
@@ -59,28 +53,6 @@ WORDS = ("the store keeps blocks of keys and values for every prefix a model has
 FIRST_QUESTION = "Summarise the document above in one sentence."
 REPEAT_QUESTION = "Which word does the document above use most often?"
 TTFT_TARGET = 0.5
-
-
-@contextmanager
-def llm_up(port: int) -> Iterator[dict]:
-    """`kvstore llm up --model smollm2-135m` (1 prefill, 1 decode); its JSON line; stopped afterwards."""
-    argv = [sys.executable, "-m", "kvstore", "llm", "up", "--model", SMOLLM2, "--port", str(port),
-            "--dram-size", "2gb"]
-    errors = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True)
-    try:
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait()
-            errors.seek(0)
-            raise RuntimeError(f"llm up exited with {proc.returncode}: {errors.read()[-2000:]}")
-        yield json.loads(line)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def reference(smol: LoadedModel, messages: list[dict]) -> list[int]:
@@ -157,7 +129,7 @@ def main() -> None:
     sections = set(args.only.split(","))
     print(describe_machine(machine_info()), flush=True)
     log("starting kvstore llm up and loading the reference model")
-    with llm_up(args.port) as info:
+    with llm_up(["--model", SMOLLM2, "--port", str(args.port), "--dram-size", "2gb"]) as info:
         smol = load_model(SMOLLM2)
         figures = []
         with openai.OpenAI(base_url=info["gateway"] + "/v1", api_key="unused", max_retries=0, timeout=600) as client:

@@ -133,11 +133,17 @@ def _block(hash_id: int, vocab: int) -> list[int]:
 @contextmanager
 def deployment(model: str, policy: str, rejection: str, slo: Slo, calibrate: str | None = None) -> Iterator[dict]:
     """`kvstore llm up --prefill 2 --decode 1`; yields its JSON line, stops it afterwards."""
-    argv = [sys.executable, "-m", "kvstore", "llm", "up", "--prefill", "2", "--decode", "1", "--model", model,
-            "--policy", policy, "--rejection", rejection, "--port", "0", "--block-tokens", str(BLOCK_TOKENS),
-            "--ttft-slo", str(slo.ttft_s), "--tbt-slo", str(slo.tbt_s), "--dram-size", "1gb"]
-    if calibrate:
-        argv += ["--calibrate", calibrate]
+    flags = ["--prefill", "2", "--decode", "1", "--model", model, "--policy", policy, "--rejection", rejection,
+             "--port", "0", "--block-tokens", str(BLOCK_TOKENS), "--ttft-slo", str(slo.ttft_s),
+             "--tbt-slo", str(slo.tbt_s), "--dram-size", "1gb"]
+    with llm_up(flags + (["--calibrate", calibrate] if calibrate else [])) as info:
+        yield info
+
+
+@contextmanager
+def llm_up(flags: list[str]) -> Iterator[dict]:
+    """`kvstore llm up FLAGS` in its own session; yields its JSON line, stops it (SIGTERM) afterwards."""
+    argv = [sys.executable, "-m", "kvstore", "llm", "up", *flags]
     errors = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True)
     try:
