@@ -33,7 +33,7 @@ class AsyncKVClient(BaseClient):
 
     async def _settle(self, keys: Any) -> None:
         """Read-your-writes: wait (off the loop) for the pending commits of any of ``keys``."""
-        if self._puts._pending:
+        if self._puts.pending():
             await asyncio.to_thread(self._puts.settle, keys)
 
     async def put_nowait(self, key: Key, value: Value, *, parent: Key | None = None,

@@ -53,7 +53,7 @@ class BaseClient:
 
     def _settled(self, keys: Any) -> None:
         """Read-your-writes: wait for the pending commits (put_nowait) of any of ``keys``."""
-        if self._puts._pending:
+        if self._puts.pending():
             self._puts.settle(keys)
 
     def __repr__(self) -> str:

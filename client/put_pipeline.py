@@ -37,6 +37,8 @@ from proto import fastpath as fp
 from proto import wire
 
 MAX_PENDING = 256                # replies outstanding at most before the oldest are read
+CORK = 4                         # arena publishes held back to go out together (one wake-up of the node)
+CORK_S = 0.002                   # ... or until the next put after this long
 RESERVE_AHEAD = 8                # extents reserved in one round trip for a stream of one size
 RESERVE_SHARE = 16               # ... holding at most 1/16 of the arena
 RESERVE_SIZES = 4                # sizes with extents reserved ahead
@@ -86,6 +88,8 @@ class PutPipeline:
         self._held = 0                               # bytes of extents reserved and not written
         self._given_up: list[int] = []
         self._failures: dict[bytes, Exception] = {}
+        self._corked: list[tuple[tuple, bytes]] = []   # publishes copied in, not yet sent
+        self._corked_since = 0.0
         self.acknowledged = 0
 
     # ------------------------------------------------------------ puts
@@ -100,23 +104,42 @@ class PutPipeline:
 
     def _put_one(self, key: bytes, view: memoryview, parent: Key | None, overwrite: bool) -> None:
         try:
-            conn = self._connection()
+            self._connection()
             request = self._through_arena(key, view, parent, overwrite) if view.nbytes >= FAST_PUT_MIN else None
             if request is None:
-                request = (wire.KV_PUT, key, view, *put_options(parent, overwrite))
-            requests = [request]
-            if self._given_up:
-                requests.insert(0, (fp.KV_UNRESERVE, *self._given_up))
-                self._given_up = []
-            conn.send(requests)
-            for r in requests:
-                self._sent([key] if r is request else [])
-            if len(self._pending) > MAX_PENDING:
-                self._read(len(self._pending) - MAX_PENDING // 2)
+                self._corked.append(((wire.KV_PUT, key, view, *put_options(parent, overwrite)), key))
+                self._uncork()
+                return
+            if not self._corked:
+                self._corked_since = time.monotonic()
+            self._corked.append((request, key))
+            if len(self._corked) >= CORK or time.monotonic() - self._corked_since > CORK_S:
+                self._uncork()
         except (ConnectionError, TimeoutError) as exc:
             self._broken(exc, [key])
         except KVError as exc:                       # the reservation was refused (OOM, ...)
             self._failures[key] = exc
+
+    def _uncork(self, *more: tuple) -> None:
+        """Send the publishes held back (and any give-backs), then ``more`` (replies all read later)."""
+        requests = [request for request, _ in self._corked]
+        keys = [[key] for _, key in self._corked]
+        if self._given_up:
+            requests.insert(0, (fp.KV_UNRESERVE, *self._given_up))
+            keys.insert(0, [])
+            self._given_up = []
+        self._corked = []
+        if not requests and not more:
+            return
+        try:
+            self._conn.send([*requests, *more])
+        except (ConnectionError, TimeoutError) as exc:
+            self._broken(exc, [k for sent in keys for k in sent])
+            raise
+        for sent in keys:
+            self._sent(sent)
+        if len(self._pending) > MAX_PENDING:
+            self._read(len(self._pending) - MAX_PENDING // 2)
 
     def _through_arena(self, key: bytes, view: memoryview, parent: Key | None, overwrite: bool) -> tuple | None:
         """Copy into a reserved extent: the KV.PUBLISH to send, or None (use the wire)."""
@@ -180,6 +203,11 @@ class PutPipeline:
         """Read replies until none of ``keys`` (all, when None) has a commit pending; failures
         are kept for `flush`."""
         with self._lock:
+            if self._corked:
+                try:
+                    self._uncork()
+                except (ConnectionError, TimeoutError):
+                    return
             if not self._pending:
                 return
             count = len(self._pending)
@@ -199,9 +227,9 @@ class PutPipeline:
         with self._lock:
             try:
                 self.settle()
-                if self._given_up and self._conn is not None:
-                    self._round_trip([(fp.KV_UNRESERVE, *self._given_up)])
-                    self._given_up = []
+                if self._given_up and self._conn is not None:       # stale extents: give them back
+                    self._uncork()
+                    self._read(len(self._pending))
             except (ConnectionError, TimeoutError) as exc:
                 self._broken(exc, [])
             done, self.acknowledged = self.acknowledged, 0
@@ -211,7 +239,8 @@ class PutPipeline:
             return done
 
     def pending(self) -> int:
-        return len(self._pending)
+        """Commits not yet acknowledged (held back, or sent and not read)."""
+        return len(self._pending) + len(self._corked)
 
     def close(self) -> None:
         with self._lock:
@@ -220,6 +249,7 @@ class PutPipeline:
                 self._conn = None
             self._pending.clear()
             self._pending_keys.clear()
+            self._corked = []
             self._clear_extents()
 
     def _connection(self) -> Any:
@@ -237,7 +267,7 @@ class PutPipeline:
     def _round_trip(self, requests: list[tuple]) -> Any:
         """Send ``requests`` after the pending ones and read everything: the last reply."""
         conn = self._connection()
-        conn.send(requests)
+        self._uncork(*requests)
         self._read(len(self._pending))
         return conn.receive([None] * len(requests))[-1]
 
@@ -268,8 +298,11 @@ class PutPipeline:
         for keys in self._pending:
             for key in keys:
                 self._failures[key] = exc
+        for _, key in self._corked:
+            self._failures[key] = exc
         for key in more:
             self._failures[key] = exc
+        self._corked = []
         self._pending.clear()
         self._pending_keys.clear()
         self._clear_extents()

@@ -44,6 +44,19 @@ def test_put_nowait_reads_its_own_writes_and_others_see_it_after_flush(server, f
             assert kv.fast_path.stats.writes >= len(values) + 3
 
 
+@pytest.mark.parametrize("fast_path", ["required", "off"])
+def test_a_single_put_nowait_is_read_back_at_once(server, fast_path):
+    with KVClient(unix_socket=server.unix_socket, fast_path=fast_path) as kv:
+        kv.put_nowait("one", pattern(7, MIB))
+        assert kv._puts.pending() == 1
+        into = np.empty(MIB, np.uint8)
+        assert kv.get_into("one", into) == MIB and np.array_equal(into, pattern(7, MIB))
+        assert kv._puts.pending() == 0
+        kv.put_nowait("two", pattern(8, MIB))
+        assert kv.delete("two") == 1                          # the delete comes after the commit
+        assert kv.flush() == 2
+
+
 @pytest.mark.parametrize("fast_path", ["auto", "off"])
 def test_flush_names_the_keys_that_failed(kvstore_factory, fast_path):
     node = kvstore_factory("--dram-size", "8mb")
