@@ -14,11 +14,12 @@ from client.errors import (AuthenticationError, BufferTooSmall, ConnectionError,
                            LeaseExpired, ProtocolError, ResponseError, TimeoutError)
 from client.hashing import BlockHasher, Namespace
 from client.operations import Location
+from client.put_pipeline import PutsFailed
 from client.sync_client import KVClient
 from client.tensors import TensorMismatch
 
 __all__ = [
     "AsyncKVClient", "AuthenticationError", "BlockHasher", "BufferTooSmall", "ClusterDown", "ConnectionError",
     "FastPathUnavailable", "KVClient", "KVClusterClient", "KVError", "LeaseExpired", "Location", "Namespace", "ProtocolError",
-    "ResponseError", "TensorMismatch", "TimeoutError",
+    "PutsFailed", "ResponseError", "TensorMismatch", "TimeoutError",
 ]

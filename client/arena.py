@@ -32,6 +32,7 @@ from client.shared_index import SharedIndexView
 from client.sockets import Endpoint
 from client.ssd_reads import SSDReads
 from proto import fastpath as fp
+from proto import hugepages
 
 
 PAGE = 4096                      # shared memory's page here: no huge pages for shmem on these hosts
@@ -65,10 +66,14 @@ class Arena:
         self.index = index
         self.ssd: SSDReads | None = None     # the node's SSD tier read here (client/ssd_reads.py), if any
         self._conn = conn
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        huge = hugepages.wanted()                            # advise before faulting in, then populate
+        flags = mmap.MAP_SHARED | (0 if huge else getattr(mmap, "MAP_POPULATE", 0))
         self._map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.hugepages = hugepages.advise(self._map) if huge else "off"
+        if huge:
+            hugepages.populate(self._map, self.array)
         self._words_map = mmap.mmap(words_fd, n_words * 8, mmap.MAP_SHARED, mmap.PROT_READ)
         self._words = np.frombuffer(self._words_map, dtype=np.uint64)
         self._walked: deque[int] = deque(maxlen=WALKED_RECENTLY)

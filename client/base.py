@@ -10,7 +10,9 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
+from client.connection import Connection
 from client.fastpath import FastPath
+from client.put_pipeline import PutPipeline
 from client.retry import RetryPolicy
 from client.sockets import Endpoint
 from client.tls import context_for
@@ -45,6 +47,14 @@ class BaseClient:
         self.fast_path = FastPath(self.endpoint, password, timeout, fast_path, lease_ttl_ms)
         self._transport = self.transport_class(self.endpoint, self.fast_path, RetryPolicy(retries),
                                                password=password, timeout=timeout, pool_size=pool_size)
+        endpoint = self.endpoint
+        self._puts = PutPipeline(lambda: Connection(endpoint, timeout, password), self.fast_path,
+                                 self.fast_path.reservation_ttl_ms)
+
+    def _settled(self, keys: Any) -> None:
+        """Read-your-writes: wait for the pending commits (put_nowait) of any of ``keys``."""
+        if self._puts.pending():
+            self._puts.settle(keys)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.endpoint})"

@@ -36,10 +36,12 @@ class KVClient(BaseClient):
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
         """Store value under key (KV.PUT); False when the key existed and overwrite is False."""
+        self._settled((key,))
         return self._transport.execute(ops.put(key, value, parent, overwrite))
 
     def get(self, key: Key) -> bytearray | None:
         """The value of key, or None when it is not cached."""
+        self._settled((key,))
         return self._transport.execute(ops.get(key))
 
     def get_into(self, key: Key, buffer: Any) -> int | None:
@@ -47,15 +49,18 @@ class KVClient(BaseClient):
 
         Raises BufferTooSmall (the connection stays usable) when the value does not fit.
         """
+        self._settled((key,))
         served = arena_reads.get_into_here(self.fast_path, key, buffer)     # no round trip needed
         return self._transport.execute(ops.get_into(key, buffer)) if served is arena_reads.ASK_NODE else served
 
     def exists(self, *keys: Key) -> int:
         """How many of keys are cached (a key named twice counts twice, as in Redis)."""
+        self._settled(keys)
         return self._transport.execute(ops.exists(keys))
 
     def delete(self, *keys: Key) -> int:
         """Remove keys; how many existed."""
+        self._settled(keys)
         return self._transport.execute(ops.delete(keys))
 
     def batch_put(self, items: Items, *, parents: Sequence[Key | None] | None = None,
@@ -65,14 +70,36 @@ class KVClient(BaseClient):
         parents, when given, holds one parent key (or None) per item. chain_links: (parent, child)
         pairs a cluster node records (KV.LINK) in the same round trip, as `KVClusterClient` sends them.
         """
+        self._settled(None)
         return self._transport.execute(ops.batch_put(items, parents, overwrite, chain_links))
+
+    def put_nowait(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> None:
+        """Store value under key without waiting for the commit: returns once the bytes are in the
+        node's memory (copied into a reserved arena extent) or sent; `flush` waits for the commits
+        and reports failures. This client's own reads of key wait for its commit."""
+        self._puts.put(key, value, parent, overwrite)
+
+    def batch_put_nowait(self, items: Items, *, parents: Sequence[Key | None] | None = None,
+                         overwrite: bool = False) -> None:
+        """put_nowait() for many (key, value) pairs (a mapping or pairs)."""
+        pairs, links = ops.with_parents(items, parents)
+        self._puts.batch_put(pairs, links, overwrite)
+
+    def flush(self) -> int:
+        """Wait for every put_nowait commit so far: how many were acknowledged since the last flush.
+
+        Raises PutsFailed (``.keys``, ``.failures``) naming the keys whose commit failed: an error
+        reply (OOM, ...) or a connection that broke before their acknowledgement."""
+        return self._puts.flush()
 
     def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
         """get() for many keys in one round trip."""
+        self._settled(keys)
         return self._transport.execute(ops.batch_get(keys))
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
         """get_into() for many keys, one buffer each, in one round trip."""
+        self._settled(keys)
         return self._transport.execute(ops.batch_get_into(keys, buffers))
 
     # -------------------------------------------------------- tensors and layers
@@ -83,6 +110,7 @@ class KVClient(BaseClient):
 
     def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
         """The tensor stored under key ("numpy", "torch" or "cupy"), or None when not cached."""
+        self._settled((key,))
         return self._transport.execute(layers.get_tensor(key, framework))
 
     def get_tensor_into(self, key: Key, tensor: Any) -> bool:
@@ -90,6 +118,7 @@ class KVClient(BaseClient):
 
         Raises TensorMismatch when the dtype or shape differ (nothing is copied).
         """
+        self._settled((key,))
         return self._transport.execute(layers.get_tensor_into(key, tensor))
 
     def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
@@ -118,6 +147,7 @@ class KVClient(BaseClient):
         for a single layer); ``wait`` seconds waits for a writer still at work (an error on
         timeout; keep it under the client's ``timeout``, which bounds every reply).
         """
+        self._settled((key,))
         return self._transport.execute(layers.get_layers(key, start, stop, into, wait, framework))
 
     def batch_put_layers(self, items: Sequence[tuple[Key, int, Any]], *, n_layers: int,
@@ -142,14 +172,17 @@ class KVClient(BaseClient):
 
     def match_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys of a chain are cached (KV.MATCH, one round trip)."""
+        self._settled(keys)
         return self._transport.execute(ops.match_prefix(keys))
 
     def match_tokens(self, hasher: BlockHasher, token_ids: Any) -> int:
         """How many leading tokens of a prompt are cached (whole blocks only)."""
+        self._settled(None)
         return self._transport.execute(ops.match_tokens(hasher, token_ids))
 
     def locate(self, keys: Sequence[Key]) -> list[Location | None]:
         """Per key, its tier and size, or None when not cached (KV.LOCATE)."""
+        self._settled(keys)
         return self._transport.execute(ops.locate(keys))
 
     def stats(self) -> dict[str, int]:
@@ -165,7 +198,10 @@ class KVClient(BaseClient):
         return self._transport.execute(ops.execute(args))
 
     def close(self) -> None:
-        """Close the pooled connections; the client cannot be used afterwards."""
+        """Close the pooled connections; the client cannot be used afterwards (unflushed put_nowait
+        commits are read first, their failures dropped: call flush to see them)."""
+        self._puts.settle()
+        self._puts.close()
         self._transport.close()
 
     def __enter__(self) -> KVClient:

@@ -1,6 +1,6 @@
 """Fast-path figures: each one a ratio against a reference measured in the same run.
 
-    python -m loadtest.bench_fastpath [--runs 5] [--quick]
+    python -m loadtest.bench_fastpath [--runs 5] [--quick] [--shmem-hugepages advise]
 
 The reference is what moving the bytes costs at best: a numpy copy of the same
 size from a source that is *not* in the CPU cache (slices of a pool eight times
@@ -33,6 +33,10 @@ pairs' ratios in a run, then the median over runs (with the spread over runs).
 
 The host's load average is printed first. The store gets a Unix socket and a
 1 GiB arena; ``--quick`` runs once with fewer samples (under a minute).
+``--shmem-hugepages MODE`` (root) sets the host's shmem huge-page setting
+(``/sys/kernel/mm/transparent_hugepage/shmem_enabled``) for the run and puts
+the old one back afterwards, however the run ends; the node's INFO
+``arena_hugepages`` / ``arena_page_size`` are printed.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from client import KVClient
 from loadtest.procs import ProcessGroup, start_kvstore, start_mooncake
 from loadtest.report import one_line
 from proto import fastpath as fp
+from proto import hugepages
 
 MIB = 1 << 20
 LAYERS = 32
@@ -298,7 +303,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="one run, fewer samples: under a minute")
+    parser.add_argument("--shmem-hugepages", choices=["never", "advise", "within_size", "always"],
+                        help="the host's shmem THP setting for this run (root; restored afterwards)")
     args = parser.parse_args(argv)
+    if args.shmem_hugepages is None:
+        return bench(args)
+    before = hugepages.shmem_mode()
+    Path(hugepages.SHMEM_ENABLED).write_text(args.shmem_hugepages)
+    try:
+        print(f"shmem huge pages: {before} -> {hugepages.shmem_mode()} for this run", flush=True)
+        return bench(args)
+    finally:
+        Path(hugepages.SHMEM_ENABLED).write_text(before)
+        print(f"shmem huge pages restored: {hugepages.shmem_mode()}")
+
+
+def bench(args: argparse.Namespace) -> int:
     runs = 1 if args.quick else args.runs
     print("load average at start: %.2f %.2f %.2f (%d CPUs)" % (*os.getloadavg(), os.cpu_count()), flush=True)
     pool = ColdPool(8 * last_level_cache())
@@ -311,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         leasing = KVClient(unix_socket=sock, fast_path="required", timeout=30)
         leasing.fast_path.index_reads = False             # every first get asks the node (KV.LEASE)
         leasing.fast_path.cache_entries = 0               # and keeps no lease
+        info = bytes(kv.execute("INFO", "kvcache")).decode()
+        notes += [line.strip() for line in info.splitlines() if line.startswith("arena_")]
+        notes.append(f"client mapping: hugepages {kv.fast_path.arena().hugepages}")
         try:
             results = [one_run(kv, leasing, pool, sock, run, args.quick) for run in range(runs)]
         finally:

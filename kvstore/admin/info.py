@@ -149,6 +149,7 @@ def kvcache_section(server) -> dict:
             "dram_internal_fragmentation": f"{alloc.internal_fragmentation():.4f}",
             "dram_external_fragmentation": f"{alloc.external_fragmentation():.4f}",
             "dram_prefault_seconds": f"{engine.arena.prefault_seconds:.3f}",
+            "arena_page_size": engine.arena.page_size, "arena_hugepages": engine.arena.hugepages,
             "metadata_bytes_per_key": f"{engine.metadata_bytes_per_key():.1f}"}
 
 

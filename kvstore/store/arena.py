@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from proto import hugepages
+
 PAGE = mmap.PAGESIZE
 
 
@@ -41,6 +43,8 @@ class Arena:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.hugepages = hugepages.advise(self._map)        # before the pages are faulted in
+        self.page_size = hugepages.page_size(self.hugepages)
         self.view = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.prefault_seconds = self._prefault() if prefault else 0.0
