@@ -36,10 +36,10 @@ from functools import partial
 from typing import Any
 
 from client.arena import Arena
-from client.buffers import Key, writable_view
+from client.buffers import Key, key_bytes, writable_view
 from client.errors import BufferTooSmall, LeaseExpired
 from client.fastpath import LEASE_RETRIES, REMAPPED, Detour, FastPath
-from client.lease_cache import HeldLease, cache_key
+from client.lease_cache import HeldLease
 from client.operations import Call, LocalRead
 from client.steps import THREAD_COPY_MIN, Local, RoundTrip, Steps
 from proto import fastpath as fp
@@ -69,7 +69,7 @@ def read(core, call: Call) -> Steps:
 def read_local(fast: FastPath, local: LocalRead) -> tuple[list[Any], list[int], bool] | Detour:
     """Serve what held leases and the shared index can, with no round trip: the results so
     far, the indices still to lease, and whether reads wait to be reported to the node."""
-    keys = [cache_key(key) for key in local.keys]
+    keys = [key_bytes(key) for key in local.keys]
     results = [None] * len(keys)
     held = None
     with fast.lock:
@@ -105,7 +105,7 @@ def get_into_here(fast: FastPath, key: Key, buffer: Any) -> int | Detour:
         if not arena.node_alive():                 # a dead node's table: map the new node's
             fast.drop_mapping(arena)
             return ASK_NODE
-        fast.touched([cache_key(key)])
+        fast.touched([key_bytes(key)])
     fast.stats.reads += 1
     if isinstance(result, BufferTooSmall):
         raise result
@@ -160,7 +160,7 @@ def from_index(fast: FastPath, arena: Arena, key: Key, view: memoryview | None) 
     check the bucket): its result as `_copy` makes it, or None when the index does not show it
     or it changed under the copy. The caller then checks that the node lives."""
     index = arena.index
-    found = index.find(cache_key(key))
+    found = index.find(key_bytes(key))
     if found is None:
         return None
     at, seq, offset, size = found
@@ -181,7 +181,7 @@ def _from_ssd(fast: FastPath, arena: Arena, key: Key, view: memoryview | None,
     at, seq, offset, size = found
     if arena.ssd is None or (view is not None and size > view.nbytes):
         return None                                # the node says how large it is, or reads it
-    payload = arena.ssd.read(cache_key(key), size, offset & fp.INDEX_TAG_MASK)
+    payload = arena.ssd.read(key_bytes(key), size, offset & fp.INDEX_TAG_MASK)
     if payload is None or not arena.index.unchanged(at, seq):
         return None
     fast.stats.ssd_reads += 1
@@ -202,11 +202,11 @@ def _copy_bound(fast: FastPath, local: LocalRead) -> int:
     if None not in local.views and not reads_ssd:
         return sum(view.nbytes for view in local.views)
     with fast.lock:
-        held = [fast.leases.lookup(cache_key(key)) for key in local.keys]
+        held = [fast.leases.lookup(key_bytes(key)) for key in local.keys]
     bound = sum(lease.size for lease in held if lease is not None)
     if arena is not None and fast.index_reads:
         for key, lease in zip(local.keys, held):
-            if lease is None and (found := arena.index.find(cache_key(key))) is not None:
+            if lease is None and (found := arena.index.find(key_bytes(key))) is not None:
                 bound += max(found[3], THREAD_COPY_MIN) if found[2] & fp.INDEX_ON_SSD else found[3]
     return bound
 
@@ -255,7 +255,7 @@ def _copy_leased(fast: FastPath, arena: Arena, local: LocalRead, indices: list[i
             retry.append(i)
         elif hold_ms > 0:
             use_until = started + hold_ms / 1000
-            keep.append((cache_key(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until, peer)))
+            keep.append((key_bytes(local.keys[i]), HeldLease(lease_id, offset, size, word, tag, use_until, peer)))
         else:
             done.append(lease_id)
     with fast.lock:

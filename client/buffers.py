@@ -14,6 +14,11 @@ from typing import Any
 Key = str | bytes
 
 
+def key_bytes(key: Key) -> bytes:
+    """A key as the bytes the node and the shared index know it by (str is UTF-8 encoded)."""
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
 def readable_view(value: Any) -> memoryview:
     """A flat byte view of a value to send (str is UTF-8 encoded)."""
     if isinstance(value, str):

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from client.buffers import Key
+from client.buffers import Key, key_bytes
 from client.errors import ConnectionError, KVError, ResponseError
 from client.hashing import BlockHasher
 from client.operations import Items, Location, Value, match_prefix as match_call, with_parents
@@ -69,10 +69,6 @@ SLOT_CACHE_KEYS = 1 << 16    # keys whose slot is remembered (a chain's keys are
 
 class ClusterDown(KVError):
     """No node could tell the slot map, or a slot has no owner."""
-
-
-def _key_bytes(key: Key) -> bytes:
-    return key if isinstance(key, bytes) else str(key).encode()
 
 
 class KVClusterClient:
@@ -139,9 +135,9 @@ class KVClusterClient:
     def node_of(self, key: Key) -> str:
         """The "host:port" that owns ``key``'s slot."""
         addrs, owner = self._map
-        index = owner[keyslot(_key_bytes(key))]
+        index = owner[keyslot(key_bytes(key))]
         if index < 0:
-            raise ClusterDown(f"slot {keyslot(_key_bytes(key))} has no owner")
+            raise ClusterDown(f"slot {keyslot(key_bytes(key))} has no owner")
         return addrs[index]
 
     def _client(self, addr: str) -> KVClient:
@@ -204,7 +200,7 @@ class KVClusterClient:
             if slot is None:
                 if len(known) >= SLOT_CACHE_KEYS:
                     known.clear()
-                slot = known[key] = keyslot(_key_bytes(key))
+                slot = known[key] = keyslot(key_bytes(key))
             slots.append(slot)
         return slots
 
@@ -298,7 +294,7 @@ class KVClusterClient:
         3 holders: one holder idle 9 % of the time), and its NIC's share is lost.
         """
         self._poll_hot()
-        holders = self._hot.get(_key_bytes(key))
+        holders = self._hot.get(key_bytes(key))
         if not holders:
             return self._on_key(key, run)
         start = next(self._hot_turn) % len(holders)
@@ -384,7 +380,7 @@ class KVClusterClient:
         def per_node(client: KVClient, indices: list[int]) -> list[int]:
             slots: dict[int, list[int]] = {}
             for i in indices:
-                slots.setdefault(keyslot(_key_bytes(keys[i])), []).append(i)
+                slots.setdefault(keyslot(key_bytes(keys[i])), []).append(i)
             counts = {i: 0 for i in indices}
             for same_slot in slots.values():
                 counts[same_slot[0]] = client.delete(*(keys[i] for i in same_slot))

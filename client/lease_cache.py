@@ -30,8 +30,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from client.buffers import Key
-
 
 @dataclass(slots=True)
 class HeldLease:
@@ -46,9 +44,6 @@ class HeldLease:
     use_until: float
     peer: Any
 
-
-def cache_key(key: Key) -> bytes:
-    return key.encode() if isinstance(key, str) else bytes(key)
 
 
 class LeaseCache:

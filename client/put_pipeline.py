@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from client.buffers import Key, readable_view
+from client.buffers import Key, key_bytes, readable_view
 from client.errors import ConnectionError, KVError, TimeoutError
 from client.operations import put_options
 from proto import fastpath as fp
@@ -67,9 +67,6 @@ class _Extent:
     use_until: float
 
 
-def _key_bytes(key: Key) -> bytes:
-    return key.encode() if isinstance(key, str) else bytes(key)
-
 
 class PutPipeline:
     """One connection carrying puts whose replies are read later (thread-safe)."""
@@ -100,7 +97,7 @@ class PutPipeline:
     def batch_put(self, pairs: list[tuple[Key, Any]], parents: list[Key | None], overwrite: bool) -> None:
         with self._lock:
             for (key, value), parent in zip(pairs, parents):
-                self._put_one(_key_bytes(key), readable_view(value), parent, overwrite)
+                self._put_one(key_bytes(key), readable_view(value), parent, overwrite)
 
     def _put_one(self, key: bytes, view: memoryview, parent: Key | None, overwrite: bool) -> None:
         try:
@@ -212,7 +209,7 @@ class PutPipeline:
                 return
             count = len(self._pending)
             if keys is not None:
-                wanted = {_key_bytes(k) for k in keys}
+                wanted = {key_bytes(k) for k in keys}
                 if not wanted.intersection(self._pending_keys):
                     return
                 count = 1 + max(i for i, sent in enumerate(self._pending) if wanted.intersection(sent))
