@@ -142,7 +142,7 @@ def test_a_store_restart_between_requests_gives_no_tokens_and_no_error(engines, 
         with open(log_path, "wb") as log:
             daemon.proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
         wait_ready(daemon.host, daemon.port, daemon.proc)
-        second.connector.health._retry_at = 0.0      # skip the back-off wait
+        second.connector.health._next_try = 0.0     # skip the back-off wait
         (out, kv_output), *_ = second.run(request)
         assert out.scheduled_new_reqs[0].num_computed_tokens == 0
         second.flush()
