@@ -242,3 +242,40 @@ def test_file_header_names_the_segment(opened):
     with open(os.path.join(store.dir, segment_name(loc.segment)), "rb") as f:
         magic, version, seg = FILE_HEADER.unpack(f.read(FILE_HEADER.size))
     assert (magic[:5], version, seg) == (b"KVSEG", 1, loc.segment)
+
+
+def test_put_many_is_one_index_write_and_the_last_of_a_key_wins(opened):
+    calls = []
+    store = opened()
+
+    def write_index(records):
+        calls.append(list(records))
+        for key, raw in records:
+            if raw is None:
+                del store.index[key]
+            else:
+                store.index[key] = raw
+
+    store.write_index = write_index
+    store.put(b"a", b"old")
+    store.put_many([(b"a", b"x" * 5000, b""), (b"b", b"y" * 7000, b"h"), (b"a", b"z" * 3000, b"")])
+    assert len(calls) == 2 and [k for k, _ in calls[1]] == [b"b", b"a"]
+    assert store.get(b"a") == b"z" * 3000 and store.get(b"b") == b"y" * 7000
+    live = store.live_bytes()
+    assert store.delete(b"a") and store.delete(b"b")
+    assert store.live_bytes() == 0 < live
+
+
+def test_a_failed_index_write_leaves_the_old_value_and_no_pending_append(opened):
+    store = opened(segment_bytes=64 << 10)
+    store.put(b"a", b"old")
+
+    def refuse(records):
+        raise OSError("disk full")
+
+    store.write_index = refuse
+    with pytest.raises(OSError):
+        store.put(b"a", b"n" * 30_000)
+    store.write_index = None
+    assert store.get(b"a") == b"old"
+    assert not any(store._pending.values())

@@ -13,10 +13,11 @@ entries, back to back::
 
     magic     4s  b"KVE1"
     klen      H   length of the key
-    reserved  H   0
+    pad       H   zero bytes between the key and the payload
     length    Q   payload bytes
     checksum  Q   xxh3-64 of the payload
     key       klen bytes
+    (pad)     pad zero bytes: a payload of 16 KiB or more starts on a 4 KiB page
     payload   length bytes
 
 The entry header and key are there for offline inspection and recovery; the
@@ -74,9 +75,11 @@ FILE_MAGIC = b"KVSEG\x00\x00"
 FILE_VERSION = 1
 FILE_HEADER = struct.Struct("<7sBQ")          # magic, version, segment id
 ENTRY_MAGIC = b"KVE1"
-ENTRY_HEADER = struct.Struct("<4sHHQQ")       # magic, klen, reserved, length, checksum
+ENTRY_HEADER = struct.Struct("<4sHHQQ")       # magic, klen, pad, length, checksum
 LOCATION = struct.Struct("<IQQQ")             # segment, offset, length, checksum
 SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.kvs$")
+PAGE = 4096
+ALIGN_FROM = 16 << 10                         # payloads this large start on a page
 DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_RECLAIM_BELOW = 0.5
 DEFAULT_RATE_BYTES_S = 256 << 20
@@ -129,18 +132,31 @@ def read_into(fd: int, loc: Location, buffer) -> int | None:
     return loc.length
 
 
+def _pad(tail: int, key: bytes, length: int) -> int:
+    """Zero bytes between an entry's key and its payload, so that a payload of
+    ``ALIGN_FROM`` bytes or more starts on a page (a copy out of the page cache
+    to an unaligned file offset costs about a quarter more: 1 MiB, 113 vs 89 us)."""
+    if length < ALIGN_FROM:
+        return 0
+    return -(tail + ENTRY_HEADER.size + len(key)) % PAGE
+
+
 class SegmentStore:
     """Payloads in segment files, located by index records in a RocksDB handle.
 
     ``index`` is anything with ``get``, ``__setitem__``, ``__delitem__`` and
     ``items()`` over bytes keys (an ``Rdict`` or one of its column families);
-    the store owns every record in it. Thread-safe.
+    the store owns every record in it. Index writes go through ``write_index``
+    when given (a list of ``(key, record or None)`` to write together, e.g. one
+    RocksDB WriteBatch with the caller's write options), else item by item.
+    Thread-safe.
     """
 
     def __init__(self, directory: str, index, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  reclaim_below: float = DEFAULT_RECLAIM_BELOW,
                  rate_bytes_s: float = DEFAULT_RATE_BYTES_S, sync: bool = False,
-                 fault: Callable[[str], None] | None = None):
+                 fault: Callable[[str], None] | None = None,
+                 write_index: Callable[[list[tuple[bytes, bytes | None]]], None] | None = None):
         self.dir = directory
         self.index = index
         self.segment_bytes = segment_bytes
@@ -148,6 +164,7 @@ class SegmentStore:
         self.rate_bytes_s = rate_bytes_s
         self.sync = sync
         self.fault = fault
+        self.write_index = write_index           # writes index records (None: delete), e.g. as one batch
         self.checksum_failures = 0
         self.reclaimed_segments = 0
         self._tail_lock = threading.Lock()       # the active segment and its tail
@@ -199,31 +216,55 @@ class SegmentStore:
     # -- writes ---------------------------------------------------------------
     def put(self, key: bytes, payload, extra: bytes = b"") -> Location:
         """Append ``payload`` and index it under ``key`` (with ``extra`` after the location)."""
-        view = memoryview(payload).cast("B")
-        loc = self._append(key, view)
+        return self.put_many([(key, payload, extra)])[0]
+
+    def put_many(self, items) -> list[Location]:
+        """Append several ``(key, payload, extra)`` and index them in one index write
+        (one RocksDB batch with the tier's writer: one WAL append for all)."""
+        locs: list[Location] = []
         try:
+            for key, payload, _ in items:
+                locs.append(self._append(key, memoryview(payload).cast("B")))
             self._step("synced")
             with self._index_lock:
                 self._check_open()
-                old = self.index.get(key)
-                self.index[key] = loc.pack() + extra
-                self._live[loc.segment] = self._live.get(loc.segment, 0) + self._entry_bytes(key, loc.length)
-                if old is not None:
-                    self._forget(key, Location.unpack(old))
+                last = {key: i for i, (key, _, _) in enumerate(items)}   # a key twice: the last wins
+                kept = sorted(last.values())
+                records = [(items[i][0], locs[i].pack() + items[i][2]) for i in kept]
+                olds = [self.index.get(key) for key, _ in records]
+                self._write_index(records)
+                for (key, _), loc, old in zip(records, [locs[i] for i in kept], olds):
+                    self._live[loc.segment] = self._live.get(loc.segment, 0) + self._entry_bytes(key, loc.length)
+                    if old is not None:
+                        self._forget(key, Location.unpack(old))
         finally:
-            self._settled(loc.segment)
+            for loc in locs:
+                self._settled(loc.segment)
         self._step("indexed")
-        return loc
+        return locs
+
+    def _write_index(self, records: list[tuple[bytes, bytes | None]]) -> None:
+        if self.write_index is not None:
+            self.write_index(records)
+            return
+        for key, raw in records:
+            if raw is None:
+                del self.index[key]
+            else:
+                self.index[key] = raw
 
     def _append(self, key: bytes, view: memoryview, digest: int | None = None) -> Location:
         if len(key) > 0xFFFF:
             raise ValueError("key longer than 65535 bytes")
         digest = checksum(view) if digest is None else digest
-        entry = self._entry_bytes(key, view.nbytes)
         with self._tail_lock:
             self._check_open()
+            pad = _pad(self._tail, key, view.nbytes)
+            entry = self._entry_bytes(key, view.nbytes) + pad
             if self._tail + entry > self.segment_bytes and self._tail > FILE_HEADER.size:
                 self._roll(self._active + 1)
+                pad = _pad(self._tail, key, view.nbytes)
+                entry = self._entry_bytes(key, view.nbytes) + pad
             seg, start = self._active, self._tail
             self._tail += entry
             self._size[seg] = self._tail
@@ -231,7 +272,7 @@ class SegmentStore:
             fd = self._fds[seg]
         try:
             self._step("reserved")
-            head = ENTRY_HEADER.pack(ENTRY_MAGIC, len(key), 0, view.nbytes, digest) + key
+            head = ENTRY_HEADER.pack(ENTRY_MAGIC, len(key), pad, view.nbytes, digest) + key + bytes(pad)
             wrote = os.pwritev(fd, [head, view], start)
             if wrote != entry:
                 raise OSError(f"short write to segment {seg}: {wrote} of {entry} bytes")
@@ -253,7 +294,7 @@ class SegmentStore:
             old = self.index.get(key)
             if old is None:
                 return False
-            del self.index[key]
+            self._write_index([(key, None)])
             self._forget(key, Location.unpack(old))
         return True
 
@@ -306,7 +347,7 @@ class SegmentStore:
             raw = self.index.get(key)
             if raw is None or Location.unpack(raw) != loc:
                 return                   # moved or replaced meanwhile
-            del self.index[key]
+            self._write_index([(key, None)])
             self._forget(key, loc)
             self.checksum_failures += 1
         log.error("segment store %s: %r failed its checksum in segment %d at %d (%d bytes); dropped",
@@ -368,7 +409,7 @@ class SegmentStore:
                 raw = self.index.get(key)
                 if raw is None or Location.unpack(raw) != loc:
                     return 0             # a put or delete raced the copy: the copy is dead
-                self.index[key] = new.pack() + raw[LOCATION.size:]
+                self._write_index([(key, new.pack() + raw[LOCATION.size:])])
                 self._live[new.segment] = self._live.get(new.segment, 0) + self._entry_bytes(key, new.length)
                 self._forget(key, loc)
         finally:
