@@ -168,7 +168,7 @@ class SegmentStore:
         self.checksum_failures = 0
         self.reclaimed_segments = 0
         self._tail_lock = threading.Lock()       # the active segment and its tail
-        self._index_lock = threading.Lock()      # index records and live counts together
+        self._index_lock = threading.RLock()     # index records and live counts together
         self._fds: dict[int, int] = {}           # open segments (read and write)
         self._live: dict[int, int] = {}          # segment -> live entry bytes
         self._size: dict[int, int] = {}          # segment -> bytes appended (file size)
@@ -188,6 +188,8 @@ class SegmentStore:
             if m:
                 on_disk[int(m.group(1))] = os.path.join(self.dir, name)
         for key, raw in self.index.items():
+            if len(raw) < LOCATION.size:
+                continue                # not a record: its owner drops it
             loc = Location.unpack(raw)
             self._live[loc.segment] = self._live.get(loc.segment, 0) + self._entry_bytes(key, loc.length)
         for seg, path in on_disk.items():
@@ -319,7 +321,7 @@ class SegmentStore:
             if found is None:
                 return None
             loc = found[0]
-            got = self._read_at(loc, buffer)
+            got = self.read_at(loc, buffer)
             if got is not None:
                 return got
         self._corrupt(key, loc)
@@ -332,7 +334,12 @@ class SegmentStore:
         buf = bytearray(found[0].length)
         return bytes(buf) if self.get_into(key, buf) is not None else None
 
-    def _read_at(self, loc: Location, buffer) -> int | None:
+    def quiet(self) -> threading.RLock:
+        """Held, no put, delete or reclaim changes an index record (a reader's retry)."""
+        return self._index_lock
+
+    def read_at(self, loc: Location, buffer) -> int | None:
+        """``loc``'s payload into ``buffer``: its length, or None (gone, short or bad)."""
         fd = self._fds.get(loc.segment)
         if fd is None:
             return None
@@ -400,7 +407,7 @@ class SegmentStore:
 
     def _move(self, key: bytes, loc: Location) -> int:
         buf = bytearray(loc.length)
-        if self._read_at(loc, buf) is None:
+        if self.read_at(loc, buf) is None:
             self._corrupt(key, loc)
             return 0
         new = self._append(key, memoryview(buf), loc.checksum)
@@ -445,6 +452,7 @@ class SegmentStore:
                 return
             self._closed = True
             fds, self._fds = self._fds, {}
+            self.index = self.write_index = None      # the index handle holds its database open
         for fd in fds.values():
             os.close(fd)
 
