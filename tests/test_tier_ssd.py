@@ -27,6 +27,7 @@ from kvstore.tiers.record import RecordHeader
 from kvstore.tiers.segments import LOCATION, Location, segment_name
 from kvstore.tiers.ssd import (META_CF, SEGMENTS_DIR, VALUE_CF, IndexRecord, SSDTier, _db_options, _meta_options,
                                _value_options)
+from kvstore.tiers import ssd_worker
 from kvstore.tiers.ssd_worker import SSDWorker
 from proto import fastpath as fp
 
@@ -668,3 +669,50 @@ def test_a_write_that_fails_otherwise_is_not_retried(tier):
     with pytest.raises(TierError, match="No space left"):
         tier.put(b"k", value_for(1))
     assert tier.write_stalls == 0 and tier.get(b"k") is None
+
+
+def test_overwrites_leave_segments_that_reclaim_rewrites(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB, compression="off")
+    tier._store.segment_bytes = 1 << 20
+    try:
+        for round_ in range(4):
+            for i in range(12):
+                if round_ == 0 or i % 3:
+                    tier.put(b"k%d" % i, value_for(100 * round_ + i, 128 * 1024))
+        before = tier.segment_disk_bytes
+        copied = 0
+        while (step := tier.reclaim(1)) or tier._store.victims():
+            copied += step
+        assert copied > 0 and tier.segment_disk_bytes < before
+        expected = {i: value_for(100 * (3 if i % 3 else 0) + i, 128 * 1024) for i in range(12)}
+        assert all(tier.get(b"k%d" % i) == v for i, v in expected.items())
+        buf = bytearray(128 * 1024)
+        assert tier.get_into(b"k0", buf) == 128 * 1024 and bytes(buf) == expected[0]
+    finally:
+        tier.close()
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert all(tier.get(b"k%d" % i) == v for i, v in expected.items())
+        assert tier.accounted.wait(30) and tier.count == 12 and tier.checksum_failures == 0
+    finally:
+        tier.close()
+
+
+def test_the_idle_writer_reclaims(tmp_path, monkeypatch):
+    monkeypatch.setattr(ssd_worker, "RECLAIM_IDLE_S", 0.05)
+    tier = SSDTier.open(str(tmp_path / "ssd"), GIB, compression="off")
+    tier._store.segment_bytes = 1 << 20
+    for i in range(16):
+        tier.put(b"k%d" % (i % 2), value_for(i, 128 * 1024))
+    assert tier._store.victims()
+    worker = SSDWorker(tier)
+    try:
+        deadline = time.monotonic() + 30
+        while tier._store.victims() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not tier._store.victims()
+        assert tier.get(b"k0") == value_for(14, 128 * 1024) and tier.get(b"k1") == value_for(15, 128 * 1024)
+    finally:
+        worker.close()
+        tier.close()
