@@ -1,30 +1,32 @@
-"""Reads of a local node's SSD tier straight from its RocksDB files, with no round trip.
+"""Reads of a local node's SSD tier straight from its files, with no round trip.
 
 A value the node keeps only on SSD costs a get through the node a round trip,
 a read on one of the node's threads, a copy into the arena and the client's
-copy out of it: about 2.5 times what RocksDB's own read costs in-process. So
-the node publishes such values in its shared index too (client/shared_index.py),
-not with an arena offset but with a *tag*: the low 63 bits of the xxh3-64 of
-the value's payload as RocksDB stores it (a plain payload is the value's bytes;
-a compressed one is never published). A local client opens the node's RocksDB
-directory as a *secondary* instance (RocksDB's read-only follower: it reads the
-primary's files, never writes them, and sees new files after
-`try_catch_up_with_primary`) and reads the payload itself.
+copy out of it. So the node publishes such values in its shared index too
+(client/shared_index.py), not with an arena offset but with a *tag*: the low
+63 bits of the xxh3-64 of the value's payload as stored (a plain payload is
+the value's bytes; a compressed one is never published). A local client opens
+the node's RocksDB directory as a *secondary* instance (RocksDB's read-only
+follower: it reads the primary's files, never writes them, and sees new files
+after `try_catch_up_with_primary`), reads the key's index record there (the
+payload's segment, offset, length and xxh3: kvstore/tiers/segments.py), and
+reads the payload with one ``preadv`` from the segment file straight into
+the destination.
 
-Why the bytes can be trusted. The payload is what RocksDB returned for the key,
-a value of the right size that hashes to the tag the node published for the
-key's current value; any other payload (an older value of the key, a record
-deleted or not yet visible to the secondary) fails the check and the get asks
-the node instead. The caller then checks that the bucket did not change under
-the read (`SharedIndexView.unchanged`) and that the node lives, as for a DRAM
-value: the node retracts the bucket before the value changes or goes, so a
-copy that passes both was the key's value while it was read. The hash also
-verifies the bytes, as the node's own read would (RocksDB's block checksum is
-skipped, as the node skips it).
+Why the bytes can be trusted. The payload is what the segment file held where
+the record said, of the right size, and it hashes to the tag the node
+published for the key's current value; any other payload (an older value of
+the key, a record deleted, moved by a reclaim or not yet visible to the
+secondary) fails the check and the get asks the node instead. The caller then
+checks that the bucket did not change under the read
+(`SharedIndexView.unchanged`) and that the node lives, as for a DRAM value:
+the node retracts the bucket before the value changes or goes, so a copy that
+passes both was the key's value while it was read. The hash also verifies
+the bytes, as the node's own read would.
 
 A secondary sees what the primary's files hold: its SST files, and the
 writes in its WAL, which it replays into a memtable of its own (at most what
-the primary has not flushed yet: up to its write buffers, 64 MiB for values).
+the primary has not flushed yet: index records only).
 It does not see writes made since it last caught up: a payload it does not
 find, or finds with another tag, makes it catch up (at most every
 `CATCH_UP_S`, and less often when catching up takes long) and read once

@@ -1,11 +1,13 @@
-"""The SSD tier: values in RocksDB (rocksdict, raw bytes), verified on read.
+"""The SSD tier: values in segment files indexed by RocksDB (rocksdict), verified on read.
 
-Layout. Each value is two RocksDB entries under the same key, written in one
-WriteBatch so they appear and disappear together: its header in the ``meta``
-column family and its payload in the ``value`` column family (the format is
-in :mod:`kvstore.tiers.record`). Headers are tiny and sit in their own SST
-files, so a warm restart (``scan_index``) reads ~40 bytes per value and never
-touches payloads.
+Layout. Each value's payload is appended to a value file (a segment, see
+:mod:`kvstore.tiers.segments`), and RocksDB's ``meta`` column family keeps its
+index record under the key: where the payload is (segment, offset, length,
+xxh3), then its header (the format is in :mod:`kvstore.tiers.record`). The
+record is written after the payload, so none points at bytes not written.
+Records are tiny and sit in their own SST files, so a warm restart
+(``scan_index``) reads ~70 bytes per value and never touches payloads. A
+plain value read into a buffer is one ``preadv`` into it.
 
 Opening is instant. ``used_bytes`` and ``count`` need every header summed,
 so a background thread does that over the headers as they were at open
@@ -14,17 +16,17 @@ counted against the headers they replace, so the totals are exact once
 ``accounted`` is set (~1.4 s per 100,000 values on 2 vCPUs). Until then they
 are too low, and the capacity check is lenient by the same amount.
 
-Durability. Writes go through RocksDB's WAL by default, so a value whose put
-returned survives ``kill -9`` of the process (``sync=True`` also survives a
-power cut, at the price of an fsync per batch). With ``wal=False`` the newest
-writes are lost on a crash, but ``atomic_flush`` keeps the two column
-families in step, so a header never outlives its payload.
+Durability. Index records go through RocksDB's WAL by default, after their
+payloads' ``pwritev``, so a value whose put returned survives ``kill -9`` of
+the process (``sync=True`` also survives a power cut, at the price of an
+fdatasync of the segment and an fsync of the WAL per batch). With
+``wal=False`` the newest records are lost on a crash; their payloads are
+dead bytes that reclaim removes.
 
 Verification. ``get`` checks the payload against the header's xxh3 checksum
-before decompressing. Payload reads skip RocksDB's own checksum: it
-would verify the same bytes again, and skipping it pays for ours (a 1 MiB
-read costs ~35 us less, our xxh3 ~20 us). A read that fails is retried once
-under the write lock (an unlocked read can straddle a concurrent overwrite);
+before decompressing. A read that fails is retried once under the write
+lock and the segment store's index lock (an unlocked read can straddle a
+concurrent overwrite or a reclaim);
 if it fails again the record is deleted and :class:`CorruptValue` is raised,
 so a bad value is reported once and never served.
 
