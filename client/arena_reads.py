@@ -181,14 +181,11 @@ def _from_ssd(fast: FastPath, arena: Arena, key: Key, view: memoryview | None,
     at, seq, offset, size = found
     if arena.ssd is None or (view is not None and size > view.nbytes):
         return None                                # the node says how large it is, or reads it
-    payload = arena.ssd.read(key_bytes(key), size, offset & fp.INDEX_TAG_MASK)
-    if payload is None or not arena.index.unchanged(at, seq):
+    got = arena.ssd.read(key_bytes(key), size, offset & fp.INDEX_TAG_MASK, view)
+    if got is None or not arena.index.unchanged(at, seq):
         return None
     fast.stats.ssd_reads += 1
-    if view is None:
-        return bytearray(payload)
-    view[:size] = payload
-    return size
+    return got
 
 
 def _copy_bound(fast: FastPath, local: LocalRead) -> int:

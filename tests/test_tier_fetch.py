@@ -13,6 +13,7 @@ What is checked, on a real RocksDB in tmp_path and an engine in this process:
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -75,7 +76,8 @@ def test_a_value_that_fails_verification_is_dropped_and_the_rest_are_served(node
     engine, tiers, tier = node
     keys = [b"a", b"b", b"c"]
     store_on_ssd(engine, tier, keys)
-    tier._values[b"b"] = bytes(SIZE)               # a payload its header's checksum does not match
+    loc = tier._store.locate(b"b")[0]               # a payload its header's checksum does not match
+    os.pwrite(tier._store._fds[loc.segment], bytes(SIZE), loc.offset)
 
     async def read_all():
         return tiers.install(await tiers.fetch(tiers.pending_fetch(keys), into_arena=into_arena))

@@ -24,7 +24,10 @@ from rocksdict import Options, Rdict, WriteOptions
 
 from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
 from kvstore.tiers.record import RecordHeader
-from kvstore.tiers.ssd import META_CF, VALUE_CF, IndexRecord, SSDTier, _db_options, _meta_options, _value_options
+from kvstore.tiers.segments import LOCATION, Location, segment_name
+from kvstore.tiers.ssd import (META_CF, SEGMENTS_DIR, VALUE_CF, IndexRecord, SSDTier, _db_options, _meta_options,
+                               _value_options)
+from kvstore.tiers import ssd_worker
 from kvstore.tiers.ssd_worker import SSDWorker
 from proto import fastpath as fp
 
@@ -156,13 +159,22 @@ def test_write_options_keep_values_across_a_clean_restart(tmp_path, options):
 
 
 def flip_byte(path: str, family: str, key: bytes, position: int) -> None:
-    """Damage one stored byte through RocksDB itself, as silent corruption would."""
+    """Damage one stored byte, as silent corruption would: of the payload (``VALUE_CF``), in
+    its segment file, or of the header (``META_CF``), in its index record through RocksDB."""
     families = {META_CF: Options(raw_mode=True), VALUE_CF: Options(raw_mode=True)}
     db = Rdict(path, Options(raw_mode=True), column_families=families)
-    column = db.get_column_family(family)
-    damaged = bytearray(column[key])
-    damaged[position] ^= 0x40
-    column[key] = bytes(damaged)
+    column = db.get_column_family(META_CF)
+    record = bytearray(column[key])
+    if family == META_CF:
+        record[LOCATION.size + position] ^= 0x40
+        column[key] = bytes(record)
+    else:
+        loc = Location.unpack(record)
+        with open(os.path.join(path, SEGMENTS_DIR, segment_name(loc.segment)), "r+b") as f:
+            f.seek(loc.offset + position)
+            byte = f.read(1)[0]
+            f.seek(loc.offset + position)
+            f.write(bytes([byte ^ 0x40]))
     column.close()
     del column
     db.close()
@@ -221,7 +233,7 @@ class CountingColumn:
 def test_get_many_into_reads_the_headers_of_a_prefix_with_one_multi_get(tier):
     keys = [b"block-%d" % i for i in range(8)]
     tier.put_batch([(key, value_for(i), None) for i, key in enumerate(keys)])
-    tier._meta, tier._values = CountingColumn(tier._meta), CountingColumn(tier._values)
+    tier._meta = CountingColumn(tier._meta)
     wanted = keys[:3] + [b"absent"] + keys[3:]
     buffers = [bytearray(64 * 1024) for _ in wanted]
 
@@ -229,7 +241,7 @@ def test_get_many_into_reads_the_headers_of_a_prefix_with_one_multi_get(tier):
 
     assert results == [64 * 1024] * 3 + [None] + [64 * 1024] * 5
     assert [bytes(b) for i, b in enumerate(buffers) if i != 3] == [value_for(i) for i in range(8)]
-    assert tier._meta.calls == [wanted] and tier._values.calls == keys
+    assert tier._meta.calls == [wanted]
 
 
 def test_get_many_into_drops_a_corrupt_value_and_serves_the_rest(tmp_path):
@@ -624,24 +636,25 @@ def test_writes_rocksdb_stalls_are_waited_out_and_land(tmp_path):
     """The tier asks RocksDB not to stall a write (rocksdict keeps the GIL through the call,
     so the node's event loop would stall with it) and writes again after a sleep, with a new
     batch (rocksdict consumes a batch even when RocksDB refuses it). Memtables of 64 KiB and
-    a low level-0 limit make RocksDB stall often here."""
+    a low level-0 limit make RocksDB stall often here (payloads are in segment files, so the
+    index records are what fills them)."""
     path = str(tmp_path / "ssd")
-    values = _value_options()
-    values.set_write_buffer_size(64 << 10)
-    values.set_max_write_buffer_number(2)
-    values.set_level_zero_slowdown_writes_trigger(2)
-    values.set_level_zero_stop_writes_trigger(4)
-    db = Rdict(path, _db_options(), column_families={META_CF: _meta_options(), VALUE_CF: values})
+    meta = _meta_options()
+    meta.set_write_buffer_size(64 << 10)
+    meta.set_max_write_buffer_number(2)
+    meta.set_level_zero_slowdown_writes_trigger(2)
+    meta.set_level_zero_stop_writes_trigger(4)
+    db = Rdict(path, _db_options(), column_families={META_CF: meta, VALUE_CF: _value_options()})
     options = WriteOptions()
     options.no_slowdown = True
     tier = SSDTier(db, path, GIB, compress=False, shuffle=False, write_options=options)
     try:
-        for i in range(60):
-            tier.put(b"k%d" % i, value_for(i, 256 * 1024))
-        tier.delete(b"k0")
+        for i in range(1500):
+            tier.put(b"k%d" % i + b"-" * 2000, value_for(i, 1024))
+        tier.delete(b"k0" + b"-" * 2000)
         assert tier.write_stalls > 0
-        assert tier.get(b"k0") is None
-        assert all(tier.get(b"k%d" % i) == value_for(i, 256 * 1024) for i in range(1, 60))
+        assert tier.get(b"k0" + b"-" * 2000) is None
+        assert all(tier.get(b"k%d" % i + b"-" * 2000) == value_for(i, 1024) for i in range(1, 1500))
     finally:
         tier.close()
     opened = SSDTier.open(str(tmp_path / "other"), GIB)
@@ -656,3 +669,50 @@ def test_a_write_that_fails_otherwise_is_not_retried(tier):
     with pytest.raises(TierError, match="No space left"):
         tier.put(b"k", value_for(1))
     assert tier.write_stalls == 0 and tier.get(b"k") is None
+
+
+def test_overwrites_leave_segments_that_reclaim_rewrites(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB, compression="off")
+    tier._store.segment_bytes = 1 << 20
+    try:
+        for round_ in range(4):
+            for i in range(12):
+                if round_ == 0 or i % 3:
+                    tier.put(b"k%d" % i, value_for(100 * round_ + i, 128 * 1024))
+        before = tier.segment_disk_bytes
+        copied = 0
+        while (step := tier.reclaim(1)) or tier._store.victims():
+            copied += step
+        assert copied > 0 and tier.segment_disk_bytes < before
+        expected = {i: value_for(100 * (3 if i % 3 else 0) + i, 128 * 1024) for i in range(12)}
+        assert all(tier.get(b"k%d" % i) == v for i, v in expected.items())
+        buf = bytearray(128 * 1024)
+        assert tier.get_into(b"k0", buf) == 128 * 1024 and bytes(buf) == expected[0]
+    finally:
+        tier.close()
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert all(tier.get(b"k%d" % i) == v for i, v in expected.items())
+        assert tier.accounted.wait(30) and tier.count == 12 and tier.checksum_failures == 0
+    finally:
+        tier.close()
+
+
+def test_the_idle_writer_reclaims(tmp_path, monkeypatch):
+    monkeypatch.setattr(ssd_worker, "RECLAIM_IDLE_S", 0.05)
+    tier = SSDTier.open(str(tmp_path / "ssd"), GIB, compression="off")
+    tier._store.segment_bytes = 1 << 20
+    for i in range(16):
+        tier.put(b"k%d" % (i % 2), value_for(i, 128 * 1024))
+    assert tier._store.victims()
+    worker = SSDWorker(tier)
+    try:
+        deadline = time.monotonic() + 30
+        while tier._store.victims() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not tier._store.victims()
+        assert tier.get(b"k0") == value_for(14, 128 * 1024) and tier.get(b"k1") == value_for(15, 128 * 1024)
+    finally:
+        worker.close()
+        tier.close()

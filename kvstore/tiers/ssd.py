@@ -1,11 +1,13 @@
-"""The SSD tier: values in RocksDB (rocksdict, raw bytes), verified on read.
+"""The SSD tier: values in segment files indexed by RocksDB (rocksdict), verified on read.
 
-Layout. Each value is two RocksDB entries under the same key, written in one
-WriteBatch so they appear and disappear together: its header in the ``meta``
-column family and its payload in the ``value`` column family (the format is
-in :mod:`kvstore.tiers.record`). Headers are tiny and sit in their own SST
-files, so a warm restart (``scan_index``) reads ~40 bytes per value and never
-touches payloads.
+Layout. Each value's payload is appended to a value file (a segment, see
+:mod:`kvstore.tiers.segments`), and RocksDB's ``meta`` column family keeps its
+index record under the key: where the payload is (segment, offset, length,
+xxh3), then its header (the format is in :mod:`kvstore.tiers.record`). The
+record is written after the payload, so none points at bytes not written.
+Records are tiny and sit in their own SST files, so a warm restart
+(``scan_index``) reads ~70 bytes per value and never touches payloads. A
+plain value read into a buffer is one ``preadv`` into it.
 
 Opening is instant. ``used_bytes`` and ``count`` need every header summed,
 so a background thread does that over the headers as they were at open
@@ -14,17 +16,17 @@ counted against the headers they replace, so the totals are exact once
 ``accounted`` is set (~1.4 s per 100,000 values on 2 vCPUs). Until then they
 are too low, and the capacity check is lenient by the same amount.
 
-Durability. Writes go through RocksDB's WAL by default, so a value whose put
-returned survives ``kill -9`` of the process (``sync=True`` also survives a
-power cut, at the price of an fsync per batch). With ``wal=False`` the newest
-writes are lost on a crash, but ``atomic_flush`` keeps the two column
-families in step, so a header never outlives its payload.
+Durability. Index records go through RocksDB's WAL by default, after their
+payloads' ``pwritev``, so a value whose put returned survives ``kill -9`` of
+the process (``sync=True`` also survives a power cut, at the price of an
+fdatasync of the segment and an fsync of the WAL per batch). With
+``wal=False`` the newest records are lost on a crash; their payloads are
+dead bytes that reclaim removes.
 
 Verification. ``get`` checks the payload against the header's xxh3 checksum
-before decompressing. Payload reads skip RocksDB's own checksum: it
-would verify the same bytes again, and skipping it pays for ours (a 1 MiB
-read costs ~35 us less, our xxh3 ~20 us). A read that fails is retried once
-under the write lock (an unlocked read can straddle a concurrent overwrite);
+before decompressing. A read that fails is retried once under the write
+lock and the segment store's index lock (an unlocked read can straddle a
+concurrent overwrite or a reclaim);
 if it fails again the record is deleted and :class:`CorruptValue` is raised,
 so a bad value is reported once and never served.
 
@@ -54,6 +56,7 @@ from rocksdict import (BlockBasedOptions, ChecksumType, DBCompressionType, Optio
 
 from kvstore.tiers import CorruptValue, TierError, TierFull, ValueTooLarge
 from kvstore.tiers.record import RecordHeader, decode, decode_into, encode
+from kvstore.tiers.segments import LOCATION, Location, SegmentStore
 from proto import fastpath as fp
 
 WRITE_STALL = "Result incomplete"        # RocksDB's status for a write it would have delayed
@@ -61,6 +64,7 @@ STALL_FIRST_S, STALL_MAX_S, STALL_LIMIT_S = 0.001, 0.05, 60.0
 META_CF = "meta"
 VALUE_CF = fp.SSD_VALUE_CF
 COMPRESSION_MODES = ("auto", "off")
+SEGMENTS_DIR = "segments"         # the payloads' value files, under the tier's directory
 T = TypeVar("T")
 
 
@@ -99,6 +103,12 @@ class SSDTier:
         self._payload_reads = ReadOptions()
         self._payload_reads.set_verify_checksums(False)   # our xxh3 checks the same bytes
         self._lock = threading.Lock()
+        try:
+            self._store = SegmentStore(os.path.join(path, SEGMENTS_DIR), self._meta,
+                                       sync=write_options.sync, write_index=self._write_records)
+        except OSError as exc:
+            db.close()
+            raise _describe_failure(path, "open", exc) from exc
         self._used = self._count = self._value_bytes = 0
         self.accounted = threading.Event()
         self._closing = False
@@ -173,7 +183,11 @@ class SSDTier:
             if self._used + growth > self.capacity_bytes:
                 raise TierFull(f"SSD tier at {self.path} needs {growth} more bytes, "
                                f"{self.free_bytes} of {self.capacity_bytes} are free")
-            self._write(partial(self._fill_puts, latest), "write")
+            try:
+                self._store.put_many([(key, payload, header.pack())
+                                      for key, (header, payload) in latest.items()])
+            except OSError as exc:          # the payload's write: a full disk, a file size limit
+                raise _describe_failure(self.path, "write", exc) from exc
             for key, (header, _) in latest.items():
                 if previous[key]:
                     self._account(previous[key].disk_bytes,
@@ -181,10 +195,15 @@ class SSDTier:
                 self._account(header.disk_bytes, header.value_size, +1)
         return [header for _, header, _ in records]
 
-    def _fill_puts(self, latest: dict[bytes, tuple[RecordHeader, bytes]], batch: WriteBatch) -> None:
-        for key, (header, payload) in latest.items():
-            batch.put(key, header.pack(), self._meta_cf)
-            batch.put(key, payload, self._value_cf)
+    def _write_records(self, records: list[tuple[bytes, bytes | None]]) -> None:
+        """Write index records (None: delete) in one batch: the segment store's index writer."""
+        def fill(batch: WriteBatch) -> None:
+            for key, raw in records:
+                if raw is None:
+                    batch.delete(key, self._meta_cf)
+                else:
+                    batch.put(key, raw, self._meta_cf)
+        self._write(fill, "write")
 
     def _encode(self, value, parent: bytes | None) -> tuple[RecordHeader, bytes]:
         header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle)
@@ -211,10 +230,11 @@ class SSDTier:
         return True
 
     def _delete_entries(self, key: bytes) -> None:
-        def fill(batch: WriteBatch) -> None:
-            batch.delete(key, self._meta_cf)
-            batch.delete(key, self._value_cf)
-        self._write(fill, "delete")
+        raw = self._meta.get(key)
+        if raw is not None and len(raw) >= LOCATION.size:
+            self._store.delete(key)             # its payload's bytes are dead
+        elif raw is not None:
+            self._write_records([(key, None)])
 
     def _stored_header(self, key: bytes) -> RecordHeader | None:
         """Header of ``key`` as accounted: None when absent or unreadable."""
@@ -256,9 +276,21 @@ class SSDTier:
         """The value, verified; None when absent. Raises CorruptValue (and drops it)."""
         return self._fetch(key, decode)
 
+    def reclaim(self, limit: int | None = 1) -> int:
+        """Rewrite the segments mostly dead (at most ``limit``); bytes copied."""
+        self._check_open()
+        try:
+            return self._store.reclaim(limit)
+        except OSError as exc:
+            raise _describe_failure(self.path, "reclaim", exc) from exc
+
+    @property
+    def segment_disk_bytes(self) -> int:
+        return self._store.disk_bytes()
+
     def get_into(self, key: bytes, buffer) -> int | None:
         """Copy the verified value into ``buffer``; its length, or None when absent."""
-        return self._fetch(key, lambda header, payload: decode_into(header, payload, buffer))
+        return self._fetch(key, partial(decode_into, out=buffer), buffer)
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None | BaseException]:
         """Several verified values, on one thread in one call, for a reply sent over a socket.
@@ -268,7 +300,7 @@ class SSDTier:
         into the arena, which costs as much as the read itself). Results as in
         `get_many_into`, with the value in place of its length.
         """
-        return self._read_many(keys, [decode] * len(keys))
+        return self._read_many(keys, [(decode, None)] * len(keys))
 
     def get_many_into(self, keys: list[bytes], buffers: list) -> list[int | None | BaseException]:
         """Copy several verified values into their buffers, on one thread in one call.
@@ -276,9 +308,9 @@ class SSDTier:
         One result per key, in order: the value's length, None when absent, or the
         error that key's own read raised.
         """
-        return self._read_many(keys, [partial(decode_into, out=buffer) for buffer in buffers])
+        return self._read_many(keys, [(partial(decode_into, out=buffer), buffer) for buffer in buffers])
 
-    def _read_many(self, keys: list[bytes], finishers: list[Callable[[RecordHeader, bytes], T]]) \
+    def _read_many(self, keys: list[bytes], finishers: list[tuple[Callable[[RecordHeader, bytes], T], Any]]) \
             -> list[T | None | BaseException]:
         """Read several values, each handed with its header to its own finisher.
 
@@ -294,20 +326,18 @@ class SSDTier:
             headers = self._meta.get(keys)
         except Exception:   # RocksDB status text: let each key report its own
             headers = [b""] * len(keys)
-        return [None if raw is None else self._settle(self._read_with_header, key, raw, finish)
+        return [None if raw is None else self._settle(self._read_with_header, key, raw, *finish)
                 for key, raw, finish in zip(keys, headers, finishers)]
 
-    def _read_with_header(self, key: bytes, raw: bytes, finish: Callable[[RecordHeader, bytes], T]) -> T | None:
-        """Read the payload of ``key`` whose header was ``raw``; if they do not verify
-        together (an overwrite in between, damage, a failed batch), read again alone."""
+    def _read_with_header(self, key: bytes, raw: bytes, finish: Callable[[RecordHeader, bytes], T],
+                          out=None) -> T | None:
+        """Read the payload of ``key`` whose record was ``raw``; if they do not verify
+        together (an overwrite or a reclaim in between, damage), read again alone."""
         try:
-            payload = self._values.get(key, read_opt=self._payload_reads)
-            header = RecordHeader.unpack(raw)
-            if payload is not None and header.verify(payload):
-                return finish(header, payload)
-        except Exception:   # CorruptValue, or RocksDB's status text: _fetch says which
+            return self._finish_record(raw, finish, out)
+        except CorruptValue:   # _fetch says whether it is
             pass
-        return self._fetch(key, finish)
+        return self._fetch(key, finish, out)
 
     @staticmethod
     def _settle(fn: Callable[..., T], *args: Any) -> T | BaseException:
@@ -316,36 +346,46 @@ class SSDTier:
         except Exception as exc:
             return exc
 
-    def _fetch(self, key: bytes, finish: Callable[[RecordHeader, bytes], T]) -> T | None:
+    def _fetch(self, key: bytes, finish: Callable[[RecordHeader, bytes], T], out=None) -> T | None:
         self._check_open()
         try:
-            return self._load(key, finish)
+            return self._load(key, finish, out)
         except CorruptValue:
             pass
-        with self._lock:   # retry where no put or delete of this key can interleave
+        with self._lock, self._store.quiet():   # retry where no put, delete or reclaim of this key can interleave
             self._check_open()
             try:
-                return self._load(key, finish)
+                return self._load(key, finish, out)
             except CorruptValue as exc:
                 self.checksum_failures += 1
                 self._remove(key)
                 raise CorruptValue(f"SSD value {key!r} failed verification and was dropped: {exc}") from None
 
-    def _load(self, key: bytes, finish: Callable[[RecordHeader, bytes], T]) -> T | None:
+    def _load(self, key: bytes, finish: Callable[[RecordHeader, bytes], T], out=None) -> T | None:
         try:
             raw = self._meta.get(key)
-            payload = self._values.get(key, read_opt=self._payload_reads) if raw is not None else None
         except Exception as exc:  # RocksDB status text, e.g. damaged data on disk
             if "corruption" in str(exc).lower():
                 raise CorruptValue(str(exc)) from exc
             raise _describe_failure(self.path, "read", exc) from exc
         if raw is None:
             return None
-        header = RecordHeader.unpack(raw)
-        if payload is None:
-            raise CorruptValue("header without payload")
-        if not header.verify(payload):
-            raise CorruptValue(f"checksum mismatch over {len(payload)} stored bytes")
+        return self._finish_record(raw, finish, out)
+
+    def _finish_record(self, raw: bytes, finish: Callable[[RecordHeader, bytes], T], out=None) -> T:
+        """The value a record points at, handed to ``finish``: a plain value read for a buffer
+        (``out``) lands there with one ``preadv``; any other is read into a new buffer first."""
+        loc, header = _parse_record(raw)
+        if out is not None and not header.flags:
+            if memoryview(out).nbytes < loc.length:
+                raise ValueError(f"buffer of {memoryview(out).nbytes} bytes cannot hold a value "
+                                 f"of {header.value_size} bytes")
+            if self._store.read_at(loc, out) is None:
+                raise CorruptValue(f"checksum mismatch over {loc.length} stored bytes")
+            return header.value_size
+        payload = bytearray(loc.length)
+        if self._store.read_at(loc, payload) is None:
+            raise CorruptValue(f"checksum mismatch over {loc.length} stored bytes")
         return finish(header, payload)
 
     def scan_index(self) -> Iterator[IndexRecord]:
@@ -409,6 +449,7 @@ class SSDTier:
                 return
             db, self._db = self._db, None
             self._meta = self._values = self._meta_cf = self._value_cf = None  # each holds the DB open
+            self._store.close()
             errors = []
             for step in (db.flush, db.close):
                 try:
@@ -419,11 +460,23 @@ class SSDTier:
                 raise _describe_failure(self.path, "close", errors[0]) from errors[0]
 
 
+def _parse_record(raw: bytes) -> tuple[Location, RecordHeader]:
+    """An index record: where the payload is (segments.LOCATION), then its header.
+    CorruptValue when it does not parse or the two disagree."""
+    if len(raw) < LOCATION.size:
+        raise CorruptValue("index record cut short")
+    loc = Location.unpack(raw)
+    header = RecordHeader.unpack(raw[LOCATION.size:])
+    if loc.length != header.stored_size or loc.checksum != header.checksum:
+        raise CorruptValue("index record and header disagree")
+    return loc, header
+
+
 def _parse_header(raw: bytes | None) -> RecordHeader | None:
     if raw is None:
         return None
     try:
-        return RecordHeader.unpack(raw)
+        return _parse_record(raw)[1]
     except CorruptValue:
         return None
 

@@ -8,6 +8,7 @@ after it, so a deleted or overwritten value never comes back after a crash.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ from kvstore.tiers.record import RecordHeader
 from kvstore.tiers.ssd import SSDTier
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+RECLAIM_IDLE_S = 1.0          # the writer idle this long reclaims a segment (kvstore/tiers/segments.py)
 # A batch's write holds the GIL (rocksdict does not release it), so the event loop waits for it:
 # 2 MiB is ~2-4 ms of WAL and memtable copies; 16 MiB held the loop for tens of milliseconds.
 MAX_BATCH_BYTES = 2 << 20
@@ -62,9 +65,25 @@ class SSDWorker:
         self._queue.put(pending)
         return pending.future
 
+    def _next(self) -> _PendingPut | None:
+        """The next queued write; while none comes for `RECLAIM_IDLE_S`, reclaim one
+        mostly dead segment of the tier's value files at a time."""
+        while True:
+            try:
+                return self._queue.get(timeout=RECLAIM_IDLE_S)
+            except queue.Empty:
+                pass
+            reclaim = getattr(self.tier, "reclaim", None)
+            if reclaim is None:
+                return self._queue.get()
+            try:
+                reclaim(1)
+            except Exception:   # a reclaim that fails leaves the values where they are
+                log.exception("SSD segment reclaim failed")
+
     def _write_loop(self) -> None:
         held: _PendingPut | None = None
-        while (first := held or self._queue.get()) is not None:
+        while (first := held or self._next()) is not None:
             held = None
             if first.value is None:
                 first.settle(self.tier.delete, first.key)
