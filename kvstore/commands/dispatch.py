@@ -37,7 +37,7 @@ from kvstore.cluster.slots import keys_by_slot
 from kvstore.commands.strings import get, set_plain
 from kvstore.commands.table import Command, CommandError
 from kvstore.store.arena import Extent
-from kvstore.store.engine import NeedsDemotion, OutOfMemory
+from kvstore.store.engine import NeedsDemotion, NeedsRoom, OutOfMemory
 from kvstore.net.protocol import writer
 from kvstore.tiers.manager import ARENA_READERS
 
@@ -119,6 +119,10 @@ def dispatch(conn, args: list, failure: Exception | None = None, has_extents: bo
 def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_extents: bool) -> bool:
     """Queue the error reply of a request that raised ``exc``; False when it was
     deferred instead, to run again (a write waiting for DRAM to make room)."""
+    if isinstance(exc, NeedsRoom):          # eviction goes on over the next loop turns
+        conn.defer(conn.engine.room.wait(exc.size),
+                   lambda _: dispatch(conn, args, None, has_extents))
+        return False
     if isinstance(exc, NeedsDemotion):
         conn.defer(conn.tiers.make_room(exc.size),
                    lambda _: dispatch(conn, args, None, has_extents))
