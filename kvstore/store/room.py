@@ -109,6 +109,7 @@ class RoomMaker:
         self._blocked: dict[int, int] = {}      # region offset -> choices it sits out
         self._rng = np.random.default_rng(1)
         self.protect: int | None = None         # the parent of the block being written (held meanwhile)
+        self._began = 0.0                       # when the current call began
 
     # ------------------------------------------------------------ entry points
 
@@ -125,7 +126,7 @@ class RoomMaker:
     def make(self, size: int, clean_only: bool = False) -> int:
         """Evict until ``size`` bytes can be placed; their offset. Raises NeedsRoom at the
         turn's bound, NeedsDemotion (a lower tier will take values), OutOfMemory."""
-        start = self.clock()
+        start = self._began = self.clock()
         self._note_turn()
         try:
             return self._make(size, clean_only, start)
@@ -170,6 +171,9 @@ class RoomMaker:
         loop.call_soon(self.new_turn)   # runs at the start of the next turn
 
     # ------------------------------------------------------------ the loop
+
+    def _over_budget(self) -> bool:
+        return self.budget is not None and self.spent + self.clock() - self._began >= self.budget
 
     def _make(self, size: int, clean_only: bool, start: float) -> int:
         engine = self.engine
@@ -252,13 +256,14 @@ class RoomMaker:
         engine = self.engine
         policy, alloc, entries = engine.eviction, engine.allocator, engine.entries
         mask = ~((1 << order) - 1)
-        candidates = set()
+        first = set()                               # priced before the random ones
         oldest = policy.oldest(DRAM)
         if oldest is not None:
-            candidates.add(entries.dram_offset(oldest[1]) & mask)
+            first.add(entries.dram_offset(oldest[1]) & mask)
         exact = policy.peek(DRAM, order)
         if exact is not None:
-            candidates.add(entries.dram_offset(exact[1]) & mask)
+            first.add(entries.dram_offset(exact[1]) & mask)
+        candidates = set(first)
         regions = alloc.capacity >> order
         picks = range(regions) if regions <= REGION_SAMPLES else \
             self._rng.integers(0, regions, REGION_SAMPLES).tolist()
@@ -272,7 +277,9 @@ class RoomMaker:
         now = policy._clock
         floor = oldest[0] if oldest is not None else 0
         best = None
-        for region in candidates:
+        for region in sorted(candidates, key=lambda region: region not in first):
+            if best is not None and self._over_budget():
+                break                               # pricing counts in the turn's slice too
             if region in self._blocked or region + (1 << order) > alloc.capacity \
                     or any(region < hi and lo < region + (1 << order) for lo, hi in alloc.fences):
                 continue
