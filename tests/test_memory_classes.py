@@ -53,29 +53,32 @@ def put_until_room(engine: Engine, key: bytes, value: bytes, parent: bytes | Non
             engine.room.new_turn()
 
 
-def pages_of(engine: Engine, order: int) -> int:
-    return engine.allocator.slab_pages[order]
+def pages_of(engine: Engine, size: int) -> int:
+    """Slab pages of the class of values of ``size`` bytes."""
+    alloc = engine.allocator
+    return alloc.slab_pages[alloc.class_of(size)]
 
 
 def test_small_values_pack_into_pages_of_their_class(make_engine):
-    engine = make_engine(16 * MiB)                   # 1 MiB pages
+    engine = make_engine(16 * MiB)                   # 64 KiB pages
     for i in range(10_000):
-        engine.put(b"s%d" % i, b"x" * 100)           # 128-byte class: 8192 a page
+        engine.put(b"s%d" % i, b"x" * 100)           # 128-byte class: 512 a page
     alloc = engine.allocator
-    assert pages_of(engine, 7) == 2 and alloc.footprint == 2 * MiB
+    assert alloc.page == 64 * KiB and pages_of(engine, 100) == 20 and alloc.footprint == 20 * 64 * KiB
+    assert alloc.chunk_size(100) == 128 and alloc.chunk_size(1000) == 1024 and alloc.chunk_size(1100) == 1280
     assert alloc.largest_free() >= 8 * MiB           # the rest stays in big pieces
 
 
 def test_a_burst_of_big_values_frees_whole_pages_and_no_more(make_engine):
     engine = make_engine(16 * MiB)
-    for i in range(40_000):                          # 5 pages of small values, the oldest data
+    for i in range(40_000):                          # 79 pages of small values, the oldest data
         engine.put(b"s%d" % i, b"x" * 100)
     big = b"y" * MiB
     for i in range(14):                              # 14 MiB more than the 11 MiB free
         engine.put(b"b%d" % i, big)
     small_left = sum(key.startswith(b"s") for key in engine.index)
     assert all(engine.lookup(b"b%d" % i) is not None for i in range(14))
-    # the oldest small values went a page at a time: 3 pages' worth, not all of them
+    # the oldest small values went a region at a time: 3 MiB's worth, not all of them
     assert small_left == 40_000 - 3 * 8192 and engine.stats.evict_regions == 3
     assert engine.stats.evicted_for_big == 40_000 - small_left
     assert engine.allocator.used <= 16 * MiB
@@ -86,14 +89,14 @@ def test_classes_trade_pages_as_the_mix_changes(make_engine):
     engine = make_engine(16 * MiB)
     for i in range(16 * 8192):                       # the whole arena in 128-byte values
         engine.put(b"a%d" % i, b"a" * 100)
-    assert pages_of(engine, 7) == 16
+    assert pages_of(engine, 100) == 256
     for i in range(16 * 1024):                       # 1 KiB values, written later: they take pages
         engine.put(b"b%d" % i, b"b" * 1000)
-    assert pages_of(engine, 10) >= 14 and pages_of(engine, 7) <= 2
-    assert engine.stats.evict_regions >= 14          # pages were cleared for the new class
+    assert pages_of(engine, 1000) >= 224 and pages_of(engine, 100) <= 32
+    assert engine.stats.evict_regions >= 224         # pages were cleared for the new class
     for i in range(16 * 8192):                       # and back
         engine.put(b"c%d" % i, b"c" * 100)
-    assert pages_of(engine, 7) >= 14
+    assert pages_of(engine, 100) >= 224
     alloc = engine.allocator
     assert alloc.footprint == 16 * MiB and alloc.used >= 0.85 * alloc.capacity
 
@@ -103,7 +106,7 @@ def test_a_new_class_gets_a_page_when_memory_is_full(make_engine):
     for i in range(16):
         engine.put(b"big%d" % i, b"z" * MiB)
     engine.put(b"tiny", b"t")
-    assert engine.lookup(b"tiny") is not None and pages_of(engine, 6) == 1
+    assert engine.lookup(b"tiny") is not None and pages_of(engine, 1) == 1
     assert len(engine.index) == 16                   # one big value made way for the page
 
 
@@ -125,7 +128,7 @@ def test_no_turn_evicts_past_the_bound(make_engine):
 
 def test_a_long_chain_drains_from_its_tail_within_the_bound(make_engine):
     engine = make_engine(16 * MiB)
-    chain = [b"c%06d" % i for i in range(60_000)]                 # 7.3 pages of 128-byte blocks
+    chain = [b"c%06d" % i for i in range(60_000)]                 # 29.3 pages of 128-byte blocks
     for i, key in enumerate(chain):
         engine.put(key, b"x" * 100, parent=chain[i - 1] if i else None)
     clock = FakeClock(step=1e-5)
@@ -193,6 +196,24 @@ def test_fragmentation_is_reported(make_engine):
     for i in range(0, 8192 + 10, 2):
         engine.delete(b"s%d" % i)
     alloc = engine.allocator
-    assert alloc.slack_bytes() == (4096 + 8192 - 5) * 128      # freed slots, and the second page's unused
-    assert alloc.fragmented_bytes(MiB) == alloc.slack_bytes()
+    # half of 16 full pages, and the 17th page's unused slots
+    assert alloc.slack_bytes() == (16 * 256 + 512 - 5) * 128
+    # the 17th page leaves 64, 128, 256 and 512 KiB pieces in the second MiB: smaller than a 1 MiB value
+    assert alloc.fragmented_bytes(MiB) == alloc.slack_bytes() + 960 * KiB
     assert alloc.largest_free() == 8 * MiB
+
+
+def test_a_big_value_takes_a_run_of_free_pages_across_chunk_edges():
+    from kvstore.store.slabs import SlabAllocator
+    alloc = SlabAllocator(16 * MiB, page=64 * KiB)
+    first = alloc.alloc(3 * MiB)                     # a 4 MiB chunk: its last MiB goes back
+    second = alloc.alloc(4 * MiB)
+    alloc.alloc(8 * MiB - 64 * KiB)                  # all but one page of the upper half
+    alloc.free(second, 4 * MiB)
+    assert alloc.largest_free() == 4 * MiB and alloc.free_bytes == 5 * MiB + 64 * KiB
+    # 4.5 MiB: no aligned 8 MiB chunk is free, but 3 MiB .. 8 MiB is one run of 5 MiB
+    offset = alloc.alloc(4 * MiB + 512 * KiB)
+    assert offset == 3 * MiB and alloc.footprint == 16 * MiB - 64 * KiB - 512 * KiB
+    alloc.free(offset, 4 * MiB + 512 * KiB)
+    alloc.free(first, 3 * MiB)
+    assert alloc.largest_free() == 8 * MiB and alloc.buddy.is_free(0, 23)

@@ -64,7 +64,7 @@ def memory_section(server) -> dict:
 def _fragmentation(engine) -> dict:
     """How the arena is cut up (kvstore/store/slabs.py) and what eviction cost (kvstore/store/room.py)."""
     alloc, stats, room = engine.allocator, engine.stats, engine.room
-    largest_class = 1 << alloc.largest_order if alloc.largest_order else 0
+    largest_class = alloc.largest_chunk
     return {"mem_footprint": alloc.footprint, "mem_free_bytes": alloc.free_bytes,
             "mem_largest_free_extent": alloc.largest_free(), "mem_largest_class": largest_class,
             "mem_fragmented_bytes": alloc.fragmented_bytes(largest_class) if largest_class else 0,

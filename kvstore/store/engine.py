@@ -52,7 +52,6 @@ __all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsD
 
 TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
 MAX_VALUE = 2**32 - 1  # sizes are kept in 32 bits
-CLASSES = 34           # size classes of the eviction policy: one per power of two up to MAX_VALUE
 
 
 @dataclass
@@ -82,10 +81,10 @@ class Engine:
     def __init__(self, dram_size: int, policy: str = "allkeys-lru", prefault: bool = True):
         self.arena = Arena(dram_size, prefault=prefault)
         self.allocator = SlabAllocator(dram_size, OFFSET_UNIT)
-        self.eviction = SampledLRU(capacity=1024, places=len(TIERS), classes=CLASSES)
+        self.eviction = SampledLRU(capacity=1024, places=len(TIERS), classes=self.allocator.classes)
         self.entries = EntryTable(self.eviction)
-        order_for, sizes = self.allocator.order_for, self.entries.size
-        self.eviction.class_of = lambda entry: order_for(sizes[entry])
+        class_of, sizes = self.allocator.class_of, self.entries.size
+        self.eviction.class_of = lambda entry: class_of(sizes[entry])
         self.entries.on_dram = self._placed
         self.holds = ExtentHolds(self.allocator, self.eviction)
         self.moves = TierMoves(self.entries, self.holds.free)
@@ -247,7 +246,7 @@ class Engine:
         if entries.tier[entry] != DRAM or entries.flags[entry]:
             return False
         alloc = self.allocator
-        if size != old and alloc.order_for(size) != alloc.order_for(old):
+        if size != old and alloc.chunk_size(size) != alloc.chunk_size(old):
             return False
         offset = entries.dram_offset(entry)
         if self.holds.is_held(offset):

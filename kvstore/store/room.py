@@ -56,6 +56,7 @@ REGION_SAMPLES = 8      # random candidate regions priced per choice
 REBALANCE_EVERY = 32    # a class that kept its own values re-prices another page after this many
 BLOCKED_CHOICES = 64    # a region found uncleareable sits out this many choices
 SMALL = -1              # the job key of a page being cleared for small classes
+STALE_CALLS = 1000      # a job no write went on with over this many calls is dropped (its fence lifted)
 
 
 class OutOfMemory(Exception):
@@ -90,6 +91,7 @@ class Job:
     offset: int
     order: int
     todo: list[int]
+    touched: int = 0            # the maker's call count when a write last went on with it
     stack: list[tuple[int, bytes]] = field(default_factory=list)
 
 
@@ -105,11 +107,12 @@ class RoomMaker:
         self._turn_pending = False
         self.jobs: dict[int, Job] = {}          # order (SMALL for a page for small classes) -> job
         self.parked: dict[int, list[tuple[int, int]]] = {}   # order -> (offset, size) got for waiters
-        self._keep_own = [0] * 64
+        self._keep_own = [0] * engine.allocator.classes
         self._blocked: dict[int, int] = {}      # region offset -> choices it sits out
         self._rng = np.random.default_rng(1)
         self.protect: int | None = None         # the parent of the block being written (held meanwhile)
         self._began = 0.0                       # when the current call began
+        self.calls = 0                          # calls of make
 
     # ------------------------------------------------------------ entry points
 
@@ -127,6 +130,7 @@ class RoomMaker:
         """Evict until ``size`` bytes can be placed; their offset. Raises NeedsRoom at the
         turn's bound, NeedsDemotion (a lower tier will take values), OutOfMemory."""
         start = self._began = self.clock()
+        self.calls += 1
         self._note_turn()
         try:
             return self._make(size, clean_only, start)
@@ -178,7 +182,8 @@ class RoomMaker:
     def _make(self, size: int, clean_only: bool, start: float) -> int:
         engine = self.engine
         alloc, stats = engine.allocator, engine.stats
-        order = alloc.order_for(size)
+        cls = alloc.class_of(size)
+        big = alloc.is_big(cls)
         tiered = clean_only or engine.can_demote is not None
         while True:
             if self.budget is not None and self.spent + self.clock() - start >= self.budget:
@@ -190,13 +195,23 @@ class RoomMaker:
                 stats.evicted_other += 1
                 progressed = True
             else:
-                progressed = self._big_step(order) if order >= alloc.page_order else self._small_step(order)
-            offset = alloc.alloc(size, engine.limit)
+                progressed = self._big_step(alloc.order_for(size), cls) if big else self._small_step(cls)
+            if self.jobs:
+                self._sweep()
+            offset = alloc.alloc(size, engine.limit, runs=False)
             if offset is not None:
                 return offset
             if not progressed:
                 stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
+
+    def _sweep(self) -> None:
+        """End the jobs whose regions are free (their fences would keep a bigger free chunk
+        that holds them from any write) and those no write has gone on with for a while."""
+        free, calls = self.engine.allocator.buddy.is_free, self.calls
+        for key, job in list(self.jobs.items()):
+            if free(job.offset, job.order) or calls - job.touched > STALE_CALLS:
+                self._end(key)
 
     def _tier_step(self, size: int, clean_only: bool) -> bool:
         """With a lower tier: clean copies go first, then wait for demotions, then evict
@@ -210,22 +225,22 @@ class RoomMaker:
 
     # ------------------------------------------------------------ small writes
 
-    def _small_step(self, order: int) -> bool:
+    def _small_step(self, cls: int) -> bool:
         engine = self.engine
         policy, alloc = engine.eviction, engine.allocator
         job = self.jobs.get(SMALL)
         if job is not None:
             return self._work(SMALL, job, "small")
-        own = policy.peek(DRAM, order)
-        other = policy.oldest(DRAM, exclude_cls=order)
+        own = policy.peek(DRAM, cls)
+        other = policy.oldest(DRAM, exclude_cls=cls)
         if own is not None and (other is None or own[0] <= other[0]):
             return self._evict(own[1], "small")
         if other is None:
             return self._fallback()
-        if alloc.order_for(engine.entries.size[other[1]]) >= alloc.page_order:
+        if alloc.is_big(alloc.class_of(engine.entries.size[other[1]])):
             return self._evict(other[1], "small")        # a big value older than the class's coldest
-        if own is not None and self._keep_own[order] > 0:
-            self._keep_own[order] -= 1
+        if own is not None and self._keep_own[cls] > 0:
+            self._keep_own[cls] -= 1
             return self._evict(own[1], "small")
         page_mask = ~(alloc.page - 1)
         page = engine.entries.dram_offset(other[1]) & page_mask
@@ -235,23 +250,23 @@ class RoomMaker:
         if cost is not None and (own_cost is None or cost < own_cost):
             return self._start(SMALL, page, alloc.page_order, "small")
         if own is not None:
-            self._keep_own[order] = REBALANCE_EVERY
+            self._keep_own[cls] = REBALANCE_EVERY
             return self._evict(own[1], "small")
-        region = self._choose(alloc.page_order)
+        region = self._choose(alloc.page_order, -1)
         return self._start(SMALL, region, alloc.page_order, "small") if region is not None else self._fallback()
 
     # ------------------------------------------------------------ big writes
 
-    def _big_step(self, order: int) -> bool:
+    def _big_step(self, order: int, cls: int) -> bool:
         job = self.jobs.get(order)
         if job is not None:
             return self._work(order, job, "big")
-        region = self._choose(order)
+        region = self._choose(order, cls)
         if region is None:
             return self._fallback()
         return self._start(order, region, order, "big")
 
-    def _choose(self, order: int) -> int | None:
+    def _choose(self, order: int, cls: int) -> int | None:
         """The cheapest region of 2**order bytes to clear among the candidates; None if none can be."""
         engine = self.engine
         policy, alloc, entries = engine.eviction, engine.allocator, engine.entries
@@ -260,7 +275,7 @@ class RoomMaker:
         oldest = policy.oldest(DRAM)
         if oldest is not None:
             first.add(entries.dram_offset(oldest[1]) & mask)
-        exact = policy.peek(DRAM, order)
+        exact = policy.peek(DRAM, cls) if cls >= 0 else None
         if exact is not None:
             first.add(entries.dram_offset(exact[1]) & mask)
         candidates = set(first)
@@ -328,7 +343,7 @@ class RoomMaker:
 
     def _start(self, key: int, region: int, order: int, cause: str) -> bool:
         owners = self.engine.allocator.region_owners(region, order)
-        job = self.jobs[key] = Job(region, order, [int(e) for e in owners[::-1]])
+        job = self.jobs[key] = Job(region, order, [int(e) for e in owners[::-1]], self.calls)
         self.engine.allocator.fences.append((region, region + (1 << order)))
         self.engine.stats.evict_regions += 1
         return self._work(key, job, cause)
@@ -341,6 +356,7 @@ class RoomMaker:
 
     def _work(self, key: int, job: Job, cause: str) -> bool:
         """One unit of clearing: one step down a chain, or one eviction."""
+        job.touched = self.calls
         engine = self.engine
         entries, policy = engine.entries, engine.eviction
         if engine.allocator.buddy.is_free(job.offset, job.order):
