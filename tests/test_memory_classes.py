@@ -187,6 +187,10 @@ def test_a_waiting_write_gets_the_extent_made_for_it(make_engine):
     assert engine.room.parked[20]
     engine.put(b"big", b"y" * MiB)                   # takes the parked extent, evicts nothing more
     assert not engine.room.parked[20] and engine.stats.evictions == 8192
+    asyncio.run(wait())                              # one no write comes back for goes at FLUSHALL
+    assert engine.room.parked[20]
+    engine.flush()
+    assert not engine.room.parked and engine.allocator.used == 0
 
 
 def test_fragmentation_is_reported(make_engine):

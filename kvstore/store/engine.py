@@ -279,6 +279,7 @@ class Engine:
     def flush(self) -> None:
         for entry in list(self.index.values()):
             self._drop(entry)
+        self.room.release_parked()
 
     # ----------------------------------------------------------- reads
 

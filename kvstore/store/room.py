@@ -1,28 +1,31 @@
 """Making room for one write: free what it needs, at least cost, a bounded slice per loop turn.
 
-What a write needs (kvstore/store/slabs.py): a value smaller than a page needs
+What a write needs (kvstore/store/slabs.py): a value of up to half a page needs
 one slot of its size class, or one free page to open a slab of that class; a
-bigger value needs one free aligned extent of its own size (a *region*).
+bigger value needs a run of free pages, made by freeing one aligned power-of-two
+extent of its size (a *region*).
 
 - **Small write, class c.** The coldest leaf of class c frees a slot at the
   cost of one value. When the oldest leaf anywhere is older and of another
   small class, the classes may be out of balance: the page holding it is
-  priced (below) and, if it costs less per byte than the class's own coldest
-  value, that page is cleared and handed over (memcached's slab rebalancing,
-  decided by the same cost as eviction). A big value older than the class's
-  coldest goes first (LRU across sizes). No class starves: a class with no
-  page at all always gets one this way.
-- **Big write, order k.** Candidate regions of 2**k bytes: the one holding the
-  oldest leaf, the one holding the coldest value of exactly this size (its
-  own extent), and a few at random. Each is priced and the cheapest is fenced
-  (nothing new lands in it) and cleared.
+  priced (below) and, when its newest value is older than class c's coldest,
+  that page is cleared and handed over (memcached's slab rebalancing, decided
+  by the LRU order itself; re-priced at most every REBALANCE_EVERY evictions
+  of a class that kept its own). A big value older than the class's coldest
+  goes first (LRU across sizes). No class starves: a class with no page at
+  all always gets one this way.
+- **Big write, 2**k bytes.** Candidate aligned regions of 2**k bytes: the one
+  holding the oldest leaf, the one holding the coldest value of this size
+  class (its own extent), and a few at random. Each is priced and the
+  cheapest is fenced (nothing new lands in it) and cleared.
 
-The price of a region: for each value in it, ``ALPHA`` (work, and the chance
-it is read again) plus its recency in [0, 1] (0 for the oldest leaf, 1 for
-the newest access); soft-pinned values cost one more; each chain link from a
-value inside to a child outside costs ``CROSS_PENALTY`` (that subtree must go
-first). A region holding a value being read, or an extent not yet committed,
-cannot be cleared now and is skipped for a while.
+The price of a region is the recency of its newest value, in [0, 1] (0 for
+the oldest leaf, 1 for the latest access: what LRU would have to give up to
+free it), plus COUNT_WEIGHT per value (a tie-break among regions as cold);
+a region holding a soft-pinned value ranks after every region without, one
+whose chain continues outside it after both. A region holding a value being
+read, or an extent not yet committed, cannot be cleared now and is skipped
+for a while.
 
 Clearing keeps the prefix property: a value goes only once no child of it is
 left in DRAM, so a value with cached children is reached by walking down to
@@ -125,6 +128,14 @@ class RoomMaker:
         offset, parked_size = got.pop()
         alloc.requested += size - parked_size
         return offset
+
+    def release_parked(self) -> None:
+        """Free the extents no waiting write came back for (FLUSHALL)."""
+        alloc = self.engine.allocator
+        for got in self.parked.values():
+            for offset, size in got:
+                alloc.free(offset, size)
+        self.parked.clear()
 
     def make(self, size: int, clean_only: bool = False) -> int:
         """Evict until ``size`` bytes can be placed; their offset. Raises NeedsRoom at the
