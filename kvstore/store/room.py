@@ -354,7 +354,7 @@ class RoomMaker:
 
     def _start(self, key: int, region: int, order: int, cause: str) -> bool:
         owners = self.engine.allocator.region_owners(region, order)
-        job = self.jobs[key] = Job(region, order, [int(e) for e in owners[::-1]], self.calls)
+        job = self.jobs[key] = Job(region, order, owners[::-1].tolist(), self.calls)
         self.engine.allocator.fences.append((region, region + (1 << order)))
         self.engine.stats.evict_regions += 1
         return self._work(key, job, cause)
