@@ -63,7 +63,24 @@ def memory_section(server) -> dict:
             "maxmemory": engine.limit, "maxmemory_human": human(engine.limit),
             "maxmemory_policy": cfg.maxmemory_policy,
             "mem_fragmentation_ratio": f"{(used / engine.value_bytes) if engine.value_bytes else 1.0:.2f}",
-            "mem_allocator": "buddy"}
+            "mem_allocator": "slabs+buddy", **_fragmentation(engine)}
+
+
+def _fragmentation(engine) -> dict:
+    """How the arena is cut up (kvstore/store/slabs.py) and what eviction cost (kvstore/store/room.py)."""
+    alloc, stats, room = engine.allocator, engine.stats, engine.room
+    largest_class = alloc.largest_chunk
+    return {"mem_footprint": alloc.footprint, "mem_free_bytes": alloc.free_bytes,
+            "mem_largest_free_extent": alloc.largest_free(), "mem_largest_class": largest_class,
+            "mem_fragmented_bytes": alloc.fragmented_bytes(largest_class) if largest_class else 0,
+            "mem_slab_slack_bytes": alloc.slack_bytes(), "mem_slab_pages": sum(alloc.slab_pages),
+            "mem_slab_page_bytes": alloc.page,
+            "evicted_keys_for_small": stats.evicted_for_small, "evicted_keys_for_big": stats.evicted_for_big,
+            "evicted_keys_beyond_region": stats.evicted_beyond_region,
+            "evicted_keys_other": stats.evicted_other,
+            "eviction_seconds": f"{stats.evict_seconds:.6f}", "eviction_deferrals": stats.evict_deferrals,
+            "eviction_regions": stats.evict_regions, "eviction_max_turn_ms": f"{room.max_slice * 1000:.3f}",
+            "eviction_turn_budget_ms": f"{room.budget * 1000:.3f}" if room.budget is not None else "0"}
 
 
 def stats_section(server) -> dict:

@@ -38,7 +38,7 @@ from kvstore.commands.strings import get, set_plain
 from kvstore.commands.table import Command, CommandError
 from kvstore.net.protocol import writer
 from kvstore.store.arena import Extent
-from kvstore.store.engine import NeedsDemotion, OutOfMemory
+from kvstore.store.engine import NeedsDemotion, NeedsRoom, OutOfMemory
 from kvstore.tiers.manager import ARENA_READERS
 
 log = logging.getLogger("kvstore")
@@ -156,6 +156,10 @@ def _dispatch_muted(conn, args: list, failure: Exception | None, has_extents: bo
 def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_extents: bool) -> bool:
     """Queue the error reply of a request that raised ``exc``; False when it was
     deferred instead, to run again (a write waiting for DRAM to make room)."""
+    if isinstance(exc, NeedsRoom):          # eviction goes on over the next loop turns
+        conn.defer(conn.engine.room.wait(exc.size),
+                   lambda _: dispatch(conn, args, None, has_extents))
+        return False
     if isinstance(exc, NeedsDemotion):
         conn.defer(conn.tiers.make_room(exc.size),
                    lambda _: dispatch(conn, args, None, has_extents))

@@ -38,6 +38,9 @@ log = logging.getLogger("kvstore")
 
 CRON_SECONDS = 0.1
 BACKLOG = 511
+# The most one loop turn spends evicting; a write that needs more waits for the next turns
+# (Redis's maxmemory-eviction-tenacity at its default spends about 0.5 ms; Python evicts slower).
+EVICTION_SLICE_S = 0.002
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Server:
         self.slowlog = SlowLog(config.slowlog_log_slower_than, config.slowlog_max_len)
         self.pause = None       # CLIENT PAUSE in force (kvstore/net/client_pause.py)
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
+        self.engine.room.budget = EVICTION_SLICE_S     # eviction per loop turn (kvstore/store/room.py)
         self.tiers = open_tiers(self.engine, config)     # None without SSD and GPU tiers
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()

@@ -3,6 +3,7 @@
 `engine` (the key index, reserve/commit, eviction under pressure), `entries` (the
 index's columns), `eviction` (approximate LRU over chain leaves), `holds` (reads in
 flight that keep an extent in place), `deadlines` (keys with a TTL), `allocator`
-(the buddy allocator), `arena` (the shared-memory DRAM arena), `watch` (WATCH's
-touched-key signal). Nothing here knows RESP.
+(the buddy allocator), `slabs` (size classes in pages carved by it), `room`
+(eviction that frees what a write needs, bounded per loop turn), `arena` (the
+shared-memory DRAM arena), `watch` (WATCH's touched-key signal). Nothing here knows RESP.
 """

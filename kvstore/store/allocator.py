@@ -32,14 +32,16 @@ class BuddyAllocator:
     ``free`` (it keeps it anyway), so no per-allocation record is kept here.
     """
 
-    def __init__(self, capacity: int, min_chunk: int = 64):
+    def __init__(self, capacity: int, min_chunk: int = 64, quick: bool = True):
         if min_chunk & (min_chunk - 1):
             raise ValueError("min_chunk must be a power of two")
         self.min_order = min_chunk.bit_length() - 1
         self.capacity = capacity - capacity % min_chunk
         self.max_order = max(self.capacity.bit_length() - 1, self.min_order)
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
-        self._quick: list[list[int]] = [[] for _ in range(min(QUICK_MAX_ORDER, self.max_order) + 1)]
+        self._quick: list[list[int]] = [[] for _ in range(min(QUICK_MAX_ORDER, self.max_order) + 1)] \
+            if quick else []
+        self.fences: list[tuple[int, int]] = []       # [lo, hi): no chunk overlapping one is handed out
         self.used = 0                          # bytes handed out, rounded up
         self.requested = 0                     # bytes asked for
         self._carve_top_chunks()
@@ -66,32 +68,66 @@ class BuddyAllocator:
         order = self.order_for(size)
         return order <= self.max_order and (1 << order) <= self.capacity
 
-    def alloc(self, size: int) -> int | None:
-        """Offset of a free extent of at least ``size`` bytes, or None."""
+    def alloc(self, size: int, fenced_ok: bool = False) -> int | None:
+        """Offset of a free extent of at least ``size`` bytes, or None.
+
+        Outside ``fence`` unless ``fenced_ok`` (the fence is a region being
+        cleared for one write, which alone may take it).
+        """
         want = self.order_for(size)
-        if want < len(self._quick) and self._quick[want]:
+        if want < len(self._quick) and self._quick[want] and not self.fences:
             offset = self._quick[want].pop()
         else:
-            offset = self._split_from_tree(want)
+            offset = self._split_from_tree(want, fenced_ok)
             if offset is None and self._drain_quick():
-                offset = self._split_from_tree(want)
+                offset = self._split_from_tree(want, fenced_ok)
             if offset is None:
                 return None
         self.used += 1 << want
         self.requested += size
         return offset
 
-    def _split_from_tree(self, want: int) -> int | None:
+    def _split_from_tree(self, want: int, fenced_ok: bool = False) -> int | None:
+        fences = None if fenced_ok else self.fences
         order = want
-        while order <= self.max_order and not self._free[order]:
+        while order <= self.max_order:
+            if self._free[order]:
+                if not fences:
+                    offset = self._free[order].pop()
+                    break
+                offset = self._unfenced(order, fences)
+                if offset is not None:
+                    self._free[order].remove(offset)
+                    break
             order += 1
         if order > self.max_order:
             return None
-        offset = self._free[order].pop()
         while order > want:                    # split, keeping the low half
             order -= 1
             self._free[order].add(offset + (1 << order))
         return offset
+
+    def _unfenced(self, order: int, fences: list[tuple[int, int]]) -> int | None:
+        """A free chunk of ``order`` that overlaps no fence (few chunks lie inside one)."""
+        size = 1 << order
+        for offset in self._free[order]:
+            if all(offset >= hi or offset + size <= lo for lo, hi in fences):
+                return offset
+        return None
+
+    def is_free(self, offset: int, order: int) -> bool:
+        """Whether the aligned extent (``offset``, ``order``) is one free chunk (or inside one)."""
+        for bigger in range(order, self.max_order + 1):
+            if (offset & ~((1 << bigger) - 1)) in self._free[bigger]:
+                return True
+        return False
+
+    def free_by_order(self) -> list[int]:
+        """Free chunks per order (quick-listed ones as they are, unmerged)."""
+        counts = [len(chunks) for chunks in self._free]
+        for order, chunks in enumerate(self._quick):
+            counts[order] += len(chunks)
+        return counts
 
     def free(self, offset: int, size: int) -> None:
         """Return the extent at ``offset`` (``size`` as passed to alloc)."""

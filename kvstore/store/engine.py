@@ -37,36 +37,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.store.allocator import BuddyAllocator
 from kvstore.store.arena import Arena, Extent
 from kvstore.store.deadlines import Deadlines
 from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
+from kvstore.store.room import NeedsDemotion, NeedsRoom, OutOfMemory, RoomMaker
+from kvstore.store.slabs import SlabAllocator
 from kvstore.tiers.moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 
-__all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsDemotion", "OutOfMemory",
-           "now_ms"]
+__all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsDemotion", "NeedsRoom",
+           "OutOfMemory", "now_ms"]
 
 TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
 MAX_VALUE = 2**32 - 1  # sizes are kept in 32 bits
-
-
-class OutOfMemory(Exception):
-    """No room for a value: the store is full and may not evict, or the value is too big."""
-
-
-class NeedsDemotion(OutOfMemory):
-    """DRAM is full of values that exist nowhere else; demoting them to SSD will make room.
-
-    The caller waits for ``TierManager.make_room(size)`` and tries again, instead
-    of dropping values that were never written to SSD.
-    """
-
-    def __init__(self, size: int):
-        super().__init__(f"waiting for the SSD tier to take {size} bytes")
-        self.size = size
 
 
 @dataclass
@@ -76,6 +61,13 @@ class EngineStats:
     evictions: int = 0
     expired: int = 0
     oom_rejections: int = 0
+    evicted_for_small: int = 0      # values evicted to place a value smaller than a page
+    evicted_for_big: int = 0        # ... a value of a page or more
+    evicted_beyond_region: int = 0  # chain blocks outside a region, evicted before their parent in it
+    evicted_other: int = 0          # clean-only and fallback evictions, cluster copies
+    evict_seconds: float = 0.0      # time spent evicting
+    evict_deferrals: int = 0        # writes put off to a later loop turn by the per-turn bound
+    evict_regions: int = 0          # regions chosen to clear for a write
 
 
 def now_ms() -> int:
@@ -88,9 +80,12 @@ class Engine:
 
     def __init__(self, dram_size: int, policy: str = "allkeys-lru", prefault: bool = True):
         self.arena = Arena(dram_size, prefault=prefault)
-        self.allocator = BuddyAllocator(dram_size, OFFSET_UNIT)
-        self.eviction = SampledLRU(capacity=1024, places=len(TIERS))
+        self.allocator = SlabAllocator(dram_size, OFFSET_UNIT)
+        self.eviction = SampledLRU(capacity=1024, places=len(TIERS), classes=self.allocator.classes)
         self.entries = EntryTable(self.eviction)
+        class_of, sizes = self.allocator.class_of, self.entries.size
+        self.eviction.class_of = lambda entry: class_of(sizes[entry])
+        self.entries.on_dram = self._placed
         self.holds = ExtentHolds(self.allocator, self.eviction)
         self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
@@ -109,6 +104,7 @@ class Engine:
         self.expire_listeners: list[Callable[[bytes], None]] = []           # fn(key) when it gets a deadline
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
         self._soft_pins: dict[int, tuple[bytes, int]] = {}   # entry -> (key, deadline ms)
+        self.room = RoomMaker(self)      # eviction that frees what a write needs (kvstore/store/room.py)
 
     def refuses_writes(self) -> bool:
         """Redis's out-of-memory state for commands that use memory, under a maxmemory lowered
@@ -135,28 +131,30 @@ class Engine:
 
         ``clean_only``: make room only by letting go of DRAM copies that a lower
         tier also holds (a read staging a copy must not cost another value).
+        Eviction stops at the per-turn bound (``room.budget``): the write is then
+        refused with ``NeedsRoom`` and waits (``room.wait``) while the loop serves
+        others, eviction going on in the next turns.
         """
         alloc = self.allocator
         if size > MAX_VALUE:
             raise OutOfMemory(f"value of {size} bytes is larger than the largest value ({MAX_VALUE} bytes)")
-        while True:
-            if alloc.used + size <= self.limit:
-                offset = alloc.alloc(size)
-                if offset is not None:
-                    return Extent(offset, size, self.arena.view[offset:offset + size])
+        offset = alloc.alloc(size, self.limit)
+        if offset is None and self.room.parked:
+            offset = self.room.take_parked(size)
+        if offset is None:
             if not alloc.fits(size) or size > self.limit:
                 self.stats.oom_rejections += 1
                 raise OutOfMemory(f"value of {size} bytes is larger than the DRAM tier")
             if self.policy == "noeviction":
                 self.stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
-            if self._evict_one(clean_only=True):
-                continue
-            if self.can_demote is not None and self.can_demote():
-                raise NeedsDemotion(size)
-            if clean_only or not self._evict_one():
-                self.stats.oom_rejections += 1
-                raise OutOfMemory("no room in the DRAM tier")
+            offset = self.room.make(size, clean_only)
+        return Extent(offset, size, self.arena.view[offset:offset + size])
+
+    def _placed(self, entry: int) -> None:
+        """The value of ``entry`` now lives in the arena: it owns its extent there."""
+        entries = self.entries
+        self.allocator.set_owner(entries.dram_offset(entry), entries.size[entry], entry)
 
     def release(self, extent: Extent) -> None:
         """Give back a reservation that was never committed."""
@@ -193,9 +191,27 @@ class Engine:
         if entry is not None and (parent is None or self._same_parent(entry, key, parent)) \
                 and self._rewrite_in_place(entry, 0, src, len(src), keep_ttl):
             return
-        extent = self.reserve(len(src))
+        extent = self._reserve_below(self._parent_entry(key, parent), len(src))
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
+
+    def _reserve_below(self, above: int, size: int) -> Extent:
+        """Reserve for a block that extends ``above``: making room takes that block only when
+        nothing else can go (a parent with a cached child is never taken)."""
+        if above == NO_PARENT or self.eviction.is_held(above):
+            return self.reserve(size)
+        self.eviction.hold(above)
+        self.room.protect = above
+        try:
+            return self.reserve(size)
+        except NeedsDemotion:
+            raise
+        except OutOfMemory:
+            pass
+        finally:
+            self.room.protect = None
+            self.eviction.release_hold(above)
+        return self.reserve(size)
 
     def _same_parent(self, entry: int, key: bytes, parent: bytes) -> bool:
         return self.eviction.parent_of(entry) == self._parent_entry(key, parent)
@@ -239,7 +255,7 @@ class Engine:
         if entries.tier[entry] != DRAM or entries.flags[entry]:
             return False
         alloc = self.allocator
-        if size != old and alloc.order_for(size) != alloc.order_for(old):
+        if size != old and alloc.chunk_size(size) != alloc.chunk_size(old):
             return False
         offset = entries.dram_offset(entry)
         if self.holds.is_held(offset):
@@ -272,6 +288,7 @@ class Engine:
     def flush(self) -> None:
         for entry in list(self.index.values()):
             self._drop(entry)
+        self.room.release_parked()
 
     # ----------------------------------------------------------- reads
 
@@ -466,7 +483,8 @@ class Engine:
         sample = list(itertools.islice(self.index, 64))     # not list(index): INFO stays O(1) in keys
         key_bytes = sum(sys.getsizeof(k) for k in sample) / len(sample)
         per_entry = self.entries.nbytes_per_entry() + self.eviction.nbytes_per_entry()
-        return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_entry
+        return sys.getsizeof(self.index) / n + key_bytes + sys.getsizeof(2**40) + per_entry \
+            + self.allocator.owner_bytes() / n
 
     def close(self) -> None:
         self.arena.close()
@@ -499,6 +517,7 @@ class Engine:
         (a read that makes room must not lose a value that exists only in DRAM).
         """
         if self.shed_first is not None and self.shed_first():
+            self.stats.evicted_other += 1
             return True
         entry = self.eviction.victim(DRAM, clean_only=True)
         if entry is not None:
@@ -511,8 +530,13 @@ class Engine:
         entry = self.eviction.victim(DRAM)
         if entry is None:
             return False
+        self.evict(entry)
+        self.stats.evicted_other += 1
+        return True
+
+    def evict(self, entry: int) -> None:
+        """Let the DRAM value of ``entry`` go for good to make room."""
         self._drop(entry)
         self.stats.evictions += 1
         for listener in self.evict_listeners:
             listener(False)
-        return True

@@ -51,6 +51,7 @@ class EntryTable:
         self.tier = array("b")
         self.flags = array("b")
         self.heap_copies: dict[int, bytes | bytearray] = {}    # entry -> staged copy outside the arena
+        self.on_dram = None                  # fn(entry) when a value takes its place in the arena
         self.count_in = [0] * len(TIERS)
         self.bytes_in = [0] * len(TIERS)
         self._free: list[int] = []
@@ -84,6 +85,8 @@ class EntryTable:
         self.policy.insert(entry, parent, tier)
         if flags & ON_SSD:
             self.policy.mark_clean(entry)
+        if tier == DRAM and self.on_dram is not None:
+            self.on_dram(entry)
         return entry
 
     def remove(self, entry: int) -> None:
@@ -121,6 +124,8 @@ class EntryTable:
         self.tier[entry] = tier
         self.policy.move(entry, tier)
         self.set_flags(entry, flags)
+        if tier == DRAM and self.on_dram is not None:
+            self.on_dram(entry)
 
     def set_flags(self, entry: int, flags: int) -> None:
         self.flags[entry] = flags

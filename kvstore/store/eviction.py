@@ -79,15 +79,18 @@ class SampledLRU:
                 ("_first_child", "i", NO_PARENT), ("_next_sibling", "i", NO_PARENT),
                 ("_prev_sibling", "i", NO_PARENT), ("_leaf_pos", "i", -1))
 
-    def __init__(self, capacity: int = 1024, samples: int = 64, seed: int = 0, places: int = 1):
+    def __init__(self, capacity: int = 1024, samples: int = 64, seed: int = 0, places: int = 1,
+                 classes: int = 1):
         self.samples = samples
         self.places = places
+        self.classes = classes          # size classes: each kind's list is split by class
+        self.class_of = None            # fn(entry) -> its size class, below ``classes`` (with classes > 1)
         self._rng = np.random.default_rng(seed)
         self._clock = 0
         for name, code, fill in self._COLUMNS:
             setattr(self, name, array(code, [fill]) * capacity)
-        self._lists = [array("i") for _ in range(places * KINDS)]
-        self._pools: list[list[tuple[int, int]]] = [[] for _ in range(places * KINDS)]
+        self._lists = [array("i") for _ in range(places * KINDS * classes)]
+        self._pools: list[list[tuple[int, int]]] = [[] for _ in range(places * KINDS * classes)]
         self._holds: dict[int, int] = {}      # entry -> holds in flight (few at a time)
         self.count = 0
 
@@ -254,25 +257,72 @@ class SampledLRU:
 
     # ------------------------------------------------------------ choosing
 
-    def victim(self, place: int = 0, clean_only: bool = False, allow_parent: bool = True) -> int | None:
+    def victim(self, place: int = 0, clean_only: bool = False, allow_parent: bool = True,
+               cls: int | None = None) -> int | None:
         """The leaf of ``place`` to let go next, or None.
 
         The oldest dirty or clean leaf; then the oldest soft-pinned one; then,
         when every leaf is held and ``allow_parent`` says progress matters more
         than the chain, the oldest unheld entry just above a held leaf. With
-        ``clean_only``, the oldest clean leaf and nothing else.
+        ``clean_only``, the oldest clean leaf and nothing else. With ``cls``,
+        only leaves of that size class, and never one above a held leaf.
         """
-        base, lists = place * KINDS, self._lists
-        dirty, clean = base + DIRTY, base + CLEAN
+        if cls is not None:
+            if clean_only:
+                return self._oldest_of(self._class_lids(place, (CLEAN,), cls))
+            found = self._oldest_of(self._class_lids(place, (DIRTY, CLEAN), cls))
+            return found if found is not None else self._oldest_of(self._class_lids(place, (SOFT,), cls))
         if clean_only:
-            return self._take(clean) if lists[clean] else None
-        if lists[dirty] and lists[clean]:
-            return self._take(dirty if self._pool_head(dirty) < self._pool_head(clean) else clean)
-        if lists[dirty] or lists[clean]:
-            return self._take(dirty if lists[dirty] else clean)
-        if lists[base + SOFT]:
-            return self._take(base + SOFT)
-        return self._above_held(base + HELD) if allow_parent else None
+            return self._oldest_of(self._kind_lids(place, CLEAN))
+        found = self._oldest_of(self._kind_lids(place, DIRTY) + self._kind_lids(place, CLEAN))
+        if found is not None:
+            return found
+        found = self._oldest_of(self._kind_lids(place, SOFT))
+        if found is not None:
+            return found
+        if not allow_parent:
+            return None
+        for lid in self._kind_lids(place, HELD):
+            found = self._above_held(lid)
+            if found is not None:
+                return found
+        return None
+
+    def oldest(self, place: int = 0, exclude_cls: int | None = None) -> tuple[int, int] | None:
+        """(stamp, entry) of the oldest dirty or clean leaf of ``place`` outside class
+        ``exclude_cls``, without taking it; None when there is none."""
+        lids = [lid for lid in self._kind_lids(place, DIRTY) + self._kind_lids(place, CLEAN)
+                if exclude_cls is None or lid % self.classes != exclude_cls]
+        heads = [self._pool_head(lid) for lid in lids]
+        return min(heads) if heads else None
+
+    def peek(self, place: int, cls: int) -> tuple[int, int] | None:
+        """(stamp, entry) of the oldest dirty or clean leaf of ``place`` in size class ``cls``,
+        without taking it; None when there is none."""
+        heads = [self._pool_head(lid) for lid in self._class_lids(place, (DIRTY, CLEAN), cls)]
+        return min(heads) if heads else None
+
+    def class_leaves(self, place: int, cls: int) -> int:
+        """How many unheld dirty or clean leaves of ``place`` are of size class ``cls``."""
+        return sum(len(self._lists[lid]) for lid in self._class_lids(place, (DIRTY, CLEAN), cls))
+
+    def _kind_lids(self, place: int, kind: int) -> list[int]:
+        """The non-empty lists of ``kind`` in ``place``, one per size class."""
+        start = (place * KINDS + kind) * self.classes
+        lists = self._lists
+        return [lid for lid in range(start, start + self.classes) if lists[lid]]
+
+    def _class_lids(self, place: int, kinds: tuple[int, ...], cls: int) -> list[int]:
+        lists = self._lists
+        return [lid for lid in ((place * KINDS + kind) * self.classes + cls for kind in kinds) if lists[lid]]
+
+    def _oldest_of(self, lids: list[int]) -> int | None:
+        """Take the oldest pooled candidate among the non-empty lists ``lids``."""
+        if not lids:
+            return None
+        if len(lids) == 1:
+            return self._take(lids[0])
+        return self._take(min(lids, key=self._pool_head))
 
     def _take(self, lid: int) -> int:
         """Take the oldest pooled candidate of the non-empty list ``lid``."""
@@ -286,7 +336,7 @@ class SampledLRU:
         while pool:
             stamp, entry = head = pool[0]
             if stamps[entry] == stamp and self._leaf_pos[entry] >= 0 \
-                    and places[entry] * KINDS + KIND_OF_MARKS[marks[entry]] == lid:
+                    and places[entry] >= 0 and self._list_id(entry) == lid:
                 return head
             del pool[0]
         self._refill(lid)
@@ -313,7 +363,7 @@ class SampledLRU:
             return None
         count = len(held)
         picks = range(count) if count <= self.samples else self._rng.integers(0, count, self.samples).tolist()
-        place = lid // KINDS
+        place = lid // (KINDS * self.classes)
         best = None
         for i in picks:
             node = held[i]
@@ -381,7 +431,8 @@ class SampledLRU:
             self._file(entry)
 
     def _list_id(self, entry: int) -> int:
-        return self._place[entry] * KINDS + KIND_OF_MARKS[self._marks[entry]]
+        lid = self._place[entry] * KINDS + KIND_OF_MARKS[self._marks[entry]]
+        return lid * self.classes + self.class_of(entry) if self.classes > 1 else lid
 
     def _file(self, entry: int) -> None:
         """Add a leaf of its place to its candidate list (and to the pool when older)."""

@@ -1,0 +1,432 @@
+"""Making room for one write: free what it needs, at least cost, a bounded slice per loop turn.
+
+What a write needs (kvstore/store/slabs.py): a value of up to half a page needs
+one slot of its size class, or one free page to open a slab of that class; a
+bigger value needs a run of free pages, made by freeing one aligned power-of-two
+extent of its size (a *region*).
+
+- **Small write, class c.** The coldest leaf of class c frees a slot at the
+  cost of one value. When the oldest leaf anywhere is older and of another
+  small class, the classes may be out of balance: the page holding it is
+  priced (below) and, when its newest value is older than class c's coldest,
+  that page is cleared and handed over (memcached's slab rebalancing, decided
+  by the LRU order itself; re-priced at most every REBALANCE_EVERY evictions
+  of a class that kept its own). A big value older than the class's coldest
+  goes first (LRU across sizes). No class starves: a class with no page at
+  all always gets one this way.
+- **Big write, 2**k bytes.** Candidate aligned regions of 2**k bytes: the one
+  holding the oldest leaf, the one holding the coldest value of this size
+  class (its own extent), and a few at random. Each is priced and the
+  cheapest is fenced (nothing new lands in it) and cleared.
+
+The price of a region is the recency of its newest value, in [0, 1] (0 for
+the oldest leaf, 1 for the latest access: what LRU would have to give up to
+free it), plus COUNT_WEIGHT per value (a tie-break among regions as cold);
+a region holding a soft-pinned value ranks after every region without, one
+whose chain continues outside it after both. A region holding a value being
+read, or an extent not yet committed, cannot be cleared now and is skipped
+for a while.
+
+Clearing keeps the prefix property: a value goes only once no child of it is
+left in DRAM, so a value with cached children is reached by walking down to
+its deepest cached descendant and evicting back up (post-order), a chain
+draining from its tail.
+
+The per-turn bound (Redis's maxmemory-eviction-tenacity): every eviction made
+while one loop turn runs, whatever write asked for it, adds to ``spent``;
+once it reaches ``budget`` the write is refused with ``NeedsRoom``. A command
+refused so waits (the connection defers it, as it defers a write waiting for
+the SSD tier: kvstore/commands/dispatch.py) on ``wait``, which goes on
+evicting one bounded slice per turn and parks the extent it got for the
+command's retry. Cascades that eviction triggers (listeners) run inside the
+slice and count in it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore.store.entries import DRAM, OFFSET_SHIFT, STAGED
+from kvstore.store.eviction import HELD_MARK, SOFT_MARK
+
+COUNT_WEIGHT = 1e-6     # cost per value evicted: a tie-break between regions as cold
+SOFT_PENALTY = 1.0      # a region holding a soft-pinned value ranks after every region without
+CROSS_PENALTY = 2.0     # ... one whose chain continues outside it, after both
+REGION_SAMPLES = 8      # random candidate regions priced per choice
+REBALANCE_EVERY = 32    # a class that kept its own values re-prices another page after this many
+BLOCKED_CHOICES = 64    # a region found uncleareable sits out this many choices
+SMALL = -1              # the job key of a page being cleared for small classes
+STALE_CALLS = 1000      # a job no write went on with over this many calls is dropped (its fence lifted)
+
+
+class OutOfMemory(Exception):
+    """No room for a value: the store is full and may not evict, or the value is too big."""
+
+
+class NeedsDemotion(OutOfMemory):
+    """DRAM is full of values that exist nowhere else; demoting them to SSD will make room.
+
+    The caller waits for ``TierManager.make_room(size)`` and tries again, instead
+    of dropping values that were never written to SSD.
+    """
+
+    def __init__(self, size: int):
+        super().__init__(f"waiting for the SSD tier to take {size} bytes")
+        self.size = size
+
+
+class NeedsRoom(NeedsDemotion):
+    """Eviction for this write reached the per-turn bound: wait for ``RoomMaker.wait(size)``
+    (eviction goes on in later turns) and try again."""
+
+    def __init__(self, size: int):
+        OutOfMemory.__init__(self, f"making room for {size} bytes over the next loop turns")
+        self.size = size
+
+
+@dataclass
+class Job:
+    """A region being cleared: its fence, the owners still to evict, the walk down a chain."""
+
+    offset: int
+    order: int
+    todo: list[int]
+    touched: int = 0            # the maker's call count when a write last went on with it
+    stack: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+class RoomMaker:
+    """The engine's eviction for writes (see the module doc)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.budget: float | None = None        # seconds of eviction per loop turn; None: unbounded
+        self.clock = time.perf_counter
+        self.spent = 0.0                        # seconds spent evicting in this turn
+        self.max_slice = 0.0                    # the longest any turn spent evicting
+        self._turn_pending = False
+        self.jobs: dict[int, Job] = {}          # order (SMALL for a page for small classes) -> job
+        self.parked: dict[int, list[tuple[int, int]]] = {}   # order -> (offset, size) got for waiters
+        self._keep_own = [0] * engine.allocator.classes
+        self._blocked: dict[int, int] = {}      # region offset -> choices it sits out
+        self._rng = np.random.default_rng(1)
+        self.protect: int | None = None         # the parent of the block being written (held meanwhile)
+        self._began = 0.0                       # when the current call began
+        self.calls = 0                          # calls of make
+
+    # ------------------------------------------------------------ entry points
+
+    def take_parked(self, size: int) -> int | None:
+        """An extent made for a waiting write of the same size class, if any."""
+        alloc = self.engine.allocator
+        got = self.parked.get(alloc.order_for(size))
+        if not got:
+            return None
+        offset, parked_size = got.pop()
+        alloc.requested += size - parked_size
+        return offset
+
+    def release_parked(self) -> None:
+        """Free the extents no waiting write came back for (FLUSHALL)."""
+        alloc = self.engine.allocator
+        for got in self.parked.values():
+            for offset, size in got:
+                alloc.free(offset, size)
+        self.parked.clear()
+
+    def make(self, size: int, clean_only: bool = False) -> int:
+        """Evict until ``size`` bytes can be placed; their offset. Raises NeedsRoom at the
+        turn's bound, NeedsDemotion (a lower tier will take values), OutOfMemory."""
+        start = self._began = self.clock()
+        self.calls += 1
+        self._note_turn()
+        try:
+            return self._make(size, clean_only, start)
+        finally:
+            spent = self.clock() - start
+            self.spent += spent
+            self.max_slice = max(self.max_slice, self.spent)
+            self.engine.stats.evict_seconds += spent
+
+    async def wait(self, size: int) -> None:
+        """Evict one bounded slice per loop turn until ``size`` bytes are placed; the extent is
+        parked for the write's retry. Returns at once when the write cannot succeed (its retry
+        gets the error)."""
+        alloc, engine = self.engine.allocator, self.engine
+        while True:
+            await asyncio.sleep(0)
+            offset = alloc.alloc(size, engine.limit)
+            if offset is None:
+                try:
+                    offset = self.make(size)
+                except NeedsRoom:
+                    continue
+                except OutOfMemory:
+                    return
+            self.parked.setdefault(alloc.order_for(size), []).append((offset, size))
+            return
+
+    def new_turn(self) -> None:
+        """A new loop turn: its slice of eviction starts empty."""
+        self.spent = 0.0
+        self._turn_pending = False
+
+    def _note_turn(self) -> None:
+        if self.budget is None or self._turn_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.spent = 0.0            # no loop: each call is a turn of its own
+            return
+        self._turn_pending = True
+        loop.call_soon(self.new_turn)   # runs at the start of the next turn
+
+    # ------------------------------------------------------------ the loop
+
+    def _over_budget(self) -> bool:
+        return self.budget is not None and self.spent + self.clock() - self._began >= self.budget
+
+    def _make(self, size: int, clean_only: bool, start: float) -> int:
+        engine = self.engine
+        alloc, stats = engine.allocator, engine.stats
+        cls = alloc.class_of(size)
+        big = alloc.is_big(cls)
+        tiered = clean_only or engine.can_demote is not None
+        while True:
+            if self.budget is not None and self.spent + self.clock() - start >= self.budget:
+                stats.evict_deferrals += 1
+                raise NeedsRoom(size)
+            if tiered:
+                progressed = self._tier_step(size, clean_only)
+            elif engine.shed_first is not None and engine.shed_first():
+                stats.evicted_other += 1
+                progressed = True
+            else:
+                progressed = self._big_step(alloc.order_for(size), cls) if big else self._small_step(cls)
+            if self.jobs:
+                self._sweep()
+            offset = alloc.alloc(size, engine.limit, runs=False)
+            if offset is not None:
+                return offset
+            if not progressed:
+                stats.oom_rejections += 1
+                raise OutOfMemory("no room in the DRAM tier")
+
+    def _sweep(self) -> None:
+        """End the jobs whose regions are free (their fences would keep a bigger free chunk
+        that holds them from any write) and those no write has gone on with for a while."""
+        free, calls = self.engine.allocator.buddy.is_free, self.calls
+        for key, job in list(self.jobs.items()):
+            if free(job.offset, job.order) or calls - job.touched > STALE_CALLS:
+                self._end(key)
+
+    def _tier_step(self, size: int, clean_only: bool) -> bool:
+        """With a lower tier: clean copies go first, then wait for demotions, then evict
+        (the engine's order of old, one value a step)."""
+        engine = self.engine
+        if engine._evict_one(clean_only=True):
+            return True
+        if engine.can_demote is not None and engine.can_demote():
+            raise NeedsDemotion(size)
+        return not clean_only and engine._evict_one()
+
+    # ------------------------------------------------------------ small writes
+
+    def _small_step(self, cls: int) -> bool:
+        engine = self.engine
+        policy, alloc = engine.eviction, engine.allocator
+        job = self.jobs.get(SMALL)
+        if job is not None:
+            return self._work(SMALL, job, "small")
+        own = policy.peek(DRAM, cls)
+        other = policy.oldest(DRAM, exclude_cls=cls)
+        if own is not None and (other is None or own[0] <= other[0]):
+            return self._evict(own[1], "small")
+        if other is None:
+            return self._fallback()
+        if alloc.is_big(alloc.class_of(engine.entries.size[other[1]])):
+            return self._evict(other[1], "small")        # a big value older than the class's coldest
+        if own is not None and self._keep_own[cls] > 0:
+            self._keep_own[cls] -= 1
+            return self._evict(own[1], "small")
+        page_mask = ~(alloc.page - 1)
+        page = engine.entries.dram_offset(other[1]) & page_mask
+        now, oldest = policy._clock, other[0]
+        cost = self._price(page, alloc.page_order, oldest, now)
+        own_cost = None if own is None else self._recency(own[0], oldest, now)
+        if cost is not None and (own_cost is None or cost < own_cost):
+            return self._start(SMALL, page, alloc.page_order, "small")
+        if own is not None:
+            self._keep_own[cls] = REBALANCE_EVERY
+            return self._evict(own[1], "small")
+        region = self._choose(alloc.page_order, -1)
+        return self._start(SMALL, region, alloc.page_order, "small") if region is not None else self._fallback()
+
+    # ------------------------------------------------------------ big writes
+
+    def _big_step(self, order: int, cls: int) -> bool:
+        job = self.jobs.get(order)
+        if job is not None:
+            return self._work(order, job, "big")
+        region = self._choose(order, cls)
+        if region is None:
+            return self._fallback()
+        return self._start(order, region, order, "big")
+
+    def _choose(self, order: int, cls: int) -> int | None:
+        """The cheapest region of 2**order bytes to clear among the candidates; None if none can be."""
+        engine = self.engine
+        policy, alloc, entries = engine.eviction, engine.allocator, engine.entries
+        mask = ~((1 << order) - 1)
+        first = set()                               # priced before the random ones
+        oldest = policy.oldest(DRAM)
+        if oldest is not None:
+            first.add(entries.dram_offset(oldest[1]) & mask)
+        exact = policy.peek(DRAM, cls) if cls >= 0 else None
+        if exact is not None:
+            first.add(entries.dram_offset(exact[1]) & mask)
+        candidates = set(first)
+        regions = alloc.capacity >> order
+        picks = range(regions) if regions <= REGION_SAMPLES else \
+            self._rng.integers(0, regions, REGION_SAMPLES).tolist()
+        candidates.update(i << order for i in picks)
+        for region in list(self._blocked):
+            left = self._blocked[region] - 1
+            if left <= 0:
+                del self._blocked[region]
+            else:
+                self._blocked[region] = left
+        now = policy._clock
+        floor = oldest[0] if oldest is not None else 0
+        best = None
+        for region in sorted(candidates, key=lambda region: region not in first):
+            if best is not None and self._over_budget():
+                break                               # pricing counts in the turn's slice too
+            if region in self._blocked or region + (1 << order) > alloc.capacity \
+                    or any(region < hi and lo < region + (1 << order) for lo, hi in alloc.fences):
+                continue
+            cost = self._price(region, order, floor, now)
+            if cost is not None and (best is None or cost < best[0]):
+                best = (cost, region)
+        return None if best is None else best[1]
+
+    # ------------------------------------------------------------ pricing
+
+    @staticmethod
+    def _recency(stamp: int, oldest: int, now: int) -> float:
+        return min(1.0, max(0.0, (stamp - oldest) / (now - oldest + 1)))
+
+    def _price(self, region: int, order: int, oldest: int, now: int) -> float | None:
+        """What clearing the region costs (module doc); None when it cannot be cleared now."""
+        engine = self.engine
+        owners = engine.allocator.region_owners(region, order)
+        if not len(owners):
+            return 0.0
+        if (owners < 0).any():                      # an extent no committed value owns
+            return None
+        policy, entries = engine.eviction, engine.entries
+        tier_col = np.frombuffer(entries.tier, dtype=np.int8)
+        unit_col = np.frombuffer(entries.offset_units, dtype=np.uint32)
+        lo, hi = region >> OFFSET_SHIFT, (region + (1 << order)) >> OFFSET_SHIFT
+        units = unit_col[owners]
+        marks = np.frombuffer(policy._marks, dtype=np.uint8)[owners]
+        if not ((tier_col[owners] == DRAM) & (units >= lo) & (units < hi)).all() or (marks & HELD_MARK).any() \
+                or (np.frombuffer(entries.flags, dtype=np.int8)[owners] & STAGED).any():
+            return None                             # a stale owner (a held extent) or a value being read
+        newest = int(np.frombuffer(policy._stamp, dtype=np.uint32)[owners].max())
+        leaf_pos = np.frombuffer(policy._leaf_pos, dtype=np.int32)[owners]
+        children = -int(leaf_pos[leaf_pos < 0].sum())
+        crossing = 0
+        if children:
+            parents = np.frombuffer(policy._parent, dtype=np.int32)[owners]
+            parents = parents[parents >= 0]
+            punits = unit_col[parents]
+            inside = int(((tier_col[parents] == DRAM) & (punits >= lo) & (punits < hi)).sum())
+            crossing = max(0, children - inside)
+        return self._recency(newest, oldest, now) + COUNT_WEIGHT * len(owners) \
+            + SOFT_PENALTY * bool((marks & SOFT_MARK).any()) + CROSS_PENALTY * bool(crossing)
+
+    # ------------------------------------------------------------ clearing
+
+    def _start(self, key: int, region: int, order: int, cause: str) -> bool:
+        owners = self.engine.allocator.region_owners(region, order)
+        job = self.jobs[key] = Job(region, order, owners[::-1].tolist(), self.calls)
+        self.engine.allocator.fences.append((region, region + (1 << order)))
+        self.engine.stats.evict_regions += 1
+        return self._work(key, job, cause)
+
+    def _end(self, key: int, blocked: bool = False) -> None:
+        job = self.jobs.pop(key)
+        self.engine.allocator.fences.remove((job.offset, job.offset + (1 << job.order)))
+        if blocked:
+            self._blocked[job.offset] = BLOCKED_CHOICES
+
+    def _work(self, key: int, job: Job, cause: str) -> bool:
+        """One unit of clearing: one step down a chain, or one eviction."""
+        job.touched = self.calls
+        engine = self.engine
+        entries, policy = engine.entries, engine.eviction
+        if engine.allocator.buddy.is_free(job.offset, job.order):
+            self._end(key)
+            return True
+        stack, end = job.stack, job.offset + (1 << job.order)
+        while True:
+            if not stack:
+                while job.todo:
+                    entry = job.todo.pop()
+                    key_bytes = entries.keys[entry] if 0 <= entry < len(entries.keys) else None
+                    if key_bytes is not None and entries.tier[entry] == DRAM \
+                            and job.offset <= entries.dram_offset(entry) < end:
+                        stack.append((entry, key_bytes))
+                        break
+                else:
+                    self._end(key, blocked=True)     # what is left there is no value's to evict
+                    return True
+            entry, key_bytes = stack[-1]
+            if entries.keys[entry] is not key_bytes or entries.tier[entry] != DRAM:
+                stack.pop()
+                continue
+            child = self._child_in_dram(entry)
+            if child is not None:
+                stack.append((child, entries.keys[child]))
+                return True
+            if policy.is_held(entry):
+                self._end(key, blocked=True)
+                return True
+            stack.pop()
+            inside = job.offset <= entries.dram_offset(entry) < end
+            return self._evict(entry, cause if inside else "beyond")
+
+    def _child_in_dram(self, entry: int) -> int | None:
+        policy = self.engine.eviction
+        place = policy._place
+        child = policy._first_child[entry]
+        while child != -1:
+            if place[child] == DRAM:
+                return child
+            child = policy._next_sibling[child]
+        return None
+
+    def _evict(self, entry: int, cause: str) -> bool:
+        stats = self.engine.stats
+        self.engine.evict(entry)
+        if cause == "small":
+            stats.evicted_for_small += 1
+        elif cause == "big":
+            stats.evicted_for_big += 1
+        elif cause == "beyond":
+            stats.evicted_beyond_region += 1
+        else:
+            stats.evicted_other += 1
+        return True
+
+    def _fallback(self) -> bool:
+        """Nothing priced can be cleared: the policy's own next victim (a soft-pinned leaf,
+        or a value above a held one, unless the only hold is the written block's parent:
+        then the write gives up its protection rather than cut a chain above a leaf)."""
+        entry = self.engine.eviction.victim(DRAM, allow_parent=self.protect is None)
+        return entry is not None and self._evict(entry, "other")
