@@ -234,10 +234,12 @@ def run_plain(conn) -> None:
 def _plain_allowed(conn) -> bool:
     """Whether this connection's requests need none of the checks `dispatch` makes before
     a GET or SET runs: authenticated as a user allowed everything, no MULTI, no ASKING,
-    no CLIENT REPLY OFF or SKIP, no CLIENT PAUSE, no cluster routing, no SSD index still loading."""
-    server, tiers = conn.server, conn.tiers
+    no CLIENT REPLY OFF or SKIP, no CLIENT PAUSE, no cluster routing, no SSD index still loading,
+    no maxmemory lowered below the arena (Redis's out-of-memory refusal is dispatch's to make)."""
+    server, tiers, engine = conn.server, conn.tiers, conn.engine
     return conn.authenticated and conn.user.unrestricted and conn.transaction.queued is None and not conn.redirects.asking \
-        and not conn.reply_mode.muted and server.pause is None and server.cluster is None and (tiers is None or not tiers.loading)
+        and not conn.reply_mode.muted and server.pause is None and server.cluster is None \
+        and (tiers is None or not tiers.loading) and engine.limit >= engine.allocator.capacity
 
 
 def _checked(conn, args: list) -> Command | None:
