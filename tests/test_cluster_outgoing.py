@@ -30,7 +30,7 @@ from kvstore.tiers.gpu import gpu_available
 from kvstore.tiers.ssd import SSDTier
 from kvstore.tiers.ssd_worker import SSDWorker
 from tests.test_cluster_migration import ADDRS, A, B, ImportLinks, step_to
-from tests.test_tier_fetch import SIZE, store_on_ssd, value_of
+from tests.test_tier_fetch import SIZE, damage_payload, store_on_ssd, value_of
 from tests.test_tier_moves import FakeGPU, until
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -94,7 +94,7 @@ def test_a_value_that_fails_verification_is_dropped_and_counted(ssd_node):
     engine, tiers, tier = ssd_node
     keys = [b"a", b"b", b"c"]
     store_on_ssd(engine, tier, keys)
-    tier._values[b"b"] = bytes(SIZE)                # a payload its header's checksum does not match
+    damage_payload(tier, b"b")                      # a payload its header's checksum does not match
 
     async def scenario():
         cluster, moves, links = migrator(engine, tiers)

@@ -71,13 +71,18 @@ def test_a_prefix_on_ssd_is_read_by_one_call_per_reader_thread(node):
     assert all(engine.tier_code(engine.lookup(key)) != DRAM for key in keys)
 
 
+def damage_payload(tier, key: bytes) -> None:
+    """Zero a value's payload where it lies in its segment file: its checksum no longer matches."""
+    loc = tier._store.locate(key)[0]
+    os.pwrite(tier._store._fds[loc.segment], bytes(loc.length), loc.offset)
+
+
 @pytest.mark.parametrize("into_arena", [True, False], ids=["arena", "socket"])
 def test_a_value_that_fails_verification_is_dropped_and_the_rest_are_served(node, into_arena):
     engine, tiers, tier = node
     keys = [b"a", b"b", b"c"]
     store_on_ssd(engine, tier, keys)
-    loc = tier._store.locate(b"b")[0]               # a payload its header's checksum does not match
-    os.pwrite(tier._store._fds[loc.segment], bytes(SIZE), loc.offset)
+    damage_payload(tier, b"b")
 
     async def read_all():
         return tiers.install(await tiers.fetch(tiers.pending_fetch(keys), into_arena=into_arena))
