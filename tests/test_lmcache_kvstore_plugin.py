@@ -18,25 +18,12 @@ import pytest
 from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
 from client import KVClient
 from client.connectors.lmcache_kvstore import KVStoreConnector
-from loadtest.bench_lmcache import Rig, kvstore_plugin_config
+from loadtest.bench_lmcache import kvstore_plugin_config
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
+from tests.test_connectors_lmcache import rig, server  # noqa: F401  (fixtures: LMCache rig, one node)
+
 LOGGER = "client.connectors.lmcache_kvstore"
-
-
-@pytest.fixture(scope="module")
-def rig():
-    rig = Rig(layers=4, tokens=256, hidden=128, cpu_bytes=48 << 20)      # 512 KiB chunks
-    yield rig
-    rig.close()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One node for the tests that use distinct keys (a node start costs a second on a busy host)."""
-    daemon = start_kvstore(tmp_path_factory.mktemp("lmcache-node"))
-    yield daemon
-    daemon.stop()
 
 
 def release(*memory_objs) -> None:
