@@ -150,7 +150,7 @@ def _dispatch_muted(conn, args: list, failure: Exception | None, has_extents: bo
     if (mode.off or (skip and mode.skip)) and len(conn.out) == queued:
         del conn.wbuf[mark:]
     if skip and conn.server.stats.commands != ran:
-        mode.skip = False
+        mode.set(off=mode.off, skip=False)
 
 
 def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_extents: bool) -> bool:
@@ -194,7 +194,7 @@ def run_plain(conn) -> None:
     any other request ends the batch and takes the generic path.
     """
     backlog = conn.backlog
-    if not backlog or not _plain_allowed(conn):
+    if not backlog or backlog[0][0][0] not in _PLAIN or not _plain_allowed(conn):
         return
     tiers, threshold = conn.tiers, conn.server.slowlog.threshold_ns
     cmdstats = conn.server.stats.cmdstats
@@ -206,7 +206,7 @@ def run_plain(conn) -> None:
             if plain is None or len(args) != plain[0] or failure is not None:
                 return
             backlog.popleft()
-            cmd, handler = conn.commands.lookup(args[0]), plain[1]
+            cmd, handler = conn.commands.by_name[args[0]], plain[1]
             try:
                 if tiers is not None and _fetch_first(conn, cmd, args, has_extents):
                     return      # counted when it runs, once its value is in DRAM
@@ -214,7 +214,9 @@ def run_plain(conn) -> None:
                 start = perf_counter_ns()
                 reply = handler(conn, args)
                 elapsed = perf_counter_ns() - start
-                _count(cmdstats, cmd.name, elapsed)
+                stat = cmdstats[cmd.name]
+                stat[0] += 1
+                stat[1] += elapsed
                 if elapsed >= threshold:
                     _log_slow(conn, cmd, args, elapsed)
                 if reply is not None:
@@ -301,14 +303,17 @@ def _run(conn, cmd: Command, args: list) -> None:
     if cmd.subcommands and len(args) > 1:
         name = f"{name}|{args[1].lower().decode(errors='replace')}"     # client|list, as Redis names it
     conn.last_command = name
+    stat = conn.server.stats.cmdstats[name]
+    stat[0] += 1
     start = perf_counter_ns()
     try:
         reply = cmd.handler(conn, args)
     except CommandError:
-        _count(conn.server.stats.cmdstats, name, perf_counter_ns() - start, failed=1)
+        stat[1] += perf_counter_ns() - start
+        stat[3] += 1
         raise
     elapsed = perf_counter_ns() - start
-    _count(conn.server.stats.cmdstats, name, elapsed)
+    stat[1] += elapsed
     slowlog = conn.server.slowlog
     if elapsed >= slowlog.threshold_ns:
         _log_slow(conn, cmd, args, elapsed)
@@ -321,17 +326,6 @@ def _run(conn, cmd: Command, args: list) -> None:
     if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
         # A write of a replicated key: the reply waits until its copies are gone.
         conn.defer(cluster.copies.take_unacked(), _ordering_only)
-
-
-def _count(cmdstats: dict, name: str, elapsed: int, failed: int = 0) -> None:
-    """INFO commandstats: one more call of ``name`` that took ``elapsed`` ns (and failed)."""
-    stat = cmdstats.get(name)
-    if stat is None:
-        cmdstats[name] = [1, elapsed, 0, failed]
-    else:
-        stat[0] += 1
-        stat[1] += elapsed
-        stat[3] += failed
 
 
 def _log_slow(conn, cmd: Command, args: list, elapsed: int) -> None:

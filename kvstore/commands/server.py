@@ -135,14 +135,14 @@ def _client_reply(conn, mode: bytes):
     """CLIENT REPLY ON|OFF|SKIP: OFF and SKIP answer nothing themselves (kvstore/commands/dispatch.py mutes)."""
     reply_mode = conn.reply_mode
     if mode == b"on":
-        reply_mode.off = reply_mode.skip = False
+        reply_mode.set(off=False, skip=False)
         return writer.OK
     if mode == b"off":
-        reply_mode.off = True
+        reply_mode.set(off=True, skip=False)
         return None
     if mode == b"skip":
         if not reply_mode.off:
-            reply_mode.skip = True
+            reply_mode.set(off=False, skip=True)
         return None
     raise CommandError(SYNTAX)
 

@@ -63,13 +63,13 @@ class RedirectFlags:
 @dataclass(slots=True)
 class ReplyMode:
     """CLIENT REPLY ON|OFF|SKIP: whether the client's commands are answered. Under OFF or SKIP
-    a command still runs, with its reply dropped (kvstore/commands/dispatch.py mutes it)."""
+    a command still runs, with its reply dropped (kvstore/commands/dispatch.py mutes it).
+    ``muted`` is kept as a field, not computed, because dispatch asks it for every command."""
 
     off: bool = False               # CLIENT REPLY OFF: no replies until ON
     skip: bool = False              # CLIENT REPLY SKIP: no reply to the next command
     muting: bool = False            # a command runs now with its reply to be dropped
+    muted: bool = False             # replies are being dropped: OFF, or a SKIP not used up yet
 
-    @property
-    def muted(self) -> bool:
-        """Replies are being dropped: OFF, or a SKIP not used up yet."""
-        return self.off or self.skip
+    def set(self, off: bool, skip: bool) -> None:
+        self.off, self.skip, self.muted = off, skip, off or skip

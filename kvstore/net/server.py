@@ -43,6 +43,15 @@ BACKLOG = 511
 EVICTION_SLICE_S = 0.002
 
 
+class CommandStats(dict):
+    """INFO commandstats: command name -> [calls, ns, rejected, failed]; a command's first
+    call makes its row, so dispatch counts with two index updates and no call."""
+
+    def __missing__(self, name: str) -> list[int]:
+        row = self[name] = [0, 0, 0, 0]
+        return row
+
+
 @dataclass
 class ServerStats:
     connections: int = 0
@@ -50,7 +59,7 @@ class ServerStats:
     rejected: int = 0
     output_limit_disconnections: int = 0
     query_limit_disconnections: int = 0
-    cmdstats: dict = field(default_factory=dict)    # command -> [calls, ns, rejected, failed]
+    cmdstats: CommandStats = field(default_factory=CommandStats)
 
 
 class Server:
