@@ -205,6 +205,8 @@ class RoomMaker:
             elif engine.shed_first is not None and engine.shed_first():
                 stats.evicted_other += 1
                 progressed = True
+            elif big and self._short_of_limit(size):
+                progressed = self._fallback()
             else:
                 progressed = self._big_step(alloc.order_for(size), cls) if big else self._small_step(cls)
             if self.jobs:
@@ -215,6 +217,13 @@ class RoomMaker:
             if not progressed:
                 stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
+
+    def _short_of_limit(self, size: int) -> bool:
+        """Whether a big write is refused by a lowered maxmemory, not by where free space lies:
+        then it needs bytes freed, the oldest first, and clearing a region (perhaps one
+        already free) would not help."""
+        engine, alloc = self.engine, self.engine.allocator
+        return engine.limit < alloc.capacity and alloc.footprint + -(-size // alloc.page) * alloc.page > engine.limit
 
     def _sweep(self) -> None:
         """End the jobs whose regions are free (their fences would keep a bigger free chunk
