@@ -23,8 +23,9 @@ The path of a value through the node
 ------------------------------------
 SET (a big value):
   net/server accepts the socket and makes a `Connection` (net/connection);
-  net/protocol/reader parses the request and, at the value's bulk header, asks
-  commands/dispatch.value_destination for a place: engine.reserve carves an extent
+  net/protocol/reader parses the request and stops at the value's bulk header; the
+  connection asks commands/dispatch.value_destination for a place and hands it to
+  the reader (calls only go forward): engine.reserve carves an extent
   of the arena (store/allocator, store/arena), so the socket receives the value
   straight into it (recv_into, in the same loop turn when it is already there);
   dispatch.dispatch looks the command up once in commands/table, checks arity, auth

@@ -88,7 +88,7 @@ class WireSteps:
         conn, reader, engine = self.conn, self.conn.reader, self.server.engine
         conn.sock = TimedSocket(conn.sock, self.timed)
         reader.parse = self.timed("parse", reader.parse)
-        reader.allocate = self.timed("parse: reserve an extent", reader.allocate)
+        engine.reserve = self.timed("reserve an extent", engine.reserve)
         conn._run_backlog = self.timed("run", conn._run_backlog)
         engine.commit = self.timed("run: commit", engine.commit)
         engine.put = self.timed("run: put", engine.put)

@@ -4,11 +4,12 @@ No sockets: bytes are fed the way the connection feeds them (write into
 ``recv_buffer()``, report with ``received(n)``, collect with ``parse()``), in
 every split and in random chunk sizes. What is checked:
 - the commands that come out do not depend on how the stream was cut;
-- a bulk of at least ``BIG_BULK`` bytes lands in the destination the allocate
-  callback returned, and that destination object itself becomes the argument
-  (no copy of the value is made anywhere else);
-- an allocate callback that raises makes the command carry the failure while
-  the rest of the stream still parses;
+- parsing stops at a bulk of at least ``BIG_BULK`` bytes; it lands in the
+  destination given to ``place_value`` (here by an allocate function, as
+  dispatch gives it to the connection), and that destination object itself
+  becomes the argument (no copy of the value is made anywhere else);
+- a refused bulk (``refuse_value``: the allocate function raised) makes the
+  command carry the failure while the rest of the stream still parses;
 - inline commands split as Redis's sdssplitargs splits them (quotes, escapes);
 - every malformed input raises ProtocolError with Redis's message (the cases
   and messages are the ones tests/test_bad_input.py checks against a real
@@ -42,7 +43,7 @@ class Holder:
 
 
 class Recorder:
-    """An allocate callback that hands out Holders and remembers its calls."""
+    """An allocate function that hands out Holders and remembers its calls."""
 
     def __init__(self):
         self.calls: list[tuple[list, int]] = []
@@ -55,12 +56,20 @@ class Recorder:
         return memoryview(holder.data), holder
 
 
-def feed(reader: RequestReader, data: bytes, chunk_sizes=(len,), out: list | None = None) -> list:
+def on_heap(args: list, size: int) -> tuple[memoryview, bytearray]:
+    buf = bytearray(size)
+    return memoryview(buf), buf
+
+
+def feed(reader: RequestReader, data: bytes, chunk_sizes=(len,), out: list | None = None,
+         allocate=on_heap) -> list:
     """Deliver ``data`` in chunks of the given sizes (cycled); return what parse() gave.
 
     Each chunk may take several ``recv_buffer`` rounds (a big bulk's
     destination only takes that bulk's bytes), with a parse after each, as the
-    connection does. Commands are also appended to ``out`` as they come.
+    connection does; where parse stops at a big bulk, ``allocate(args, size)``
+    gives its destination, or raises to refuse it, as dispatch does for the
+    connection. Commands are also appended to ``out`` as they come.
     """
     source = memoryview(data)
     out = [] if out is None else out
@@ -76,6 +85,12 @@ def feed(reader: RequestReader, data: bytes, chunk_sizes=(len,), out: list | Non
             reader.received(n)
             pos += n
             out += reader.parse()
+            while reader.value_size:
+                try:
+                    reader.place_value(*allocate(reader.args, reader.value_size))
+                except Exception as exc:
+                    reader.refuse_value(exc)
+                out += reader.parse()
     return out
 
 
@@ -84,7 +99,7 @@ def args_of(parsed: list) -> list[list]:
 
 
 def parse_all(data: bytes, chunk_sizes=(len,), max_bulk_len: int = DEFAULT_MAX_BULK) -> list[list]:
-    return args_of(feed(RequestReader(max_bulk_len, Recorder()), data, chunk_sizes))
+    return args_of(feed(RequestReader(max_bulk_len), data, chunk_sizes, allocate=Recorder()))
 
 
 BIG_VALUE = bytes(range(256)) * (BIG_BULK // 256 + 5)
@@ -141,8 +156,8 @@ def test_reader_buffer_grows_for_a_long_small_argument():
 
 def test_big_bulk_lands_in_the_allocated_holder():
     recorder = Recorder()
-    parsed = feed(RequestReader(DEFAULT_MAX_BULK, recorder),
-                  encode_command("SET", "big", BIG_VALUE), (5000,))
+    parsed = feed(RequestReader(DEFAULT_MAX_BULK), encode_command("SET", "big", BIG_VALUE), (5000,),
+                  allocate=recorder)
     [(args, failure, has_extents)] = parsed
     [holder] = recorder.holders
     assert failure is None and has_extents
@@ -155,8 +170,8 @@ def test_big_bulk_lands_in_the_allocated_holder():
 def test_bulk_just_below_big_bulk_is_plain_bytes():
     recorder = Recorder()
     value = b"x" * (BIG_BULK - 1)
-    [(args, _, has_extents)] = feed(RequestReader(DEFAULT_MAX_BULK, recorder),
-                                    encode_command("SET", "k", value))
+    [(args, _, has_extents)] = feed(RequestReader(DEFAULT_MAX_BULK), encode_command("SET", "k", value),
+                                    allocate=recorder)
     assert args == [b"SET", b"k", value] and not has_extents and not recorder.calls
 
 
@@ -168,10 +183,10 @@ def test_big_bulk_is_not_copied_on_the_way():
     holder = Holder(bytearray(size))
     allocate = lambda args, n: (memoryview(holder.data), holder)  # noqa: E731
     stream = encode_command("SET", "big", bytes(value))
-    reader = RequestReader(DEFAULT_MAX_BULK, allocate)
+    reader = RequestReader(DEFAULT_MAX_BULK)
     tracemalloc.start()
     try:
-        parsed = feed(reader, stream, (64 * 1024,))
+        parsed = feed(reader, stream, (64 * 1024,), allocate=allocate)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -179,7 +194,7 @@ def test_big_bulk_is_not_copied_on_the_way():
     assert peak < size // 8, f"{peak} bytes allocated while receiving a {size}-byte value"
 
 
-def test_default_allocator_gives_bytes():
+def test_a_big_bulk_received_on_the_heap_is_bytes():
     stream = encode_command("SET", "big", BIG_VALUE)
     [(args, _, _)] = feed(RequestReader(DEFAULT_MAX_BULK), stream, (3000,))
     assert args == [b"SET", b"big", BIG_VALUE] and isinstance(args[2], bytes)
@@ -195,7 +210,7 @@ def test_allocate_failure_travels_with_the_command_and_the_stream_stays_in_sync(
     stream = (encode_command("SET", "big", BIG_VALUE) + encode_command("SET", "small", "v")
               + b"PING\r\n")
     for sizes in ((len(stream),), (1, 7, 40_000), (BIG_BULK // 3,)):
-        parsed = feed(RequestReader(DEFAULT_MAX_BULK, allocate), stream, sizes)
+        parsed = feed(RequestReader(DEFAULT_MAX_BULK), stream, sizes, allocate=allocate)
         assert [args for args, _, _ in parsed] == [[b"SET", b"big", None], [b"SET", b"small", b"v"],
                                                    [b"PING"]]
         failure = parsed[0][1]
@@ -214,7 +229,7 @@ def test_a_failed_bulk_does_not_stop_later_bulks_of_the_same_command():
         return memoryview(buf), Holder(buf)
 
     stream = encode_command("MSET", "a", BIG_VALUE, "b", BIG_VALUE[::-1]) + b"PING\r\n"
-    parsed = feed(RequestReader(DEFAULT_MAX_BULK, allocate), stream, (999,))
+    parsed = feed(RequestReader(DEFAULT_MAX_BULK), stream, (999,), allocate=allocate)
     (args, failure, has_extents), (ping, _, _) = parsed
     assert isinstance(failure, MemoryError) and has_extents
     assert args[:4] == [b"MSET", b"a", None, b"b"] and bytes(args[4].data) == BIG_VALUE[::-1]
@@ -223,9 +238,9 @@ def test_a_failed_bulk_does_not_stop_later_bulks_of_the_same_command():
 
 def test_a_command_cut_short_reports_its_holders():
     recorder = Recorder()
-    reader = RequestReader(DEFAULT_MAX_BULK, recorder)
+    reader = RequestReader(DEFAULT_MAX_BULK)
     stream = encode_command("MSET", "a", BIG_VALUE, "b", BIG_VALUE)
-    assert feed(reader, stream[:-100], (4096,)) == []
+    assert feed(reader, stream[:-100], (4096,), allocate=recorder) == []
     assert reader.pending_extents() == recorder.holders and len(recorder.holders) == 2
 
 
@@ -286,10 +301,10 @@ ERR_PREFIX = b"-ERR Protocol error: "
 def test_protocol_error_has_redis_message(case):
     bad = PROTOCOL_ERRORS[case]
     message = bad.reply.removeprefix(ERR_PREFIX).removesuffix(b"\r\n").decode()
-    reader = RequestReader(DEFAULT_MAX_BULK, Recorder())
+    reader = RequestReader(DEFAULT_MAX_BULK)
     before: list = []
     with pytest.raises(ProtocolError) as raised:
-        feed(reader, encode_command("PING") + bad.payload, out=before)
+        feed(reader, encode_command("PING") + bad.payload, out=before, allocate=Recorder())
     assert str(raised.value) == message
     before += reader.parsed_before_error
     assert [args for args, _, _ in before] == [[b"PING"]], "commands before the error still run"
@@ -404,9 +419,9 @@ def outcome(stream: bytes, fast: bool = True, monkeypatch=None) -> tuple[list, s
     with or without the batch cut."""
     if not fast:
         monkeypatch.setattr(RequestReader, "_cut_batch", lambda self, out: None)
-    reader, parsed = RequestReader(DEFAULT_MAX_BULK, Recorder()), []
+    reader, parsed = RequestReader(DEFAULT_MAX_BULK), []
     try:
-        feed(reader, stream, out=parsed)
+        feed(reader, stream, out=parsed, allocate=Recorder())
         return args_of(parsed), None
     except ProtocolError as exc:
         return args_of(parsed + reader.parsed_before_error), str(exc)

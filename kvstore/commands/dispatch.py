@@ -63,10 +63,12 @@ class Redirected(Exception):
 
 
 def value_destination(conn, args: list, size: int):
-    """Where the reader puts a big bulk: an arena extent when it is a value to store.
+    """Where a big bulk of the request being read lands: an arena extent when it is a value
+    to store. The connection asks when the reader stops at the bulk's header.
 
     Values land in their final place (no copy at commit); anything else, and a
-    value that would have to wait for room, is received on the heap.
+    value that would have to wait for room, is received on the heap. Raises
+    OutOfMemory for a value no room can be made for (reported when the command runs).
     """
     cmd = conn.commands.lookup(args[0]) if args else None
     if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
@@ -186,9 +188,9 @@ def run_plain(conn) -> None:
     value. When none of those checks can matter for this connection right
     now (`_plain_allowed`), a request that is exactly ``GET key`` or ``SET
     key value`` (no options, no parse failure; a big value received into the
-    arena is committed where it lies, or given back) goes straight to its handler: the same
-    handler, slowlog, reply and SSD acknowledgement wait as `_run` (no
-    cluster here, so no copies to wait for), the same error replies. Nothing
+    arena is committed where it lies, or given back) goes straight to `_execute`, where
+    every command runs (no cluster here, so no copies to wait for), with the same
+    error replies. Nothing
     a plain GET or SET does can change what `_plain_allowed` looked at, and no
     other client runs until this batch ends, so it is asked once per batch;
     any other request ends the batch and takes the generic path.
@@ -196,8 +198,7 @@ def run_plain(conn) -> None:
     backlog = conn.backlog
     if not backlog or backlog[0][0][0] not in _PLAIN or not _plain_allowed(conn):
         return
-    tiers, threshold = conn.tiers, conn.server.slowlog.threshold_ns
-    cmdstats = conn.server.stats.cmdstats
+    tiers = conn.tiers
     done = 0
     try:
         while backlog and conn.waiting is None and not conn.close_after_reply:
@@ -210,19 +211,7 @@ def run_plain(conn) -> None:
             try:
                 if tiers is not None and _fetch_first(conn, cmd, args, has_extents):
                     return      # counted when it runs, once its value is in DRAM
-                conn.last_command = cmd.name
-                start = perf_counter_ns()
-                reply = handler(conn, args)
-                elapsed = perf_counter_ns() - start
-                stat = cmdstats[cmd.name]
-                stat[0] += 1
-                stat[1] += elapsed
-                if elapsed >= threshold:
-                    _log_slow(conn, cmd, args, elapsed)
-                if reply is not None:
-                    conn.wbuf += reply
-                if tiers is not None and tiers.has_unacked():
-                    _wait_for_ssd(conn, tiers)
+                _execute(conn, cmd, cmd.name, handler, args)
             except Exception as exc:
                 if not _failed(conn, cmd, args, exc, has_extents):
                     continue
@@ -299,33 +288,39 @@ def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
 
 
 def _run(conn, cmd: Command, args: list) -> None:
+    """A checked request runs: `_execute`, then a write of a replicated key waits for its copies."""
     name = cmd.name
     if cmd.subcommands and len(args) > 1:
         name = f"{name}|{args[1].lower().decode(errors='replace')}"     # client|list, as Redis names it
+    _execute(conn, cmd, name, cmd.handler, args)
+    cluster = conn.server.cluster
+    if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
+        # A write of a replicated key: the reply waits until its copies are gone.
+        conn.defer(cluster.copies.take_unacked(), _ordering_only)
+
+
+def _execute(conn, cmd: Command, name: str, handler, args: list) -> None:
+    """Where every command runs, checked (`_run`) or plain (`run_plain`): the handler, its
+    INFO commandstats row, the slowlog, the reply, and a write's wait for SSD."""
     conn.last_command = name
     stat = conn.server.stats.cmdstats[name]
     stat[0] += 1
     start = perf_counter_ns()
     try:
-        reply = cmd.handler(conn, args)
+        reply = handler(conn, args)
     except CommandError:
         stat[1] += perf_counter_ns() - start
         stat[3] += 1
         raise
     elapsed = perf_counter_ns() - start
     stat[1] += elapsed
-    slowlog = conn.server.slowlog
-    if elapsed >= slowlog.threshold_ns:
+    if elapsed >= conn.server.slowlog.threshold_ns:
         _log_slow(conn, cmd, args, elapsed)
     if reply is not None:
         conn.wbuf += reply
     tiers = conn.tiers
     if tiers is not None and tiers.has_unacked():
         _wait_for_ssd(conn, tiers)
-    cluster = conn.server.cluster
-    if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
-        # A write of a replicated key: the reply waits until its copies are gone.
-        conn.defer(cluster.copies.take_unacked(), _ordering_only)
 
 
 def _log_slow(conn, cmd: Command, args: list, elapsed: int) -> None:

@@ -43,6 +43,7 @@ from kvstore.net.client_state import ClientInfo, RedirectFlags, ReplyMode, Trans
 from kvstore.net.protocol import writer
 from kvstore.net.protocol.reader import ProtocolError, RequestReader
 from kvstore.store.arena import Extent
+from kvstore.store.room import OutOfMemory
 
 log = logging.getLogger("kvstore")
 
@@ -73,8 +74,7 @@ class Connection:
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.user = server.users.default
         self.authenticated = self.user.enabled and self.user.nopass
-        self.reader = RequestReader(server.config.proto_max_bulk_len,
-                                    lambda args, size: value_destination(self, args, size))
+        self.reader = RequestReader(server.config.proto_max_bulk_len)
         self.reader.authenticated = self.authenticated
         self.wbuf = bytearray()
         self.out: deque = deque()          # (buffer, lease or None) waiting for the socket
@@ -217,11 +217,24 @@ class Connection:
     def _run_parsed(self) -> None:
         if self.protocol_error is None:
             try:
-                self.backlog.extend(self.reader.parse())
+                self._parse()
             except ProtocolError as exc:
                 self.backlog.extend(self.reader.parsed_before_error)
                 self.protocol_error = exc
         self._run_backlog()
+
+    def _parse(self) -> None:
+        """Parse what arrived into the backlog. The reader stops at a big bulk's header;
+        dispatch says where that value lands (an extent of the arena when it is a value
+        to store) and the reader goes on, receiving the value there."""
+        reader = self.reader
+        self.backlog.extend(reader.parse())
+        while reader.value_size:
+            try:
+                reader.place_value(*value_destination(self, reader.args, reader.value_size))
+            except OutOfMemory as exc:          # reported in order, when the command runs
+                reader.refuse_value(exc)
+            self.backlog.extend(reader.parse())
 
     def _run_backlog(self) -> None:
         """Run parsed commands in order; stop while one waits for a tier."""

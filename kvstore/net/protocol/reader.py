@@ -3,10 +3,13 @@
 Why not parse into bytes like everyone else: a 4 MiB SET would then cost a
 fresh 4 MiB buffer (page faults) and a copy into the store. Instead, when the
 parser meets a bulk of at least ``BIG_BULK`` bytes it asks its owner for the
-destination (``allocate``: an arena extent for a value, a plain bytearray for
-anything else) and the socket receives the rest of that bulk straight into it
-(``recv_buffer`` hands out the destination's unfilled tail). Small arguments
-are parsed from one reusable buffer per connection.
+destination: ``parse`` stops at that bulk's header with ``value_size`` set, the
+owner chooses where the value goes (the connection asks dispatch: an arena
+extent for a value to store, a plain bytearray for anything else) and hands it
+over with ``place_value`` (or ``refuse_value``), and the socket receives the rest
+of that bulk straight into it (``recv_buffer`` hands out the destination's
+unfilled tail). Calls only go forward: the reader never calls its owner. Small
+arguments are parsed from one reusable buffer per connection.
 
 The reader never touches a socket: ``recv_buffer()`` says where the next bytes
 go, ``received(n)`` says how many arrived, ``parse()`` returns the complete
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import re
 from itertools import compress, cycle, repeat
-from typing import Any, Callable
+from typing import Any
 
 BIG_BULK = 32 * 1024
 INLINE_MAX = 64 * 1024        # Redis's PROTO_INLINE_MAX_SIZE
@@ -48,15 +51,6 @@ _DISCARD = memoryview(bytearray(1024 * 1024))
 class ProtocolError(Exception):
     """Malformed input: the connection gets ``-ERR Protocol error: ...`` and is closed."""
 
-
-# allocate(args_so_far, size) -> (writable view, extent); the extent becomes the arg: an arena
-# extent when the value goes to the arena, else a heap bytearray standing in for one.
-Allocate = Callable[[list, int], tuple[memoryview, Any]]
-
-
-def _plain_alloc(args: list, size: int) -> tuple[memoryview, Any]:
-    buf = bytearray(size)
-    return memoryview(buf), buf
 
 
 def _uniform_commands(parts: list[bytes], out: list) -> int:
@@ -177,9 +171,8 @@ def split_inline(line: bytes) -> list[bytes]:
 class RequestReader:
     """Turns the bytes of one connection into commands (lists of arguments)."""
 
-    def __init__(self, max_bulk_len: int, allocate: Allocate | None = None):
+    def __init__(self, max_bulk_len: int):
         self.max_bulk_len = max_bulk_len
-        self.allocate = allocate or _plain_alloc
         self.authenticated = True
         self.buf = bytearray(INITIAL_BUFFER)
         self.mv = memoryview(self.buf)
@@ -191,6 +184,7 @@ class RequestReader:
         self.has_extents = False
         self.skip = 0                   # CRLF after a big bulk still to skip
         self.exact_until = 0            # the small-command split failed on the bytes before this
+        self.value_size = 0             # a big bulk's length, waiting for `place_value`
         self.big: memoryview | None = None
         self.big_extent: Any = None
         self.big_got = 0
@@ -257,20 +251,22 @@ class RequestReader:
     # ------------------------------------------------------------ parsing
 
     def parse(self) -> list[tuple[list, Exception | None, bool]]:
-        """Complete commands as (args, failure, has_extents) tuples."""
+        """Complete commands as (args, failure, has_extents) tuples. With ``value_size`` set
+        after it, parsing stopped at a big bulk of the command in ``args``: place it, then
+        parse again."""
         out = []
         try:
             self._parse_into(out)
         except ProtocolError:
             self.parsed_before_error = out
             raise
-        if self.start == self.end and self.big is None and not self.discarding:
+        if self.start == self.end and self.big is None and not self.discarding and not self.value_size:
             self.start = self.end = self.exact_until = 0
         return out
 
     def _parse_into(self, out: list) -> None:
         buf = self.buf
-        while self.big is None and not self.discarding:
+        while self.big is None and not self.discarding and not self.value_size:
             if self.skip:
                 take = min(self.skip, self.end - self.start)
                 self.start += take
@@ -383,12 +379,8 @@ class RequestReader:
                     raise ProtocolError("unauthenticated bulk length")
                 body = nl + 2
                 if size >= BIG_BULK:
-                    self.start, self.want = body, want
-                    self._begin_big(size)
-                    pos, want = self.start, self.want
-                    if self.big is not None or self.discarding:
-                        return False
-                    continue
+                    pos, self.value_size = body, size       # the owner places it (`place_value`)
+                    return False
                 if body + size + 2 > end:
                     return False
                 args.append(mv[body:body + size].tobytes())
@@ -399,24 +391,28 @@ class RequestReader:
             if self.big is None and not self.discarding:
                 self.start, self.want = pos, want
 
-    def _begin_big(self, size: int) -> None:
-        """Start receiving a big bulk into its own destination."""
+    def place_value(self, view: memoryview, extent: Any) -> None:
+        """Receive the big bulk that stopped `parse` into ``view``; ``extent`` becomes the
+        argument (an arena extent, or a heap bytearray standing in for one)."""
+        size, self.value_size = self.value_size, 0
         take = min(self.end - self.start, size)
-        try:
-            view, extent = self.allocate(self.args, size)
-        except Exception as exc:                             # no room: drain, then fail
-            self.failure = exc
-            self.start += take
-            self.discarding = size - take
-            if not self.discarding:
-                self._finish_big(None)
-            return
         self.has_extents = True
         view[:take] = self.mv[self.start:self.start + take]
         self.start += take
         self.big, self.big_extent, self.big_got = view, extent, take
         if take == size:
             self._finish_big(extent)
+
+    def refuse_value(self, failure: Exception) -> None:
+        """The big bulk that stopped `parse` has nowhere to go: its bytes are drained and
+        ``failure`` travels with the command, to be reported in order."""
+        size, self.value_size = self.value_size, 0
+        take = min(self.end - self.start, size)
+        self.failure = failure
+        self.start += take
+        self.discarding = size - take
+        if not self.discarding:
+            self._finish_big(None)
 
     def _finish_big(self, extent) -> None:
         self.args.append(bytes(extent) if isinstance(extent, bytearray) else extent)
