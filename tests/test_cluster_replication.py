@@ -234,7 +234,7 @@ def test_copies_follow_the_load_and_shrink_only_past_a_margin():
         read(engine, b"hot", 6)
         first = copies.replicated[b"hot"]
         assert len(first) == 2
-        for reported, expected in ((10, 3), (6, 3), (4, 2), (1, 0)):
+        for reported, expected in ((10, 3), (6, 3), (2, 2), (1, 0)):
             links.renew_reply = lambda addr, keys: [reported] * len(keys)
             await copies.tick()                 # the load: what the holders report, over 6 a server
             assert len(copies.replicated.get(b"hot", ())) == expected, reported

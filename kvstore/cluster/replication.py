@@ -20,11 +20,13 @@ judges a copy's heat by all its reads.
 How many copies (`copies_for`). A block below the threshold is served by its
 owner alone, so no node should carry more than the threshold of one block: a
 hot block gets ``hot-replicas`` copies, and more at the end of any window
-whose load its owner and copies could not carry under the threshold each (up
-to `MAX_COPIES`, or every other node): K follows a block's read rate and
-bytes. Copies shrink only when half as much load again would still need fewer,
-so a load that wavers does not make and drop a copy every window, and a block
-read less than half the threshold over a window cools and loses every copy.
+whose load, less a quarter, its owner and copies could not carry under the
+threshold each (up to `MAX_COPIES`, or every other node): K follows a block's
+read rate and bytes. Copies shrink only when twice the load would still need
+fewer, so a load that wavers around what K copies carry (reads in a window
+vary by their square root) does not make and drop a copy every window; a
+block read less than half the threshold over a window cools and loses every
+copy.
 
 Targets. Rendezvous hashing: the K nodes with the highest xxh3 score of
 ``node id + key``, the owner excluded. Every node computes the same targets
@@ -76,7 +78,8 @@ log = logging.getLogger("kvstore.cluster")
 WINDOW = 1.0                # seconds of one heat window, and of the lease renewal
 MAX_HOT_KEYS = 1024         # keys one owner replicates at once
 MAX_COPIES = 16             # copies of one block, however hot (hot-replicas is at most this)
-SHRINK_MARGIN = 1.5         # copies shrink only when this much load would still need fewer
+GROW_MARGIN = 1.25          # copies grow when the load passes what they carry by this much
+SHRINK_MARGIN = 2.0         # ... and shrink only when this much load would still need fewer
 KV_COPY, KV_UNCOPY, KV_RENEW = "KV.COPY", "KV.UNCOPY", "KV.RENEW"
 
 
@@ -348,13 +351,13 @@ class HotCopies:
                 self._fit(key, load)
 
     def _fit(self, key: bytes, load: float) -> None:
-        """As many copies of ``key`` as ``load`` needs (`copies_for`), shrinking with a margin."""
+        """As many copies of ``key`` as ``load`` needs (`copies_for`), with a margin either way."""
         have = len(self.replicated[key])
         fewer = copies_for(load * SHRINK_MARGIN, self._trigger, self._replicas)
         if fewer < have:
             self._shrink(key, fewer)
             return
-        wanted = copies_for(load, self._trigger, self._replicas)
+        wanted = copies_for(load / GROW_MARGIN, self._trigger, self._replicas)
         entry = self.engine.lookup(key) if wanted > have else None
         if entry is not None:
             self._replicate(key, entry, wanted)
