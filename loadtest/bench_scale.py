@@ -161,7 +161,7 @@ def cmd_cluster(args) -> None:
     print(load_line("before"))
     for nodes in args.nodes:
         settings = SimSettings(nodes=nodes, seed=args.seed, blocks_per_node=args.blocks_per_node,
-                               shed_copies=not args.keep_copies)
+                               hot_reads=args.hot_reads)
         wall, cpu = time.perf_counter(), time.process_time()
         report = simulate(settings)
         print_report(report, time.perf_counter() - wall, time.process_time() - cpu)
@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     cp.add_argument("--blocks-per-node", type=int, default=1024)
     cp.add_argument("--seed", type=int, default=1)
-    cp.add_argument("--keep-copies", action="store_true",
-                    help="what-if: holders keep hot copies under memory pressure (the store sheds them first)")
+    cp.add_argument("--hot-reads", type=float, default=100.0,
+                    help="reads per second that make a block hot (its copies grow with its load past it)")
     hp = sub.add_parser("hits", help="hit ratio vs DRAM per node (sim_cluster, no churn)")
     hp.add_argument("--nodes", type=int, default=16)
     hp.add_argument("--blocks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])

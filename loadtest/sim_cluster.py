@@ -30,7 +30,9 @@ served by two nodes at one epoch.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -71,7 +73,6 @@ class SimSettings:
     gap_s: float = 60.0
     window_s: float = 30.0
     events: tuple[str, ...] = ("join", "leave", "crash", "crash-leader", "join", "leave")
-    shed_copies: bool = True            # False, a what-if: holders keep hot copies under memory pressure
 
     def __post_init__(self) -> None:
         unknown = set(self.events) - set(EVENTS)
@@ -94,15 +95,12 @@ class SimNode:
         self.cluster = ClusterState(node_id, addr, membership, move_budget=s.move_budget)
         self.cluster.add_listener(lambda old, new: sim.audit(self, new))
         self.services: ClusterServices | None = None
-        self.shed_copies = s.shed_copies
         self.reads = 0
         sim.network.add(addr, self)
 
     async def start(self, network: SimNetwork) -> None:
         await self.cluster.start()
         self.services = ClusterServices(self, self.cluster, network.peers_of(self.addr))
-        if not self.shed_copies:
-            self.engine.shed_first = None       # the what-if: copies compete in the LRU like any value
 
     async def leave(self) -> None:
         """The server's SIGTERM path: move the slots away, leave, stop the services."""
@@ -130,6 +128,7 @@ class ClusterSim:
         self.double_owned = self.conflicts = 0
         self.client_map = SlotMap.empty()
         self.log: list[tuple[float, int, int, int]] = []     # (time, blocks, hits, errors) per request
+        self.key_reads: Counter[bytes] = Counter()              # block reads per key (the hottest block)
         self._value = bytes(settings.nic.value_bytes)
 
     # ------------------------------------------------------------ nodes
@@ -245,6 +244,7 @@ class ClusterSim:
         node = self.route(key)
         if node is None:
             return None
+        self.key_reads[key] += 1
         holders = node.services.copies.replicated.get(key) if node.services else None
         if holders:
             pick = self.rng.randrange(len(holders) + 1)
@@ -369,11 +369,14 @@ async def _simulate(settings: SimSettings) -> SimReport:
     load.cancel()
     sim_s = loop.time() - start
     reads = np.array([n.reads for n in sim.every], dtype=float) * settings.nic.block_bytes / sim_s / 1e9
+    top = np.sort(reads)[-math.ceil(len(reads) / 100):]             # the busiest 1 % of the nodes
+    hottest = sim.key_reads.most_common(1)[0][0] if sim.key_reads else b""
     report = SimReport(settings, events, steady, len(sim.log), sum(r[1] for r in sim.log),
                        sum(r[2] for r in sim.log), sum(r[3] for r in sim.log), steady_hit, retention_s,
-                       (float(reads.sum() / len(sim.live)), float(reads.max())),
+                       (float(reads.sum() / len(sim.live)), float(reads.max()), float(top.mean())),
                        sum(n.services.copies.stats.copies_made for n in sim.every if n.services),
                        sum(n.services.copies.held.shed for n in sim.every if n.services),
+                       sim.network.copies_sent[hottest], sim.key_reads[hottest] / sim_s,
                        sim.double_owned, sim.conflicts, sim_s)
     await sim.stop()
     return report

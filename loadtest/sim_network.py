@@ -19,6 +19,7 @@ connections at once, as a killed process does.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass
 
 from kvstore.cluster.peer import PeerError, PeerReplyError, read_reply
@@ -57,6 +58,7 @@ class SimNetwork:
         self._rx_free: dict[str, float] = {}
         self.bytes_sent = 0                     # modelled bytes that crossed a link
         self.calls = 0
+        self.copies_sent: Counter[bytes] = Counter()    # hot copies pushed (KV.COPY), per key
 
     def add(self, addr: str, node) -> None:
         self.nodes[addr] = node
@@ -99,6 +101,8 @@ class SimNetwork:
             raise PeerError(f"lost node {target}: connection reset")
         node = self.nodes[target]
         argv = [_as_bytes(arg) if not isinstance(arg, memoryview) else arg for arg in args]
+        if argv[0] == b"KV.COPY":
+            self.copies_sent.update(bytes(key) for key in argv[3::2])
         cmd = COMMANDS.lookup(argv[0])
         try:
             reply = cmd.handler(_Conn(node, node.engine, sender), argv)

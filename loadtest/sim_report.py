@@ -49,9 +49,11 @@ class SimReport:
     errors: int
     steady_hit: float                            # hit ratio over the last window of the warm-up
     retention_s: float                           # DRAM of all nodes / blocks written per second then
-    read_gbps_per_node: tuple[float, float]     # mean and busiest node over the run
+    read_gbps_per_node: tuple[float, float, float]  # mean, busiest node, mean of the busiest 1 %, over the run
     copies_made: int
     copies_shed: int                             # copies a holder dropped to make room
+    hottest_copies: int                          # copies made of the block read most
+    hottest_reads_per_s: float
     double_owned: int                            # slot claims beyond one per epoch (must be 0)
     conflicts: int                               # epochs seen with two different maps (must be 0)
     sim_s: float
@@ -88,8 +90,11 @@ def print_report(r: SimReport, wall_s: float, cpu_s: float) -> None:
     print(f"steady state: hit ratio {r.steady_hit:.3f}, DRAM holds {r.retention_s:.0f} s of writes, "
           f"{t['keepalives_per_s']:.1f} keep-alives/s, {t['watch_events_per_s']:.1f} watch "
           f"events/s, {t['txns'] / s.window_s:.2f} txns/s; requests {r.requests}, overall hit ratio "
-          f"{r.hits / max(r.blocks, 1):.3f}, block errors {r.errors}; reads per node "
-          f"{r.read_gbps_per_node[0]:.2f} GB/s mean, {r.read_gbps_per_node[1]:.2f} busiest; "
-          f"hot-block copies made {r.copies_made}, shed for room {r.copies_shed}")
+          f"{r.hits / max(r.blocks, 1):.3f}, block errors {r.errors}")
+    mean, busiest, top = r.read_gbps_per_node
+    print(f"reads per node {mean:.2f} GB/s mean, {busiest:.2f} busiest ({busiest / top:.2f} x the mean of the "
+          f"busiest 1 %, {top:.2f}; NIC {s.nic.nic_bytes_per_s / 1e9:.1f} GB/s); hot-block copies made "
+          f"{r.copies_made}, shed for room {r.copies_shed}; the hottest block ({r.hottest_reads_per_s:.1f} "
+          f"reads/s) copied {r.hottest_copies} times")
     print(f"slots served by two nodes at one epoch: {r.double_owned}; epochs with two maps: {r.conflicts}; "
           f"{r.sim_s:.0f} simulated s in {wall_s:.0f} s of wall time ({cpu_s:.0f} s of CPU)")

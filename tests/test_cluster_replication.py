@@ -174,9 +174,9 @@ def test_the_window_tick_renews_leases_counts_holder_reads_and_removes_cooled_co
         engine.put(b"hot", b"v" * 1000)
         read(engine, b"hot", 6)
         holders = copies.replicated[b"hot"]
-        links.renew_reply = lambda addr, keys: [10] * len(keys)
-        await copies.tick()                     # 6 own reads + 10 + 10 reported: still hot
-        assert copies.replicated == {b"hot": holders} and copies.last[b"hot"] == 26
+        links.renew_reply = lambda addr, keys: [2] * len(keys)
+        await copies.tick()                     # 6 own reads + 2 + 2 reported: still hot, 2 copies carry it
+        assert copies.replicated == {b"hot": holders} and copies.last[b"hot"] == 10
         renewals = links.of(KV_RENEW)
         assert len(renewals) == 2 and all(args[0] == A and args[2:] == [b"hot"] for _, args in renewals)
         links.renew_reply = lambda addr, keys: [-1 if addr == NODES[holders[0]] else 0] * len(keys)
@@ -227,20 +227,58 @@ def test_a_holder_serves_copies_only_of_the_slot_owner_and_only_under_lease():
     run_simulated(scenario())
 
 
-def test_copies_go_first_when_memory_is_short():
+def test_copies_follow_the_load_and_shrink_only_past_a_margin():
+    async def scenario():
+        engine, cluster, copies, links = node(A)            # hot at 6 reads a window
+        engine.put(b"hot", b"v" * 1000)
+        read(engine, b"hot", 6)
+        first = copies.replicated[b"hot"]
+        assert len(first) == 2
+        for reported, expected in ((10, 3), (6, 3), (2, 2), (1, 0)):
+            links.renew_reply = lambda addr, keys: [reported] * len(keys)
+            await copies.tick()                 # the load: what the holders report, over 6 a server
+            assert len(copies.replicated.get(b"hot", ())) == expected, reported
+        await copies.take_unacked()
+        await asyncio.sleep(0.01)
+        pushed = [addr for addr, _ in links.of(KV_COPY)]
+        assert len(pushed) == 3 and pushed[:2] == [NODES[h] for h in first]     # grown by one
+        assert len(links.of(KV_UNCOPY)) == 3                # shrunk by one, then cooled
+        assert copies.stats.copies_shrunk == 1 and copies.stats.copies_cooled == 1
+    run_simulated(scenario())
+
+
+def test_a_large_block_is_hot_at_fewer_reads():
+    async def scenario():
+        engine, cluster, copies, links = node(A)
+        for i in range(10):
+            engine.put(b"small-%d" % i, b"s" * 100)
+        engine.put(b"large", b"L" * 10_000)                # mean 1,000 bytes: a read counts as 10
+        await copies.tick()
+        read(engine, b"small-0", 5)
+        read(engine, b"large", 1)
+        assert set(copies.replicated) == {b"large"}
+        read(engine, b"small-0", 1)                        # a small value is hot at hot-reads as before
+        assert set(copies.replicated) == {b"large", b"small-0"}
+        await copies.take_unacked()
+    run_simulated(scenario())
+
+
+def test_a_copy_goes_only_when_colder_than_what_lru_would_evict():
+    """A holder under memory pressure keeps the copy read every second and drops its own cold
+    values before it; a copy nobody reads goes when it is the oldest value."""
     async def scenario():
         engine, cluster, copies, links = node(B, owners=A, dram=8 * MiB)
         cluster.apply(SlotMap.build(2, NODES, [A if s == keyslot(b"copy-0") or s == keyslot(b"copy-1") else B
                                                for s in range(SLOTS)]))
-        for i in range(2):
-            copies.held.store(A, 60_000, b"copy-%d" % i, bytes(MiB), engine.put)
-        i = 0
-        while copies.held.shed < 2:
-            assert engine.stats.evictions == 0, "an owned value went before a copy"
+        copies.held.store(A, 60_000, b"copy-0", bytes(MiB), engine.put)       # never read
+        copies.held.store(A, 60_000, b"copy-1", bytes(MiB), engine.put)
+        for i in range(30):
+            read(engine, b"copy-1", 1)
             engine.put(b"own-%d" % i, bytes(MiB))
-            i += 1
-        assert len(copies.held) == 0 and engine.lookup(b"copy-0") is None
-        assert all(engine.lookup(b"own-%d" % n) is not None for n in range(i))
+        assert copies.held.shed == 1 and engine.lookup(b"copy-0") is None
+        assert b"copy-1" in copies.held and engine.lookup(b"copy-1") is not None
+        assert engine.stats.evictions >= 20 and engine.lookup(b"own-0") is None
+        assert engine.lookup(b"own-29") is not None
     run_simulated(scenario())
 
 

@@ -99,3 +99,17 @@ def test_the_audit_counts_slots_two_nodes_serve_at_one_epoch_and_two_maps_at_one
     sim.audit(SimpleNamespace(cluster=SimpleNamespace(mine=bytes([1]) * 10 + bytes(SLOTS - 10))),
               SlotMap.build(1, ADDRS, [B] * SLOTS))
     assert (sim.double_owned, sim.conflicts) == (10, 1)
+
+
+def test_a_hot_blocks_copies_survive_full_caches():
+    """Every node's DRAM fills within seconds; the system prompt's first block, read by every
+    request, is copied to the holders its load needs and stays there (holders once shed copies
+    before any value of their own, and the owner copied it again every window)."""
+    settings = SimSettings(nodes=6, blocks_per_node=512, rate_per_node=5.0, hot_reads=10.0, warmup_s=90,
+                           gap_s=10, window_s=10, events=())
+    report = simulate(settings)
+    assert report.retention_s < settings.warmup_s / 10             # full: DRAM holds a few seconds of writes
+    assert report.hottest_reads_per_s > 2 * settings.hot_reads
+    assert report.hottest_copies <= 4 and report.copies_shed == 0   # 2, then 1 more as its load needs 3
+    mean, busiest, top = report.read_gbps_per_node
+    assert busiest == top and busiest < 3 * mean

@@ -1,6 +1,7 @@
 """Cluster mode: hash slots over etcd membership.
 
-`slots` (keyslot, the slot map), `assign` (the leader's even assignment),
+`slots` (keyslot, the slot map), `mapchange` (the binary record
+of a map's change that reaches every node), `assign` (the leader's even assignment),
 `kv` (the part of etcd's API membership uses, with the real client in
 `etcd_kv` and an in-process fake in `fake_etcd`), `membership` (leases,
 election, the watched map), `node` (the ClusterState a server holds),

@@ -7,21 +7,27 @@ often it was read since the owner last asked. Only READONLY readers are served
 from a copy (dispatch asks `serves`); a write of the key still goes to its
 owner, which removes the copies before acknowledging it.
 
-The records are an ordered dict, least recently read first, so the engine's
-``shed_first`` hook drops the coldest copy in O(1) before it would evict a
-value this node owns. When a new map gives a copy's slot to another node, the
+A copy competes for DRAM by value, not by kind. The engine asks the
+``shed_first`` hook before it evicts anything; the hook drops a copy only
+when the LRU's next victim is one (or when nothing else could go), so a copy
+goes exactly when it is colder than every value the LRU would evict instead,
+and as a delete: a tiered engine would otherwise demote it to SSD, where
+it serves no one. Shedding copies first whatever their heat, as this hook
+once did, kept no copy at all in a full cache: the hottest block's copy went
+at the holder's next write and its owner made it again the next second. When a new map gives a copy's slot to another node, the
 copy is dropped, kept as this node's own value (the slot came here), or, when
 the owner died, handed back to the caller to push to the slot's new owner.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.simclock import loop_time
 from kvstore.cluster.slots import SlotMap, keyslot
+from kvstore.store.entries import DRAM
 
 
 @dataclass(slots=True)
@@ -39,7 +45,7 @@ class HeldCopies:
     def __init__(self, engine, cluster: ClusterState):
         self.engine = engine
         self.cluster = cluster
-        self.copies: OrderedDict[bytes, HeldCopy] = OrderedDict()
+        self.copies: dict[bytes, HeldCopy] = {}
         self.reads = 0              # reads served from copies
         self.shed = 0               # copies dropped to make room
 
@@ -56,7 +62,6 @@ class HeldCopies:
             return False
         copy.reads += 1
         self.reads += 1
-        self.copies.move_to_end(key)
         return True
 
     def serves(self, keys: list[bytes]) -> bool:
@@ -106,10 +111,15 @@ class HeldCopies:
         return reads
 
     def shed_one(self) -> bool:
-        """Drop the least recently read copy to make room; False when none is held."""
+        """Drop the copy the LRU would evict next, to make room; False when its next victim is a
+        value of this node's own (the engine evicts that) or no copy is held."""
         if not self.copies:
             return False
-        self.engine.delete(next(iter(self.copies)))
+        oldest = self.engine.eviction.oldest(DRAM)
+        key = next(iter(self.copies)) if oldest is None else self.engine.key_of(oldest[1])
+        if key not in self.copies:
+            return False
+        self.engine.delete(key)
         self.shed += 1
         return True
 

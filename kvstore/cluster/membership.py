@@ -6,7 +6,7 @@ Layout under ``/kvstore/<cluster>/``::
     addrs/<host:port> -> node id       (under the node's lease: one node per address)
     leader            -> node id       (under the leader's lease)
     slotmap           -> the JSON slot map (no lease: it outlives every node)
-    mapchange         -> the change record that took the previous map to it (slots.py)
+    mapchange         -> the change record that took the previous map to it (mapchange.py)
 
 A node joins by granting a lease with ttl = its node timeout and creating its
 two keys in one transaction that requires both to be absent: a second node
@@ -29,8 +29,8 @@ Every node watches two keys, the change record and the leader key; only the
 leader watches the registrations (``nodes/``), which it reads when it takes
 the lead, before it acts as leader. A join or leave thus reaches the leader
 once and every node once more only through the map change it causes: O(N)
-watch events per join across the cluster, not O(N) per key, each a record of
-a few hundred bytes rather than the map; a node reads the whole map only when
+watch events per join across the cluster, not O(N) per key, each a binary
+record of about a hundred bytes rather than the map; a node reads the whole map only when
 the record is not for the map it holds (it missed an epoch) or when a write
 of the leader's fails on the map's revision. A map written without a record
 (by hand, or by a leader of an older version) is not seen until then. A follower's view of who is
@@ -67,7 +67,8 @@ from typing import Protocol
 
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.kv import KV, Compacted, Compare, Event, KeyValue, Put, Unavailable
-from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, change_record, check_address
+from kvstore.cluster.mapchange import change_record
+from kvstore.cluster.slots import NODE_ID, SlotMap, SlotMapError, check_address
 
 log = logging.getLogger("kvstore.cluster")
 

@@ -135,7 +135,7 @@ class Migrator:
     """This node's part in slot moves: source (push, drop, report), target (guarded imports), sweeps, drain."""
 
     def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
-                 heat: Callable[[], dict[bytes, int]], tiers=None):
+                 heat: Callable[[], dict[bytes, float]], tiers=None):
         self.engine = engine
         self.tiers = tiers              # the node's TierManager: values on SSD or GPU are read through it
         self.cluster = cluster

@@ -42,7 +42,8 @@ import numpy as np
 
 from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.membership import Membership
-from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError, apply_change
+from kvstore.cluster.mapchange import apply_change
+from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
 
 log = logging.getLogger("kvstore.cluster")
 

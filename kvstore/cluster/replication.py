@@ -1,42 +1,58 @@
-"""Hot-block replication: copies of the blocks read most, on K other nodes.
+"""Hot-block replication: copies of the blocks read most, on as many other nodes as their load needs.
 
 A block that one prompt prefix after another reads (a system prompt's first
 blocks) would make its owner's NIC the cluster's bottleneck. So each node
-counts reads per block, copies a block read more than ``hot-reads`` times a
-second to ``hot-replicas`` other nodes, and readers spread over owner and
-copies (READONLY connections read a copy as Redis Cluster replicas serve
+counts the reads of each block, weighed by its size, copies a block read past
+``hot-reads`` times a second to ``hot-replicas`` other nodes or more, and
+readers spread over owner and copies (READONLY connections read a copy as Redis Cluster replicas serve
 reads). Whole slots are never replicated: only the few blocks that are hot.
 
-Heat. Reads are counted per key in one-second windows (a dict, reset each
-window). A key is copied the moment its count in the current window passes
-the threshold. Holders count the reads their copies serve and report them
-when the owner renews their leases, so the owner judges a copy's heat by all
-its reads; a block read less than half the threshold over a window cools, and
-its copies are removed.
+Heat is bytes, not only reads. Reads are counted per key in one-second
+windows (a dict, reset each window), each as its value's size over the mean
+size of the node's values in DRAM (`reference_bytes`, measured every window),
+and at least one: a block twice the mean size is hot at half the reads, so a
+block few readers fetch but that is large still gets copies, and a small value
+is hot at ``hot-reads`` reads as before. A key is copied the moment its count
+in the current window passes ``hot-reads``. Holders count the reads their
+copies serve and report them when the owner renews their leases, so the owner
+judges a copy's heat by all its reads.
+
+How many copies (`copies_for`). A block below the threshold is served by its
+owner alone, so no node should carry more than the threshold of one block: a
+hot block gets ``hot-replicas`` copies, and more at the end of any window
+whose load, less a quarter, its owner and copies could not carry under the
+threshold each (up to `MAX_COPIES`, or every other node): K follows a block's
+read rate and bytes. Copies shrink only when twice the load would still need
+fewer, so a load that wavers around what K copies carry (reads in a window
+vary by their square root) does not make and drop a copy every window; a
+block read less than half the threshold over a window cools and loses every
+copy.
 
 Targets. Rendezvous hashing: the K nodes with the highest xxh3 score of
 ``node id + key``, the owner excluded. Every node computes the same targets
-without a word, and a join or leave moves only the copies whose winner
-changed.
+without a word, a join or leave moves only the copies whose winner changed,
+and K growing or shrinking adds or drops the last of them only.
 
 Consistency. A reader must never get a value older than the last write
 acknowledged: an overwrite, delete, expiry or eviction of a replicated key on
 its owner removes the copies (KV.UNCOPY) before any write of that key is
-acknowledged (dispatch defers the reply until ``take_unacked`` is done). A
-copy is served only under a lease the owner renews every window; a holder the
-owner cannot reach keeps its copy at most until that lease lapses, so the
-owner then waits the lease out before acknowledging. The lease outlasts the
-node timeout, so when an owner dies its copies stay readable until the new
-map gives the slot to a survivor: a holder that gets the slot keeps the value
-as its own, the others push their copy to the new owner (KV.IMPORT, which
-never overwrites a newer write) and drop it. A holder that gets the slot also
-counts the other holders rendezvous hashing chose as holders of its own, so
-its first write of the key removes their copies even if they have not
-applied the new map yet.
+acknowledged (dispatch defers the reply until ``take_unacked`` is done; a
+removal still in flight, of all copies or of those K shrank by, holds any
+write of its key). A copy is served only under a lease the owner renews
+every window; a holder the owner cannot reach keeps its copy at most until
+that lease lapses, so the owner then waits the lease out before
+acknowledging. The lease outlasts the node timeout, so when an owner dies its
+copies stay readable until the new map gives the slot to a survivor: a holder
+that gets the slot keeps the value as its own, the others push their copy to
+the new owner (KV.IMPORT, which never overwrites a newer write) and drop it. A
+holder that gets the slot also counts every node rendezvous hashing could
+have chosen as a holder of its own, so its first write of the key removes
+their copies even if they have not applied the new map yet.
 
-Memory. Copies are the first values to go when DRAM is short (the engine's
-``shed_first`` hook; held_copies.py is the holder's side), and at most
-``MAX_HOT_KEYS`` keys of one owner are replicated at once.
+Memory. A copy competes for DRAM by value: it goes to make room only when it
+is the value the LRU would evict anyway (held_copies.py is the holder's side),
+so the copy of a block read every second outlives the holder's own cold
+values; and at most ``MAX_HOT_KEYS`` keys of one owner are replicated at once.
 """
 from __future__ import annotations
 
@@ -61,12 +77,28 @@ log = logging.getLogger("kvstore.cluster")
 
 WINDOW = 1.0                # seconds of one heat window, and of the lease renewal
 MAX_HOT_KEYS = 1024         # keys one owner replicates at once
+MAX_COPIES = 16             # copies of one block, however hot (hot-replicas is at most this)
+GROW_MARGIN = 1.25          # copies grow when the load passes what they carry by this much
+SHRINK_MARGIN = 2.0         # ... and shrink only when this much load would still need fewer
 KV_COPY, KV_UNCOPY, KV_RENEW = "KV.COPY", "KV.UNCOPY", "KV.RENEW"
 
 
 def lease_seconds(node_timeout: float) -> float:
     """How long a copy is served without a renewal: past a dead owner's lease in etcd and the new map."""
     return 2 * node_timeout + 1
+
+
+def copies_for(load: float, trigger: float, least: int) -> int:
+    """Copies of a hot block that carried ``load`` reads in a window where ``trigger`` makes a block
+    hot: at least ``least``, and enough that owner and copies carry under ``trigger`` each."""
+    return min(MAX_COPIES, max(least, math.ceil(load / trigger) - 1))
+
+
+def reference_bytes(engine) -> float:
+    """The mean size of the values in DRAM (infinite while there are none): a read of a value this
+    large or smaller counts as one."""
+    values = engine.entries.count_in[DRAM]
+    return engine.allocator.requested / values if values else math.inf
 
 
 def rendezvous(key: bytes, node_ids, count: int) -> tuple[str, ...]:
@@ -80,6 +112,7 @@ class CopyStats:
     copies_made: int = 0            # copies pushed (one per holder)
     copies_removed: int = 0         # replicated keys whose copies were removed (written, cooled, evicted)
     copies_cooled: int = 0
+    copies_shrunk: int = 0          # copies removed because the load needed fewer
     copies_adopted: int = 0         # copies kept as this node's own when their slot came here
     copies_rescued: int = 0         # copies pushed to a dead owner's successor
     invalidation_waits: int = 0     # holders unreachable at a write: the lease was waited out
@@ -95,8 +128,8 @@ class HotCopies:
         self.peers = peers
         self.config = config                # the node's live Config (hot-reads, hot-replicas)
         self.rescue = rescue                # push copies of a dead owner's keys to their new owner
-        self.counts: dict[bytes, int] = {}          # reads of owned keys in this window
-        self.last: dict[bytes, int] = {}            # ... in the window before (with the holders' reads)
+        self.counts: dict[bytes, float] = {}        # reads of owned keys in this window, by size
+        self.last: dict[bytes, float] = {}          # ... in the window before (with the holders' reads)
         self.replicated: dict[bytes, tuple[str, ...]] = {}     # owner: key -> holder ids
         self.inflight: dict[bytes, asyncio.Task] = {}          # owner: key -> removal of its copies
         self.unacked: list[asyncio.Task] = []                  # removals a reply must wait for
@@ -106,6 +139,7 @@ class HotCopies:
         self.stats = CopyStats()
         self._trigger = 0
         self._replicas = 0
+        self._reference = math.inf
         self._tasks = BackgroundTasks()
         self.refresh_settings()
 
@@ -125,9 +159,15 @@ class HotCopies:
         self.cluster.copies = self
 
     def refresh_settings(self) -> None:
+        """The settings, and the size a read counts as one for (the values' mean changes as they do)."""
         cfg = self.config()
         self._trigger = math.floor(cfg.hot_reads * WINDOW) + 1 if cfg.hot_reads > 0 else 0
         self._replicas = cfg.hot_replicas
+        self._reference = reference_bytes(self.engine)
+
+    def _weight(self, entry: int) -> float:
+        """What one read of ``entry`` counts as: its size over the reference, at least 1."""
+        return max(1.0, self.engine.size_of(entry) / self._reference)
 
     # ------------------------------------------------------------ reads (hot path)
 
@@ -135,36 +175,39 @@ class HotCopies:
         key = self.engine.key_of(entry)
         if self.held.read(key):
             return
-        n = self.counts.get(key, 0) + 1
+        weight = self._weight(entry)
+        n = self.counts.get(key, 0) + weight
         self.counts[key] = n
-        if n == self._trigger and key not in self.replicated:
-            self._replicate(key, entry)
+        if n >= self._trigger > n - weight and key not in self.replicated:
+            self._replicate(key, entry, self._replicas)
 
     # ------------------------------------------------------------ owner: making copies
 
-    def targets(self, key: bytes) -> tuple[str, ...]:
-        """The holders of ``key``'s copies: among the live nodes of the map, this one excepted."""
+    def targets(self, key: bytes, count: int) -> tuple[str, ...]:
+        """The ``count`` holders of ``key``'s copies: among the live nodes of the map, this one excepted."""
         cluster = self.cluster
         others = [node_id for node_id in cluster.map.nodes if node_id != cluster.my_id and node_id in cluster.nodes]
-        return rendezvous(key, others, self._replicas)
+        return rendezvous(key, others, count)
 
-    def _replicate(self, key: bytes, entry: int) -> None:
+    def _replicate(self, key: bytes, entry: int, count: int) -> None:
+        """Copy ``key`` to the first ``count`` of its targets that do not hold it yet."""
         cluster = self.cluster
         key_slot = keyslot(key)
-        if len(self.replicated) >= MAX_HOT_KEYS or key in self.inflight or not cluster.ok \
+        held = self.replicated.get(key, ())
+        if (not held and len(self.replicated) >= MAX_HOT_KEYS) or key in self.inflight or not cluster.ok \
                 or not cluster.is_mine(key_slot) or cluster.migrating_to(key_slot) is not None:
             return
         engine = self.engine
         if engine.tier_code(entry) != DRAM and not engine.flags_of(entry) & STAGED:
             return                                  # a value on SSD or GPU is copied once a read stages it
-        holders = self.targets(key)
-        if not holders:
+        new = tuple(h for h in self.targets(key, count) if h not in held)
+        if not new:
             return
-        self.replicated[key] = holders
+        self.replicated[key] = held + new
         self.version += 1
-        self.stats.copies_made += len(holders)
+        self.stats.copies_made += len(new)
         token = engine.hold(entry)                   # the value stays in place while it is sent
-        self._tasks.spawn(self._push(key, engine.view(entry), token, holders))
+        self._tasks.spawn(self._push(key, engine.view(entry), token, new))
 
     async def _push(self, key: bytes, value: memoryview, token, holders: tuple[str, ...]) -> None:
         lease_ms = int(self.lease * 1000)
@@ -203,12 +246,30 @@ class HotCopies:
         holders = self.replicated.pop(key)
         self.version += 1
         self.stats.copies_removed += 1
-        removal = self._tasks.spawn(self._uncopy(key, holders))
-        self.inflight[key] = removal
-        self.unacked.append(removal)
-        removal.add_done_callback(lambda task: self.inflight.pop(key) if self.inflight.get(key) is task else None)
+        self.unacked.append(self._uncopy_soon(key, holders))
 
-    async def _uncopy(self, key: bytes, holders: tuple[str, ...]) -> None:
+    def _shrink(self, key: bytes, count: int) -> None:
+        """Keep the first ``count`` holders of ``key``; the others' copies go (a write waits for that)."""
+        if count == 0:
+            self._remove_copies(key)
+            return
+        holders = self.replicated[key]
+        self.replicated[key] = holders[:count]
+        self.version += 1
+        self.stats.copies_shrunk += len(holders) - count
+        self._uncopy_soon(key, holders[count:])
+
+    def _uncopy_soon(self, key: bytes, holders: tuple[str, ...]) -> asyncio.Task:
+        """Start removing ``key``'s copies from ``holders``, after any removal of it still in flight, so
+        that a write of ``key`` waits for both (`_on_commit`)."""
+        removal = self._tasks.spawn(self._uncopy(key, holders, self.inflight.get(key)))
+        self.inflight[key] = removal
+        removal.add_done_callback(lambda task: self.inflight.pop(key) if self.inflight.get(key) is task else None)
+        return removal
+
+    async def _uncopy(self, key: bytes, holders: tuple[str, ...], before: asyncio.Task | None) -> None:
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)
         loop = asyncio.get_running_loop()
 
         async def one(holder: str) -> None:
@@ -253,7 +314,7 @@ class HotCopies:
         """Keep a copy as this node's own value; the other copies are counted as ours to remove."""
         self.stats.copies_adopted += 1
         others = [node_id for node_id in old.nodes if node_id != previous_owner]
-        holders = tuple(h for h in rendezvous(key, others, self._replicas) if h != self.cluster.my_id)
+        holders = tuple(h for h in rendezvous(key, others, MAX_COPIES) if h != self.cluster.my_id)
         if holders and len(self.replicated) < MAX_HOT_KEYS:
             self.replicated[key] = holders
             self.version += 1
@@ -269,7 +330,8 @@ class HotCopies:
             log.exception("Hot-block replication tick failed")
 
     async def tick(self) -> None:
-        """Close the window: renew leases (collecting the holders' reads), remove cooled copies."""
+        """Close the window: renew leases (collecting the holders' reads), then fit each replicated
+        key's copies to its load: more, fewer, or none when it cooled."""
         self.refresh_settings()
         self.last, self.counts = self.counts, {}
         self.held.drop_lapsed()
@@ -280,9 +342,25 @@ class HotCopies:
                 by_holder[holder].append(key)
         await asyncio.gather(*(self._renew(holder, keys) for holder, keys in by_holder.items()))
         floor = self._trigger / 2 if self._trigger else math.inf        # hot-reads 0: no copies at all
-        for key in [key for key in self.replicated if self.last.get(key, 0) < floor]:
-            self.stats.copies_cooled += 1
-            self._remove_copies(key)
+        for key in list(self.replicated):
+            load = self.last.get(key, 0)
+            if load < floor:
+                self.stats.copies_cooled += 1
+                self._remove_copies(key)
+            else:
+                self._fit(key, load)
+
+    def _fit(self, key: bytes, load: float) -> None:
+        """As many copies of ``key`` as ``load`` needs (`copies_for`), with a margin either way."""
+        have = len(self.replicated[key])
+        fewer = copies_for(load * SHRINK_MARGIN, self._trigger, self._replicas)
+        if fewer < have:
+            self._shrink(key, fewer)
+            return
+        wanted = copies_for(load / GROW_MARGIN, self._trigger, self._replicas)
+        entry = self.engine.lookup(key) if wanted > have else None
+        if entry is not None:
+            self._replicate(key, entry, wanted)
 
     async def _renew(self, holder: str, keys: list[bytes]) -> None:
         addr = self._addr(holder)
@@ -299,8 +377,10 @@ class HotCopies:
         for key, count in zip(keys, reads):
             if count < 0:
                 self._forget_holders(key, [holder])
-            else:
-                self.last[key] = self.last.get(key, 0) + count
+            elif count:
+                entry = self.engine.lookup(key)
+                weight = self._weight(entry) if entry is not None else 1.0
+                self.last[key] = self.last.get(key, 0) + count * weight
 
     def _forget_holders(self, key: bytes, gone: list[str]) -> None:
         """``gone`` no longer hold copies of ``key`` (nothing to remove there)."""
@@ -320,8 +400,8 @@ class HotCopies:
         """Addresses of the nodes holding copies of ``key`` (as its owner knows them)."""
         return [addr for addr in map(self._addr, self.replicated.get(key, ())) if addr is not None]
 
-    def recent_reads(self) -> dict[bytes, int]:
-        """Reads per owned key over this window and the one before (what a slot move sends first)."""
+    def recent_reads(self) -> dict[bytes, float]:
+        """Reads per owned key, by size, over this window and the one before (what a slot move sends first)."""
         reads = dict(self.last)
         for key, count in self.counts.items():
             reads[key] = reads.get(key, 0) + count
@@ -334,7 +414,8 @@ class HotCopies:
         s = self.stats
         return {"cluster_hot_keys": len(self.replicated), "cluster_copies_held": len(self.held),
                 "cluster_copies_made": s.copies_made, "cluster_copies_removed": s.copies_removed,
-                "cluster_copies_cooled": s.copies_cooled, "cluster_copy_reads": self.held.reads,
+                "cluster_copies_cooled": s.copies_cooled, "cluster_copies_shrunk": s.copies_shrunk,
+                "cluster_copy_reads": self.held.reads,
                 "cluster_copies_shed": self.held.shed, "cluster_copies_adopted": s.copies_adopted,
                 "cluster_copies_rescued": s.copies_rescued, "cluster_invalidation_waits": s.invalidation_waits}
 

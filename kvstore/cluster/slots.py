@@ -19,20 +19,13 @@ is immutable once built, so one parsed map can be shared by every node of an
 in-process simulation, and its derived views (ranges, per-slot owner list) are
 computed once.
 
-A change record (`change_record`, `apply_change`) takes a node from one map to
-the next without the whole map: the epoch it applies to (``base``), the new
-epoch, the nodes added (id -> address) or gone (id -> null), the slots whose
-owner changed as runs by new owner ``[[index, first, length, ...], ...]``
-(index -1: unassigned), the moves as runs
-``[first, length, source index, target index, ...]``, and the CRC-32 of the new
-map's JSON. A node whose map is not the base, or whose result does not match
-the CRC, reads the whole map instead.
+What reaches the nodes when the map changes is not the map but a change
+record (mapchange.py), from which each node builds the new map itself.
 """
 from __future__ import annotations
 
 import json
 import re
-import zlib
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -192,7 +185,7 @@ def _parse(raw: bytes) -> SlotMap:
     epoch = doc["epoch"]
     if type(epoch) is not int or not 0 <= epoch < 2**63:
         raise SlotMapError(f"bad epoch {epoch!r}")
-    nodes = _parse_nodes(doc["nodes"])
+    nodes = parse_nodes(doc["nodes"])
     index = {node_id: i for i, node_id in enumerate(sorted(nodes))}
     owners = _parse_runs(doc["runs"], len(index)) if "runs" in doc else _parse_ranges(doc["slots"], index)
     slot_map = SlotMap(epoch, dict(sorted(nodes.items())), owners)
@@ -200,7 +193,7 @@ def _parse(raw: bytes) -> SlotMap:
     return SlotMap(epoch, slot_map.nodes, owners, moves) if moves else slot_map
 
 
-def _parse_nodes(nodes) -> dict[str, str]:
+def parse_nodes(nodes) -> dict[str, str]:
     if not isinstance(nodes, dict) or len(nodes) > SLOTS:
         raise SlotMapError("nodes must be an object of at most 16384 node id -> host:port")
     seen: set[str] = set()
@@ -268,66 +261,3 @@ def _parse_migrating(moves, slot_map: SlotMap, by_index: bool = False) -> dict[i
         result[slot] = (src, dst)
     return result
 
-
-def _runs(values: np.ndarray, mask: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs ``(first, length, value)`` of ``values`` over the slots where ``mask`` holds."""
-    keyed = np.where(mask, values.astype(np.int64), -(2**40))
-    starts = np.flatnonzero(np.diff(keyed, prepend=-(2**41)))
-    lengths = np.diff(np.append(starts, SLOTS))
-    return [(first, length, value) for first, length, value
-            in zip(starts.tolist(), lengths.tolist(), keyed[starts].tolist()) if mask[first]]
-
-
-def change_record(old: SlotMap, new: SlotMap) -> bytes:
-    """What takes a node holding ``old`` to ``new`` (see the module's docstring)."""
-    nodes = {node_id: addr for node_id, addr in new.nodes.items() if old.nodes.get(node_id) != addr}
-    nodes.update({node_id: None for node_id in old.nodes if node_id not in new.nodes})
-    index = {node_id: i for i, node_id in enumerate(new.ids)}
-    remap = np.array([index.get(node_id, -2) for node_id in old.ids] + [UNASSIGNED], dtype=np.int32)
-    carried = remap[old.owners.astype(np.int32)]        # old owners as indexes of the new map
-    owners = new.owners.astype(np.int32)
-    changed: dict[int, list[int]] = {}
-    for first, length, owner in _runs(owners, carried != owners):
-        changed.setdefault(owner, []).extend((first, length))
-    src = np.full(SLOTS, -1, dtype=np.int64)
-    for slot, (source, target) in new.migrating.items():
-        src[slot] = index[source] * 65536 + index[target]
-    moves = [v for first, length, pair in _runs(src, src >= 0) for v in (first, length, pair >> 16, pair & 0xFFFF)]
-    doc = {"base": old.epoch, "epoch": new.epoch, "nodes": nodes, "set": [[owner, *runs] for owner, runs in changed.items()], "migrating": moves,
-           "crc": zlib.crc32(new.to_json())}
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-@lru_cache(maxsize=8)
-def apply_change(old: SlotMap, raw: bytes) -> SlotMap | None:
-    """``old`` changed by the record ``raw``; None when the record is not for ``old`` or does not
-    give exactly the map it was made from (read the whole map then). Cached: the nodes of a
-    simulation share their maps, so each record is applied once per process."""
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("base") != old.epoch or type(doc.get("epoch")) is not int:
-            return None
-        nodes = dict(old.nodes)
-        for node_id, addr in doc["nodes"].items():
-            if addr is None:
-                nodes.pop(node_id, None)
-            else:
-                nodes[node_id] = addr
-        nodes = dict(sorted(_parse_nodes(nodes).items()))
-        ids = list(nodes)
-        index = {node_id: i for i, node_id in enumerate(ids)}
-        remap = np.array([index.get(node_id, UNASSIGNED) for node_id in old.ids] + [UNASSIGNED], dtype=np.int16)
-        owners = remap[old.owners.astype(np.int32)]
-        changed, moves = doc["set"], doc["migrating"]
-        for owner, *runs in changed:
-            for i in range(0, len(runs), 2):
-                owners[runs[i]:runs[i] + runs[i + 1]] = owner
-        migrating = {}
-        for i in range(0, len(moves), 4):
-            first, length, source, target = moves[i:i + 4]
-            for slot in range(first, first + length):
-                migrating[slot] = (ids[source], ids[target])
-        new = SlotMap(doc["epoch"], nodes, owners, migrating)
-        return new if zlib.crc32(new.to_json()) == doc["crc"] else None
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, SlotMapError):
-        return None
