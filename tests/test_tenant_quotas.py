@@ -235,3 +235,20 @@ def test_acl_load_of_quotas_too_big_changes_nothing(node):
     assert "would add up to" in str(refused.value)
     assert admin.execute_command("ACL", "LIST") == before
     assert tenant_info(admin, "alice")["quota_dram"] == 3 * MIB
+
+
+def test_with_an_ssd_tier_the_burst_is_demoted_not_the_quiet_tenant(kvstore_factory, tmp_path):
+    node = kvstore_factory("--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "256mb")
+    admin = connect(node)
+    for user in ("alice", "bob"):
+        admin.execute_command("ACL", "SETUSER", user, "on", f">p{user[0]}", f"~{user[0]}:*", "+@all")
+    with pytest.raises(redis.ResponseError, match="more than the node's SSD"):
+        admin.execute_command("ACL", "SETUSER", "alice", "quota-ssd=1gb")
+    admin.execute_command("ACL", "SETUSER", "alice", "quota-dram=6mb", "quota-ssd=64mb")
+    admin.execute_command("ACL", "SETUSER", "bob", "quota-dram=6mb", "quota-ssd=64mb")
+    quiet_keys = [b"a:%06d" % i for i in range(1300)]
+    write(connect(node, "alice"), quiet_keys, 4000)
+    write(connect(node, "bob"), [b"b:%06d" % i for i in range(15000)], 4000)
+    assert tenant_info(admin, "alice")["used_dram"] >= 0.95 * len(quiet_keys) * 4000, "still in DRAM"
+    bob = tenant_info(admin, "bob")
+    assert bob["used_ssd"] > 0 and bob["used_dram"] + bob["used_ssd"] > 6 * MIB
