@@ -53,7 +53,7 @@ import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvstore.admin.config import ConfigError, parse_size
 from kvstore.commands.glob import compile_pattern
@@ -263,7 +263,7 @@ class User:
     quotas: dict[str, int] = field(default_factory=dict)       # "dram"/"ssd" -> bytes
     tenant: int = 0                                            # its id in the store's quotas (0: shared)
 
-    def apply(self, rules: list[str], catalog: Catalog, check=None) -> None:
+    def apply(self, rules: list[str], catalog: Catalog, check: Callable[[User], None] | None = None) -> None:
         """Apply ``rules`` in order, all or none: Redis's error for the first bad one;
         ``catalog`` resolves command rules into command names; ``check(draft)`` may still
         refuse the result (raising RuleError) before it is kept."""
@@ -593,7 +593,7 @@ class Users:
         self._sync_quotas()         # a quota rule, or ``reset``, may have changed its quotas
         return user
 
-    def _quota_check(self, rule: str):
+    def _quota_check(self, rule: str) -> Callable[[User], None]:
         """The check of ACL SETUSER's result: its quotas, with everyone else's, must fit the node
         (an error names ``rule``, the last quota rule given)."""
         def check(draft: User) -> None:
