@@ -1,6 +1,6 @@
 """Memory that holds any mix of value sizes: kvstore next to redis-server in the same run.
 
-    python -m loadtest.bench_memory [--quick] [--only burst,chain,mixed]
+    python -m loadtest.bench_memory [--quick] [--only burst,chain,mixed,tenants]
 
 Each scenario runs on a fresh kvstore node and a fresh redis-server (maxmemory,
 allkeys-lru), one after the other, while a separate process PINGs the server
@@ -15,6 +15,11 @@ under test every 10 ms (its round trips are the loop's stalls as a client sees t
   256 KiB-4 MiB (sizes log-uniform), 4x more data than the budget; reads Zipf(0.9), a
   miss SETs the value. Hit ratio after warm-up and live bytes / budget (value bytes
   and, for kvstore, bytes handed out) at the end.
+- tenants: two ACL users with equal shares (a third of the budget each), one quiet
+  (writes 90 % of its share of 16 KiB values, then nothing), one bursting (10x its
+  share). Share of the quiet tenant's values left: on redis (no quotas), on kvstore
+  without quotas and on kvstore with ``quota-dram`` set (kvstore/store/quotas.py);
+  the last must keep at least 95 %.
 
 Prints PING max and p99 per server and kvstore's over redis's.
 """
@@ -209,15 +214,40 @@ class Settings:
     ops: int = 3000
 
 
+TENANT_VALUE = 16 * 1024
+
+
+def tenants(client: redis.Redis, host: str, port: int, settings, quotas: bool) -> Result:
+    share = settings.budget // 3
+    for user in ("quiet", "burst"):
+        client.execute_command("ACL", "SETUSER", user, "on", f">{user}", f"~{user}:*", "+@all")
+        if quotas:
+            client.execute_command("ACL", "SETUSER", user, f"quota-dram={share}")
+    quiet = redis.Redis(host, port, username="quiet", password="quiet", socket_timeout=120)
+    burst = redis.Redis(host, port, username="burst", password="burst", socket_timeout=120)
+    value = os.urandom(TENANT_VALUE)
+    keys = [b"quiet:%07d" % i for i in range(share * 9 // 10 // TENANT_VALUE)]
+    pipelined(quiet, ((b"SET", key, value) for key in keys), batch=200)
+    with Pinger(host, port) as pinger:
+        pipelined(burst, ((b"SET", b"burst:%07d" % i, value) for i in range(10 * share // TENANT_VALUE)), batch=200)
+    kept = count_present(quiet, keys)
+    quiet.close()
+    burst.close()
+    return Result(*pinger.summary(), extra={"quiet_kept": kept, "quiet_written": len(keys),
+                                            "quiet_kept_share": round(kept / len(keys), 4)})
+
+
 def run_one(name: str, scenario: str, settings: Settings, group: ProcessGroup) -> Result:
     memory = f"{settings.budget // MIB}mb"
-    server = start_kvstore(group, memory) if name == "kvstore" else start_redis(group, memory)
+    server = start_redis(group, memory) if name == "redis" else start_kvstore(group, memory)
     client = redis.Redis(server.host, server.port, socket_timeout=120)
     try:
         if scenario == "burst":
             return burst(client, server.host, server.port, settings)
         if scenario == "chain":
             return chain(client, server.host, server.port, settings, name == "kvstore")
+        if scenario == "tenants":
+            return tenants(client, server.host, server.port, settings, name == "kvstore+quotas")
         return mixed(client, server.host, server.port, settings)
     finally:
         client.close()
@@ -227,7 +257,7 @@ def run_one(name: str, scenario: str, settings: Settings, group: ProcessGroup) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer values and operations")
-    parser.add_argument("--only", default="burst,chain,mixed")
+    parser.add_argument("--only", default="burst,chain,mixed,tenants")
     args = parser.parse_args(argv)
     settings = Settings(small=50_000, big=40, budget=16 * MIB, ops=1200) if args.quick else Settings()
     print(describe_machine(machine_info()))
@@ -235,17 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     with ProcessGroup() as group:
         for scenario in args.only.split(","):
-            results = {name: run_one(name, scenario, settings, group) for name in ("redis", "kvstore")}
+            names = ("redis", "kvstore", "kvstore+quotas") if scenario == "tenants" else ("redis", "kvstore")
+            results = {name: run_one(name, scenario, settings, group) for name in names}
             kv, rd = results["kvstore"], results["redis"]
             print(f"\n[{scenario}] budget {settings.budget // MIB} MiB, load average {os.getloadavg()[0]:.2f}")
             for name, r in results.items():
-                print(f"  {name:8s} PING max {r.ping_max:8.2f} ms  p99 {r.ping_p99:7.2f} ms  ({r.pings} pings)  {r.extra}")
+                print(f"  {name:14s} PING max {r.ping_max:8.2f} ms  p99 {r.ping_p99:7.2f} ms  ({r.pings} pings)  {r.extra}")
             print(f"  kvstore/redis  PING max {kv.ping_max / max(rd.ping_max, 1e-9):.2f}x  "
                   f"p99 {kv.ping_p99 / max(rd.ping_p99, 1e-9):.2f}x")
             if scenario == "burst":
                 ok &= kv.extra["small_left"] >= kv.extra["lru_small_left"]
             if scenario == "chain":
                 ok &= kv.extra["prefix"]
+            if scenario == "tenants":
+                quota = results["kvstore+quotas"].extra
+                print(f"  quiet tenant keeps {quota['quiet_kept_share']:.1%} of its blocks with quotas "
+                      f"({kv.extra['quiet_kept_share']:.1%} without, redis {rd.extra['quiet_kept_share']:.1%})")
+                ok &= quota["quiet_kept_share"] >= 0.95
             if scenario == "mixed":
                 print(f"  hit ratio kvstore/redis {kv.extra['hit_ratio'] / max(rd.extra['hit_ratio'], 1e-9):.2f}x")
     return 0 if ok else 1

@@ -28,6 +28,18 @@ the commands nodes send each other, and any command that writes without
 naming its keys are for users allowed every key; anyone else uses the wire,
 key by key.
 
+Quotas (ours, not Redis's): ``quota-dram=64mb`` and ``quota-ssd=1gb`` give a
+user a share of the node's DRAM or SSD (``quota-dram=none`` takes it away;
+``reset`` too), enforced by the store (kvstore/store/quotas.py). They are ACL
+rules rather than a separate map of user to bytes because a quota belongs to
+the user it limits: it is set, shown (ACL LIST, GETUSER), saved and loaded
+(ACL SAVE, LOAD, the ACL file) and deleted with that user, with no second
+table to keep in step with the users. A quota is refused, changing nothing,
+when it is not a size, when it or the sum of every user's quota of that tier
+exceeds the node's DRAM or SSD, for the ``default`` user (the shared pool),
+and in an ACL SETUSER that would create the user (a mistyped name must not
+make a new user holding a share).
+
 Not here, on purpose: selectors (``(...)``), pub/sub channels (there is no
 pub/sub; ``&pattern`` rules are kept and shown so ACL files round-trip), first
 arguments of non-container commands (``+select|0``) and the ACL LOG.
@@ -41,11 +53,13 @@ import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
+from kvstore.admin.config import ConfigError, parse_size
 from kvstore.commands.glob import compile_pattern
 from kvstore.commands.table import Command, CommandError
 from kvstore.net.protocol.reader import ProtocolError, split_inline
+from kvstore.store.quotas import QUOTA_TIERS, QuotaError, Quotas
 
 READ, WRITE = 1, 2
 READ_WRITE = READ | WRITE
@@ -98,6 +112,9 @@ ADD_AFTER_ALLKEYS = ("Adding a pattern after the * pattern (or the 'allkeys' fla
 BAD_HASH = "The password hash must be exactly 64 characters and contain only lowercase hexadecimal characters"
 NO_SUCH_PASSWORD = "The password you are trying to remove from the user does not exist"
 SYNTAX = "Syntax error"
+QUOTA_RULE = "quota-"
+BAD_QUOTA = "a quota is a size in bytes (such as 1048576, 64mb or 4gb) or 'none'"
+UNKNOWN_QUOTA = "unknown quota (quota-dram or quota-ssd)"
 
 
 def raw(text: str) -> bytes:
@@ -243,16 +260,21 @@ class User:
     all_channels: bool = False
     channels: list[str] = field(default_factory=list)
     unrestricted: bool = False                                 # every command and every key
+    quotas: dict[str, int] = field(default_factory=dict)       # "dram"/"ssd" -> bytes
+    tenant: int = 0                                            # its id in the store's quotas (0: shared)
 
-    def apply(self, rules: list[str], catalog: Catalog) -> None:
+    def apply(self, rules: list[str], catalog: Catalog, check: Callable[[User], None] | None = None) -> None:
         """Apply ``rules`` in order, all or none: Redis's error for the first bad one;
-        ``catalog`` resolves command rules into command names."""
+        ``catalog`` resolves command rules into command names; ``check(draft)`` may still
+        refuse the result (raising RuleError) before it is kept."""
         draft = copy.deepcopy(self)
         for rule in rules:
             try:
                 draft._apply_one(rule, catalog)
             except AclError as exc:
                 raise RuleError(rule, str(exc)) from None
+        if check is not None:
+            check(draft)
         self.__dict__.update(draft.__dict__)
 
     def _apply_one(self, op: str, catalog: Catalog) -> None:
@@ -273,6 +295,8 @@ class User:
                 self.channels.append(op[1:])
         elif op[0] in "+-" and len(op) > 1:
             self._command_rule(lowered[1:], op[0] == "+", catalog)
+        elif lowered.startswith(QUOTA_RULE):
+            self._quota_rule(lowered)
         else:
             raise AclError(SYNTAX)
         self.unrestricted = self.all_keys and self.allowed == catalog.names
@@ -340,6 +364,24 @@ class User:
     def may_run(self, name: str) -> bool:
         return name in self.allowed
 
+    # -- quotas
+
+    def _quota_rule(self, op: str) -> None:
+        """``quota-<tier>=<size>`` or ``quota-<tier>=none``."""
+        tier, sep, value = op[len(QUOTA_RULE):].partition("=")
+        if tier not in QUOTA_TIERS or not sep:
+            raise AclError(UNKNOWN_QUOTA if tier not in QUOTA_TIERS else BAD_QUOTA)
+        if value == "none":
+            self.quotas.pop(tier, None)
+            return
+        try:
+            self.quotas[tier] = parse_size(value)
+        except ConfigError:
+            raise AclError(BAD_QUOTA) from None
+
+    def describe_quotas(self) -> str:
+        return " ".join(f"{QUOTA_RULE}{tier}={_size_text(size)}" for tier, size in sorted(self.quotas.items()))
+
     # -- how Redis shows a user
 
     def flags(self) -> list[str]:
@@ -368,7 +410,17 @@ class User:
         if not self.all_channels:
             parts += [f"&{c}" for c in self.channels]
         parts.append(self.describe_commands())
+        if self.quotas:
+            parts.append(self.describe_quotas())
         return " ".join(parts)
+
+
+def _size_text(size: int) -> str:
+    """A quota as the largest unit that divides it exactly (``64mb``), for ACL LIST and files."""
+    for unit, factor in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10)):
+        if size and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
 
 
 def _names_of(target: str, cat: Catalog) -> frozenset[str]:
@@ -402,6 +454,7 @@ def _reset(user: User, catalog: Catalog) -> None:
     _reset_keys(user, catalog)
     _reset_channels(user, catalog)
     user.enabled = False
+    user.quotas = {}
     user.payload_flag = "sanitize-payload"
     user._command_rule("@all", False, catalog)
 
@@ -499,11 +552,13 @@ def _parent_keys(args: list, start: int) -> list[bytes]:
 
 class Users:
     """Every user of a node, by name; ``default`` always exists. ``catalog`` is the node's
-    command table as ACL rules name it (`Catalog.of`)."""
+    command table as ACL rules name it (`Catalog.of`); ``quotas`` the store's tenant quotas
+    that the users' quota rules set (without it they are kept and shown, not enforced)."""
 
-    def __init__(self, catalog: Catalog, requirepass: str | None = None):
+    def __init__(self, catalog: Catalog, requirepass: str | None = None, quotas: Quotas | None = None):
         self.catalog = catalog
         self.requirepass = requirepass
+        self.quotas = quotas
         self.by_name: dict[str, User] = {"default": self._fresh_default()}
 
     @property
@@ -528,16 +583,49 @@ class Users:
         """ACL SETUSER: create the user if new, then apply the rules (all or none)."""
         if any(c.isspace() or c == "\0" for c in name):
             raise AclError("Usernames can't contain spaces or null characters")
-        user = self.by_name.get(name) or User(name)
-        user.apply(rules, self.catalog)
+        user = self.by_name.get(name)
+        quota_rules = [rule for rule in rules if rule.lower().startswith(QUOTA_RULE)]
+        if quota_rules and user is None:
+            raise RuleError(quota_rules[0], f"no user '{name}' to give a quota to (create the user first)")
+        user = user or User(name)
+        user.apply(rules, self.catalog, self._quota_check(quota_rules[-1]) if quota_rules else None)
         self.by_name.setdefault(name, user)
+        self._sync_quotas()         # a quota rule, or ``reset``, may have changed its quotas
         return user
 
+    def _quota_check(self, rule: str) -> Callable[[User], None]:
+        """The check of ACL SETUSER's result: its quotas, with everyone else's, must fit the node
+        (an error names ``rule``, the last quota rule given)."""
+        def check(draft: User) -> None:
+            try:
+                self._check_quotas({**self.by_name, draft.name: draft})
+            except QuotaError as exc:
+                raise RuleError(rule, str(exc)) from None
+        return check
+
+    def _check_quotas(self, users: dict[str, User]) -> None:
+        default = users.get("default")
+        if default is not None and default.quotas:
+            raise QuotaError("the default user writes to the shared pool and takes no quota")
+        if self.quotas is not None:
+            self.quotas.check(_quota_map(users))
+
+    def _sync_quotas(self) -> None:
+        """Hand the users' quotas to the store; each user learns its tenant id."""
+        if self.quotas is None:
+            return
+        self.quotas.apply(_quota_map(self.by_name))
+        for user in self.by_name.values():
+            user.tenant = self.quotas.tenant(user.name)
+
     def delete(self, names: list[str]) -> list[User]:
-        """ACL DELUSER: the users removed (their connections must go)."""
+        """ACL DELUSER: the users removed (their connections must go; their quotas end, their
+        values stay)."""
         if "default" in names:
             raise AclError("The 'default' user cannot be removed")
-        return [self.by_name.pop(name) for name in dict.fromkeys(names) if name in self.by_name]
+        removed = [self.by_name.pop(name) for name in dict.fromkeys(names) if name in self.by_name]
+        self._sync_quotas()
+        return removed
 
     def authenticate(self, name: str, password: bytes) -> User | None:
         user = self.by_name.get(name)
@@ -560,6 +648,11 @@ class Users:
         """
         loaded = parse_acl_file(path, self.catalog)
         loaded.setdefault("default", self._fresh_default())
+        try:
+            self._check_quotas(loaded)
+        except QuotaError as exc:
+            raise AclFileError(f"Error in quotas: {exc}. WARNING: ACL errors detected, no change to the "
+                               "previously active ACL rules was performed") from None
         removed = [user for name, user in self.by_name.items() if name not in loaded]
         for name, user in loaded.items():
             if name in self.by_name:
@@ -568,6 +661,7 @@ class Users:
                 self.by_name[name] = user
         for user in removed:
             del self.by_name[user.name]
+        self._sync_quotas()
         return removed
 
     def save(self, path: str) -> None:
@@ -578,6 +672,12 @@ class Users:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
+
+
+def _quota_map(users: dict[str, User]) -> dict[str, dict[int, int]]:
+    """Name -> tier -> bytes, for every user with a quota (as `Quotas` takes them)."""
+    return {name: {QUOTA_TIERS[word]: size for word, size in user.quotas.items()}
+            for name, user in users.items() if user.quotas}
 
 
 class AclFileError(Exception):

@@ -3,7 +3,9 @@
 Sections as Redis names them (server, clients, memory, stats, keyspace) with
 Redis's field names, so dashboards and `redis-cli INFO` read them as usual,
 plus a `kvcache` section for what only a KV-cache store has: the arena's
-fill and fragmentation, metadata bytes per key, KV hits and misses.
+fill and fragmentation, metadata bytes per key, KV hits and misses, and a
+`tenants` section: the value bytes each tenant (an ACL user with a quota,
+kvstore/store/quotas.py) holds per tier against its quota, and the shared pool's.
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import time
 
 from kvstore import __version__
 from kvstore.store.engine import DRAM, GPU, SSD, now_ms
+from kvstore.store.quotas import NO_QUOTA, QUOTA_TIERS
 
-DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd")
+DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd",
+                    "tenants")
 # What INFO (and INFO default) shows, in Redis's order; INFO all / everything adds commandstats.
 INFO_DEFAULT = ("server", "clients", "memory", "stats", "replication", "cpu", "cluster", "keyspace",
-                "kvcache", "gpu", "dram", "ssd")
+                "kvcache", "gpu", "dram", "ssd", "tenants")
 INFO_ALL = INFO_DEFAULT + ("commandstats",)
 
 
@@ -220,10 +224,26 @@ def gpu_section(server) -> dict:
                                               "capacity": gpu.capacity_bytes, "used": gpu.used_bytes})
 
 
+def tenants_section(server) -> dict:
+    """``tenant_<user>:used_dram=...,quota_dram=...,used_ssd=...,quota_ssd=...`` per tenant (quota
+    ``none`` when it has none in that tier), then the shared pool's bytes; empty without tenants."""
+    report = server.engine.quotas.report()
+    if len(report) == 1:
+        return {}
+    section = {}
+    for name, used, quota in report[1:]:
+        section[f"tenant_{name}"] = ",".join(
+            f"used_{word}={used[tier]},quota_{word}={'none' if quota[tier] == NO_QUOTA else quota[tier]}"
+            for word, tier in QUOTA_TIERS.items())
+    shared = report[0][1]
+    section["shared_pool"] = ",".join(f"used_{word}={shared[tier]}" for word, tier in QUOTA_TIERS.items())
+    return section
+
+
 SECTIONS = {"server": server_section, "clients": clients_section, "memory": memory_section,
             "stats": stats_section, "replication": replication_section, "cpu": cpu_section,
             "commandstats": commandstats_section, "cluster": cluster_section, "keyspace": keyspace_section, "kvcache": kvcache_section,
-            "gpu": gpu_section, "dram": dram_section, "ssd": ssd_section}
+            "gpu": gpu_section, "dram": dram_section, "ssd": ssd_section, "tenants": tenants_section}
 
 TITLES = {"kvcache": "KVCache", "gpu": "GPU", "dram": "DRAM", "ssd": "SSD", "cpu": "CPU", "commandstats": "Commandstats"}
 

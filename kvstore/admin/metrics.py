@@ -8,7 +8,10 @@ text format expects (``kvstore_keyspace_hits_total``, Redis's ``total_``
 prefix moved to the end, as redis_exporter names them), so ``rate()`` works
 on them; everything else is a gauge. A field INFO shows in two sections (the
 kvcache section repeats some DRAM figures) is exported once, as its tier
-section says it. The endpoint is a minimal HTTP/1.0 responder on the node's
+section says it. INFO's tenants section packs several figures in one field, so it is
+exported from the quotas themselves, one series per tenant and tier
+(``kvstore_tenant_used_bytes{tenant="alice",tier="dram"}``, and
+``kvstore_tenant_quota_bytes`` where the tenant has a quota). The endpoint is a minimal HTTP/1.0 responder on the node's
 event loop: scrapes are rare and small, so it needs no web framework.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import logging
 
 from kvstore.admin import info
+from kvstore.store.quotas import NO_QUOTA, QUOTA_TIERS
 
 log = logging.getLogger("kvstore")
 
@@ -46,7 +50,29 @@ def render(server) -> str:
     for metric, (kind, number) in metrics.items():
         lines.append(f"# TYPE {metric} {kind}")
         lines.append(f"{metric} {number}")
+    lines += tenant_lines(server)
     return "\n".join(lines) + "\n"
+
+
+def tenant_lines(server) -> list[str]:
+    """Per tenant and tier: the value bytes it holds and its quota (none without tenants)."""
+    report = server.engine.quotas.report()[1:]
+    if not report:
+        return []
+    used = ["# TYPE kvstore_tenant_used_bytes gauge"]
+    quotas = ["# TYPE kvstore_tenant_quota_bytes gauge"]
+    for name, held, quota in report:
+        for word, tier in QUOTA_TIERS.items():
+            labels = f'{{tenant="{_label(name)}",tier="{word}"}}'
+            used.append(f"kvstore_tenant_used_bytes{labels} {held[tier]}")
+            if quota[tier] != NO_QUOTA:
+                quotas.append(f"kvstore_tenant_quota_bytes{labels} {quota[tier]}")
+    return used + quotas
+
+
+def _label(value: str) -> str:
+    """A label value as the text format escapes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def metric_of(section: str, field: str) -> tuple[str, str]:

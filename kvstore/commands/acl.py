@@ -1,5 +1,7 @@
 """Users on the wire: AUTH and the ACL container (SETUSER, GETUSER, DELUSER, LIST,
-USERS, WHOAMI, CAT, GENPASS, DRYRUN, LOAD, SAVE).
+USERS, WHOAMI, CAT, GENPASS, DRYRUN, LOAD, SAVE). A user's quota rules
+(``quota-dram=64mb``: kvstore/admin/acl.py) travel in SETUSER and LIST like any
+rule; GETUSER adds a ``quotas`` field for a user that has one.
 
 The rules themselves live in `kvstore.admin.acl`; this module turns requests into
 calls on the node's user table and replies as Redis 7 replies, error text for
@@ -80,10 +82,13 @@ def _getuser(conn, args):
     if user is None:
         return conn.enc.null
     b = _bulk
-    return conn.enc.map([
+    fields = [
         (b("flags"), _bulks(user.flags())), (b("passwords"), _bulks(user.passwords)),
         (b("commands"), b(user.describe_commands())), (b("keys"), b(user.describe_keys())),
-        (b("channels"), b(user.describe_channels())), (b("selectors"), writer.EMPTY_ARRAY)])
+        (b("channels"), b(user.describe_channels())), (b("selectors"), writer.EMPTY_ARRAY)]
+    if user.quotas:         # ours: a user without a quota is shown exactly as Redis shows it
+        fields.append((b("quotas"), b(user.describe_quotas())))
+    return conn.enc.map(fields)
 
 
 def _deluser(conn, args):

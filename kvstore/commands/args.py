@@ -81,4 +81,4 @@ def store(conn, key: bytes, value, parent: bytes | None = None, keep_ttl: bool =
     if isinstance(value, Extent):
         conn.engine.commit(key, value, parent, keep_ttl)
     else:
-        conn.engine.put(key, value, parent, keep_ttl)
+        conn.engine.put(key, value, parent, keep_ttl, conn.user.tenant)

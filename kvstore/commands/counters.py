@@ -34,7 +34,7 @@ def _current(conn, key: bytes, longest: int, message: str) -> bytes | None:
 
 
 def _store(conn, key: bytes, value: bytes) -> None:
-    conn.engine.put(key, value, keep_ttl=True)
+    conn.engine.put(key, value, keep_ttl=True, owner=conn.user.tenant)
 
 
 def _incr(conn, key: bytes, by: int) -> bytes:

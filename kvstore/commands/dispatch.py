@@ -74,7 +74,7 @@ def value_destination(conn, args: list, size: int):
     if cmd is not None and cmd.value_args is not None and cmd.value_args(len(args)) \
             and conn.authenticated:
         try:
-            extent = conn.engine.reserve(size)
+            extent = conn.engine.reserve(size, owner=conn.user.tenant)
             return extent.view, extent
         except NeedsDemotion:
             pass            # the command waits for room when it runs
@@ -159,7 +159,7 @@ def _failed(conn, cmd: Command | None, args: list, exc: Exception, has_extents: 
     """Queue the error reply of a request that raised ``exc``; False when it was
     deferred instead, to run again (a write waiting for DRAM to make room)."""
     if isinstance(exc, NeedsRoom):          # eviction goes on over the next loop turns
-        conn.defer(conn.engine.room.wait(exc.size),
+        conn.defer(conn.engine.room.wait(exc.size, exc.owner),
                    lambda _: dispatch(conn, args, None, has_extents))
         return False
     if isinstance(exc, NeedsDemotion):

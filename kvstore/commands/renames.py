@@ -27,7 +27,7 @@ def _copy_value(conn, src: bytes, dst: bytes) -> None:
     deadline = engine.expires.get(src)
     hold = engine.hold(entry)
     try:
-        engine.put(dst, engine.view(entry))
+        engine.put(dst, engine.view(entry), owner=engine.owner_of(entry))     # the value keeps its tenant
     finally:
         engine.release_hold(hold)
     if deadline is not None:

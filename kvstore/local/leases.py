@@ -185,7 +185,7 @@ class LeaseTable:
 
     def reserve(self, conn, size: int, ttl_ms: int) -> Reservation:
         """A fresh extent of ``size`` bytes for ``conn`` to write (OutOfMemory when none)."""
-        extent = self.engine.reserve(size)
+        extent = self.engine.reserve(size, owner=conn.user.tenant)
         reservation = Reservation(self._new_id(), self._watch(conn), time.monotonic() + ttl_ms / 1000, extent)
         self.reservations[reservation.id] = reservation
         self._by_owner[reservation.owner].add(reservation.id)

@@ -67,9 +67,6 @@ class Server:
         self.config = config
         self.config_file = config_file
         self.commands = build_table()
-        self.users = acl.Users(acl.Catalog.of(self.commands.all_commands()), config.requirepass)
-        if config.aclfile:
-            self.users.load(config.aclfile)
         self.tls_context = tls.server_context(config) if config.tls_port else None
         self.output_limit = config.output_buffer_limit()
         self.slowlog = SlowLog(config.slowlog_log_slower_than, config.slowlog_max_len)
@@ -77,6 +74,10 @@ class Server:
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
         self.engine.room.budget = EVICTION_SLICE_S     # eviction per loop turn (kvstore/store/room.py)
         self.tiers = open_tiers(self.engine, config)     # None without SSD and GPU tiers
+        # After the tiers: users' quota rules are checked against the sizes of DRAM and SSD.
+        self.users = acl.Users(acl.Catalog.of(self.commands.all_commands()), config.requirepass, self.engine.quotas)
+        if config.aclfile:
+            self.users.load(config.aclfile)
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()
         self.listeners: list[socket.socket] = []

@@ -4,6 +4,7 @@
 index's columns), `eviction` (approximate LRU over chain leaves), `holds` (reads in
 flight that keep an extent in place), `deadlines` (keys with a TTL), `allocator`
 (the buddy allocator), `slabs` (size classes in pages carved by it), `room`
-(eviction that frees what a write needs, bounded per loop turn), `arena` (the
+(eviction that frees what a write needs, bounded per loop turn), `quotas` (tenants'
+shares of DRAM and SSD, and whom eviction spares), `arena` (the
 shared-memory DRAM arena), `watch` (WATCH's touched-key signal). Nothing here knows RESP.
 """

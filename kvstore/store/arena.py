@@ -33,6 +33,7 @@ class Extent:
     size: int
     view: memoryview
     committed: bool = False
+    owner: int = 0              # the tenant writing it (kvstore/store/quotas.py)
 
 
 class Arena:

@@ -25,6 +25,11 @@ follow it in its chains (kvstore/cluster/cascade.py). The engine never calls the
 the one question it asks a lower tier, whether waiting for demotions will
 free DRAM, goes through the ``can_demote`` hook the tier manager sets.
 
+Tenants (kvstore/store/quotas.py): every write names the tenant making it
+(``owner``: the writing ACL user's tenant id, 0 for the shared pool), which
+the entry table records with the value; making room for it, and choosing what
+a lower tier takes (``coldest``), spare what the tenants' quotas protect.
+
 Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
 lazily on access and actively by a periodic sampling cycle whose cost does
 not grow with the number of keys (kvstore/store/deadlines.py).
@@ -42,6 +47,7 @@ from kvstore.store.deadlines import Deadlines
 from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
+from kvstore.store.quotas import SHARED, Quotas
 from kvstore.store.room import NeedsDemotion, NeedsRoom, OutOfMemory, RoomMaker
 from kvstore.store.slabs import SlabAllocator
 from kvstore.tiers.moves import TierMoves
@@ -83,6 +89,9 @@ class Engine:
         self.allocator = SlabAllocator(dram_size, OFFSET_UNIT)
         self.eviction = SampledLRU(capacity=1024, places=len(TIERS), classes=self.allocator.classes)
         self.entries = EntryTable(self.eviction)
+        self.eviction.groups = self.entries.owner
+        # Quotas fit in the arena; the SSD tier, when there is one, sets its own size.
+        self.quotas = Quotas(self.entries.tenant_bytes, [self.allocator.capacity, 0, 0])
         class_of, sizes = self.allocator.class_of, self.entries.size
         self.eviction.class_of = lambda entry: class_of(sizes[entry])
         self.entries.on_dram = self._placed
@@ -126,8 +135,9 @@ class Engine:
 
     # ----------------------------------------------------------- writes
 
-    def reserve(self, size: int, clean_only: bool = False) -> Extent:
-        """An extent for a value of ``size`` bytes, evicting if the policy allows.
+    def reserve(self, size: int, clean_only: bool = False, owner: int = SHARED) -> Extent:
+        """An extent for a value of ``size`` bytes written by tenant ``owner`` (the extent
+        carries it to `commit`), evicting if the policy and the quotas allow.
 
         ``clean_only``: make room only by letting go of DRAM copies that a lower
         tier also holds (a read staging a copy must not cost another value).
@@ -148,8 +158,8 @@ class Engine:
             if self.policy == "noeviction":
                 self.stats.oom_rejections += 1
                 raise OutOfMemory("no room in the DRAM tier")
-            offset = self.room.make(size, clean_only)
-        return Extent(offset, size, self.arena.view[offset:offset + size])
+            offset = self.room.make(size, clean_only, owner)
+        return Extent(offset, size, self.arena.view[offset:offset + size], False, owner)
 
     def _placed(self, entry: int) -> None:
         """The value of ``entry`` now lives in the arena: it owns its extent there."""
@@ -167,7 +177,7 @@ class Engine:
         extent.committed = True
         extent.view.release()
         parent_entry = self._parent_entry(key, parent)
-        entry = self.entries.add(key, extent.size, DRAM, 0, extent.offset, parent_entry)
+        entry = self.entries.add(key, extent.size, DRAM, 0, extent.offset, parent_entry, extent.owner)
         old = self.index.get(key)
         if old is not None:
             # Links are by key: the new value keeps the old one's cached children.
@@ -184,26 +194,28 @@ class Engine:
             return NO_PARENT
         return self.index.get(parent, NO_PARENT)
 
-    def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False) -> None:
-        """Copy ``data`` (any buffer) into the arena under ``key``."""
+    def put(self, key: bytes, data, parent: bytes | None = None, keep_ttl: bool = False,
+            owner: int = SHARED) -> None:
+        """Copy ``data`` (any buffer) into the arena under ``key``, written by tenant ``owner``
+        (a rewrite in place keeps the value's entry, so only when its owner is the same)."""
         src = data if type(data) is bytes else memoryview(data).cast("B")
         entry = self.index.get(key)
         if entry is not None and (parent is None or self._same_parent(entry, key, parent)) \
-                and self._rewrite_in_place(entry, 0, src, len(src), keep_ttl):
+                and self.entries.owner[entry] == owner and self._rewrite_in_place(entry, 0, src, len(src), keep_ttl):
             return
-        extent = self._reserve_below(self._parent_entry(key, parent), len(src))
+        extent = self._reserve_below(self._parent_entry(key, parent), len(src), owner)
         extent.view[:] = src
         self.commit(key, extent, parent, keep_ttl)
 
-    def _reserve_below(self, above: int, size: int) -> Extent:
+    def _reserve_below(self, above: int, size: int, owner: int) -> Extent:
         """Reserve for a block that extends ``above``: making room takes that block only when
         nothing else can go (a parent with a cached child is never taken)."""
         if above == NO_PARENT or self.eviction.is_held(above):
-            return self.reserve(size)
+            return self.reserve(size, owner=owner)
         self.eviction.hold(above)
         self.room.protect = above
         try:
-            return self.reserve(size)
+            return self.reserve(size, owner=owner)
         except NeedsDemotion:
             raise
         except OutOfMemory:
@@ -211,7 +223,7 @@ class Engine:
         finally:
             self.room.protect = None
             self.eviction.release_hold(above)
-        return self.reserve(size)
+        return self.reserve(size, owner=owner)
 
     def _same_parent(self, entry: int, key: bytes, parent: bytes) -> bool:
         return self.eviction.parent_of(entry) == self._parent_entry(key, parent)
@@ -231,7 +243,7 @@ class Engine:
             return size
         hold = self.hold(entry)          # the old value must survive making room for the new one
         try:
-            extent = self.reserve(size)
+            extent = self.reserve(size, owner=self.entries.owner[entry])
             old = self.view(entry)
             extent.view[:old.nbytes] = old
             extent.view[old.nbytes:at] = bytes(max(0, at - old.nbytes))
@@ -452,9 +464,24 @@ class Engine:
         self.moves.settled(entry)
 
     def coldest(self, tier: int) -> int | None:
-        """The next value to move out of ``tier``: never a held one, and never a
-        parent whose child is still in the tier (a demotion can wait for a hold)."""
-        return self.eviction.victim(tier, allow_parent=False)
+        """The next value to move out of ``tier``: never a held one, never a parent
+        whose child is still in the tier (a demotion can wait for a hold), and the
+        tenants' quotas first (a tenant over its share of the tier goes first, one
+        within it not at all)."""
+        policy, entry = self.eviction, None
+        try:
+            for spared in self.quotas.passes(tier):
+                policy.spared = spared
+                entry = policy.victim(tier, allow_parent=False)
+                if entry is not None:
+                    break
+        finally:
+            policy.spared = None
+        return entry
+
+    def owner_of(self, entry: int) -> int:
+        """The tenant that wrote the value of ``entry``."""
+        return self.entries.owner[entry]
 
     def tier_of(self, entry: int) -> str:
         return TIER_NAMES[self.entries.tier[entry]]

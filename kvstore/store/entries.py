@@ -22,7 +22,9 @@ here and nowhere else:
 One owner: every change of an entry's tier or flags goes through `EntryTable`,
 which keeps the per-tier counts and bytes that INFO reports and tells the
 eviction policy where each entry lives and whether it is clean (its candidate
-lists depend on both), so the three can never disagree.
+lists depend on both), so the three can never disagree. The same paths keep
+the value bytes per tenant per tier (``tenant_bytes``): the ``owner`` column
+says which tenant wrote each value (kvstore/store/quotas.py).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ STAGED = 2
 # 4 bytes address a 256 GiB arena.
 OFFSET_SHIFT = 6
 OFFSET_UNIT = 1 << OFFSET_SHIFT
+OWNERS = 256        # tenant ids the one-byte owner column holds (0: the shared pool)
 
 
 class EntryTable:
@@ -50,22 +53,25 @@ class EntryTable:
         self.size = array("I")
         self.tier = array("b")
         self.flags = array("b")
+        self.owner = array("B")
         self.heap_copies: dict[int, bytes | bytearray] = {}    # entry -> staged copy outside the arena
         self.on_dram = None                  # fn(entry) when a value takes its place in the arena
         self.count_in = [0] * len(TIERS)
         self.bytes_in = [0] * len(TIERS)
+        self.tenant_bytes = [[0] * OWNERS for _ in TIERS]     # tier -> owner -> value bytes
         self._free: list[int] = []
 
     def nbytes_per_entry(self) -> int:
         """Bytes of the columns per entry, the key list's pointer included."""
         return (self.offset_units.itemsize + self.size.itemsize + self.tier.itemsize + self.flags.itemsize
-                + 8)
+                + self.owner.itemsize + 8)
 
     # ------------------------------------------------------------ entries
 
     def add(self, key: bytes, size: int, tier: int, flags: int = 0, offset: int = 0,
-            parent: int = NO_PARENT) -> int:
-        """An entry for a new value of ``key`` (tracked by the policy under ``parent``)."""
+            parent: int = NO_PARENT, owner: int = 0) -> int:
+        """An entry for a new value of ``key`` written by tenant ``owner`` (tracked by the
+        policy under ``parent``)."""
         if self._free:
             entry = self._free.pop()
             self.keys[entry] = key
@@ -73,6 +79,7 @@ class EntryTable:
             self.size[entry] = size
             self.tier[entry] = tier
             self.flags[entry] = flags
+            self.owner[entry] = owner
         else:
             entry = len(self.keys)
             self.keys.append(key)
@@ -80,8 +87,10 @@ class EntryTable:
             self.size.append(size)
             self.tier.append(tier)
             self.flags.append(flags)
+            self.owner.append(owner)
         self.count_in[tier] += 1
         self.bytes_in[tier] += size
+        self.tenant_bytes[tier][owner] += size
         self.policy.insert(entry, parent, tier)
         if flags & ON_SSD:
             self.policy.mark_clean(entry)
@@ -91,9 +100,10 @@ class EntryTable:
 
     def remove(self, entry: int) -> None:
         """Forget ``entry``; its id is handed out again."""
-        tier = self.tier[entry]
+        tier, size = self.tier[entry], self.size[entry]
         self.count_in[tier] -= 1
-        self.bytes_in[tier] -= self.size[entry]
+        self.bytes_in[tier] -= size
+        self.tenant_bytes[tier][self.owner[entry]] -= size
         if self.heap_copies:
             self.heap_copies.pop(entry, None)
         self.policy.remove(entry)
@@ -111,7 +121,9 @@ class EntryTable:
 
     def resize(self, entry: int, size: int) -> None:
         """The value was rewritten in place with ``size`` bytes."""
-        self.bytes_in[self.tier[entry]] += size - self.size[entry]
+        tier, change = self.tier[entry], size - self.size[entry]
+        self.bytes_in[tier] += change
+        self.tenant_bytes[tier][self.owner[entry]] += change
         self.size[entry] = size
 
     def set_tier(self, entry: int, tier: int, flags: int) -> None:
@@ -121,6 +133,9 @@ class EntryTable:
         self.bytes_in[old] -= size
         self.count_in[tier] += 1
         self.bytes_in[tier] += size
+        owner = self.owner[entry]
+        self.tenant_bytes[old][owner] -= size
+        self.tenant_bytes[tier][owner] += size
         self.tier[entry] = tier
         self.policy.move(entry, tier)
         self.set_flags(entry, flags)

@@ -37,6 +37,14 @@ a replacement that hangs from the same parent (or from none), so the links
 always form a forest, and the one walk there is (up from held leaves) is
 bounded anyway.
 
+Spared groups. An entry may belong to a group (``groups``, a one-byte column
+the caller owns: the engine's tenant of each value). While ``spared`` is set
+(a byte per group, 1 for spared), no choice takes an entry of a spared group:
+pooled ones are skipped, and a refill samples again, up to SPARED_ROUNDS
+times, when every sampled one is spared (so a group holding a sliver of a
+list may be missed: the cost stays bounded). The engine sets it while a
+tenant's write makes room (kvstore/store/quotas.py).
+
 Entries are small integer entry ids handed out by the caller (the engine's
 index, or the conductor's simulated node cache), so the policy knows nothing
 of keys or values.
@@ -62,6 +70,7 @@ KIND_OF_MARKS = tuple(HELD if m & HELD_MARK else SOFT if m & SOFT_MARK else CLEA
 
 POOL = 8            # oldest candidates of each list kept between calls
 WALK_LIMIT = 64     # steps up from one held leaf when every leaf is held
+SPARED_ROUNDS = 8   # samplings of one refill when every sampled candidate is spared
 
 
 class SampledLRU:
@@ -92,6 +101,8 @@ class SampledLRU:
         self._lists = [array("i") for _ in range(places * KINDS * classes)]
         self._pools: list[list[tuple[int, int]]] = [[] for _ in range(places * KINDS * classes)]
         self._holds: dict[int, int] = {}      # entry -> holds in flight (few at a time)
+        self.groups: array | None = None      # entry -> its group, array("B") (module doc)
+        self.spared: bytes | None = None      # group -> 1 when its entries must not be chosen
         self.count = 0
 
     @property
@@ -251,6 +262,10 @@ class SampledLRU:
             child = self._next_sibling[child]
         return children
 
+    def is_spared(self, entry: int) -> bool:
+        """Whether ``entry``'s group is spared by the choice under way."""
+        return self.spared is not None and bool(self.spared[self.groups[entry]])
+
     def is_leaf(self, entry: int) -> bool:
         """Whether no child of the entry is cached, in any place."""
         return self._first_child[entry] == NO_PARENT
@@ -293,13 +308,15 @@ class SampledLRU:
         ``exclude_cls``, without taking it; None when there is none."""
         lids = [lid for lid in self._kind_lids(place, DIRTY) + self._kind_lids(place, CLEAN)
                 if exclude_cls is None or lid % self.classes != exclude_cls]
-        heads = [self._pool_head(lid) for lid in lids]
-        return min(heads) if heads else None
+        return self._oldest_head(lids)
 
     def peek(self, place: int, cls: int) -> tuple[int, int] | None:
         """(stamp, entry) of the oldest dirty or clean leaf of ``place`` in size class ``cls``,
         without taking it; None when there is none."""
-        heads = [self._pool_head(lid) for lid in self._class_lids(place, (DIRTY, CLEAN), cls)]
+        return self._oldest_head(self._class_lids(place, (DIRTY, CLEAN), cls))
+
+    def _oldest_head(self, lids: list[int]) -> tuple[int, int] | None:
+        heads = [head for head in map(self._pool_head, lids) if head is not None]
         return min(heads) if heads else None
 
     def class_leaves(self, place: int, cls: int) -> int:
@@ -318,42 +335,58 @@ class SampledLRU:
 
     def _oldest_of(self, lids: list[int]) -> int | None:
         """Take the oldest pooled candidate among the non-empty lists ``lids``."""
-        if not lids:
-            return None
-        if len(lids) == 1:
-            return self._take(lids[0])
-        return self._take(min(lids, key=self._pool_head))
+        best = None
+        for lid in lids:
+            head = self._pool_head(lid)
+            if head is not None and (best is None or head < best[0]):
+                best = (head, lid)
+        return None if best is None else self._pools[best[1]].pop(0)[1]
 
-    def _take(self, lid: int) -> int:
-        """Take the oldest pooled candidate of the non-empty list ``lid``."""
-        self._pool_head(lid)
-        return self._pools[lid].pop(0)[1]
-
-    def _pool_head(self, lid: int) -> tuple[int, int]:
-        """The oldest (stamp, entry) of the non-empty list ``lid`` that is still in it and
-        untouched since it was pooled; the pool is refilled when none is left."""
-        pool, stamps, places, marks = self._pools[lid], self._stamp, self._place, self._marks
+    def _pool_head(self, lid: int) -> tuple[int, int] | None:
+        """The oldest (stamp, entry) of the non-empty list ``lid`` that is still in it,
+        untouched since it was pooled and not spared; the pool is refilled when none is left.
+        None when every candidate found is spared."""
+        pool, stamps, places, spared = self._pools[lid], self._stamp, self._place, self.spared
         while pool:
             stamp, entry = head = pool[0]
             if stamps[entry] == stamp and self._leaf_pos[entry] >= 0 \
-                    and places[entry] >= 0 and self._list_id(entry) == lid:
+                    and places[entry] >= 0 and self._list_id(entry) == lid \
+                    and (spared is None or not spared[self.groups[entry]]):
                 return head
             del pool[0]
         self._refill(lid)
-        return pool[0]
+        return pool[0] if pool else None
 
     def _refill(self, lid: int) -> None:
-        """Pool the oldest of ``samples`` random members of list ``lid`` (all of them when fewer)."""
+        """Pool the oldest of ``samples`` random unspared members of list ``lid`` (all of them
+        when fewer)."""
+        spared = self.spared
         if len(self._lists[lid]) <= POOL:       # a chain's tail alone: no numpy round trip
-            stamps = self._stamp
-            self._pools[lid][:] = sorted((stamps[entry], entry) for entry in self._lists[lid])
+            stamps, groups = self._stamp, self.groups
+            self._pools[lid][:] = sorted((stamps[entry], entry) for entry in self._lists[lid]
+                                         if spared is None or not spared[groups[entry]])
             return
-        members = np.frombuffer(self._lists[lid], dtype=np.int32)
-        if len(members) > self.samples:
-            members = members[self._rng.integers(0, len(members), self.samples)]
+        members = self._sample(lid)
+        if not len(members):
+            return
         stamps = np.frombuffer(self._stamp, dtype=np.uint32)[members]
         oldest = np.argsort(stamps, kind="stable")[:POOL]
         self._pools[lid][:] = sorted(set(zip(stamps[oldest].tolist(), members[oldest].tolist())))
+
+    def _sample(self, lid: int) -> np.ndarray:
+        """Up to ``samples`` random members of list ``lid`` (all when fewer), none spared:
+        empty when SPARED_ROUNDS samplings found only spared ones."""
+        everyone = np.frombuffer(self._lists[lid], dtype=np.int32)
+        rounds = 1 if self.spared is None or len(everyone) <= self.samples else SPARED_ROUNDS
+        for _ in range(rounds):
+            members = everyone if len(everyone) <= self.samples else \
+                everyone[self._rng.integers(0, len(everyone), self.samples)]
+            if self.spared is not None:
+                groups = np.frombuffer(self.groups, dtype=np.uint8)[members]
+                members = members[~np.frombuffer(self.spared, dtype=np.bool_)[groups]]
+            if len(members):
+                break
+        return members
 
     def _above_held(self, lid: int) -> int | None:
         """The oldest unheld entry found just above held leaves of list ``lid``
@@ -371,7 +404,7 @@ class SampledLRU:
                 node = self._parent[node]
                 if node == NO_PARENT or self._place[node] != place:
                     break
-                if node not in self._holds:
+                if node not in self._holds and not self.is_spared(node):
                     rank = (self._marks[node] & SOFT_MARK, self._stamp[node], node)
                     best = rank if best is None or rank < best else best
                     break

@@ -40,6 +40,11 @@ the SSD tier: kvstore/commands/dispatch.py) on ``wait``, which goes on
 evicting one bounded slice per turn and parks the extent it got for the
 command's retry. Cascades that eviction triggers (listeners) run inside the
 slice and count in it.
+
+Tenants (kvstore/store/quotas.py): a write says which tenant makes it, and the
+choice runs in passes, each sparing some tenants' values (the policy skips
+them, and a region holding one is priced as unclearable); the write fails
+with OutOfMemory only when the last pass found nothing to take.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ import numpy as np
 
 from kvstore.store.entries import DRAM, OFFSET_SHIFT, STAGED
 from kvstore.store.eviction import HELD_MARK, SOFT_MARK
+from kvstore.store.quotas import SHARED
 
 COUNT_WEIGHT = 1e-6     # cost per value evicted: a tie-break between regions as cold
 SOFT_PENALTY = 1.0      # a region holding a soft-pinned value ranks after every region without
@@ -79,12 +85,13 @@ class NeedsDemotion(OutOfMemory):
 
 
 class NeedsRoom(NeedsDemotion):
-    """Eviction for this write reached the per-turn bound: wait for ``RoomMaker.wait(size)``
-    (eviction goes on in later turns) and try again."""
+    """Eviction for this write reached the per-turn bound: wait for ``RoomMaker.wait(size,
+    owner)`` (eviction goes on in later turns) and try again."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, owner: int = SHARED):
         OutOfMemory.__init__(self, f"making room for {size} bytes over the next loop turns")
         self.size = size
+        self.owner = owner          # the tenant writing
 
 
 @dataclass
@@ -137,22 +144,33 @@ class RoomMaker:
                 alloc.free(offset, size)
         self.parked.clear()
 
-    def make(self, size: int, clean_only: bool = False) -> int:
-        """Evict until ``size`` bytes can be placed; their offset. Raises NeedsRoom at the
-        turn's bound, NeedsDemotion (a lower tier will take values), OutOfMemory."""
+    def make(self, size: int, clean_only: bool = False, owner: int = SHARED) -> int:
+        """Evict until ``size`` bytes written by tenant ``owner`` can be placed; their offset.
+        Raises NeedsRoom at the turn's bound, NeedsDemotion (a lower tier will take values),
+        OutOfMemory."""
         start = self._began = self.clock()
         self.calls += 1
         self._note_turn()
+        engine = self.engine
+        policy = engine.eviction
         try:
-            return self._make(size, clean_only, start)
+            for spared in engine.quotas.passes(DRAM, owner, size):
+                policy.spared = spared
+                offset = self._make(size, clean_only, start, owner)
+                if offset is not None:
+                    return offset
+            engine.stats.oom_rejections += 1
+            raise OutOfMemory("no room in the DRAM tier")
         finally:
+            policy.spared = None
             spent = self.clock() - start
             self.spent += spent
             self.max_slice = max(self.max_slice, self.spent)
             self.engine.stats.evict_seconds += spent
 
-    async def wait(self, size: int) -> None:
-        """Evict one bounded slice per loop turn until ``size`` bytes are placed; the extent is
+    async def wait(self, size: int, owner: int = SHARED) -> None:
+        """Evict one bounded slice per loop turn until ``size`` bytes (written by tenant ``owner``)
+        are placed; the extent is
         parked for the write's retry. Returns at once when the write cannot succeed (its retry
         gets the error)."""
         alloc, engine = self.engine.allocator, self.engine
@@ -161,7 +179,7 @@ class RoomMaker:
             offset = alloc.alloc(size, engine.limit)
             if offset is None:
                 try:
-                    offset = self.make(size)
+                    offset = self.make(size, owner=owner)
                 except NeedsRoom:
                     continue
                 except OutOfMemory:
@@ -190,7 +208,9 @@ class RoomMaker:
     def _over_budget(self) -> bool:
         return self.budget is not None and self.spent + self.clock() - self._began >= self.budget
 
-    def _make(self, size: int, clean_only: bool, start: float) -> int:
+    def _make(self, size: int, clean_only: bool, start: float, owner: int) -> int | None:
+        """Evict under the policy's current ``spared`` until the write fits: its offset, or
+        None when nothing more can go."""
         engine = self.engine
         alloc, stats = engine.allocator, engine.stats
         cls = alloc.class_of(size)
@@ -199,7 +219,7 @@ class RoomMaker:
         while True:
             if self.budget is not None and self.spent + self.clock() - start >= self.budget:
                 stats.evict_deferrals += 1
-                raise NeedsRoom(size)
+                raise NeedsRoom(size, owner)
             if tiered:
                 progressed = self._tier_step(size, clean_only)
             elif engine.shed_first is not None and engine.shed_first():
@@ -215,8 +235,7 @@ class RoomMaker:
             if offset is not None:
                 return offset
             if not progressed:
-                stats.oom_rejections += 1
-                raise OutOfMemory("no room in the DRAM tier")
+                return None
 
     def _short_of_limit(self, size: int) -> bool:
         """Whether a big write is refused by a lowered maxmemory, not by where free space lies:
@@ -346,6 +365,9 @@ class RoomMaker:
         if not ((tier_col[owners] == DRAM) & (units >= lo) & (units < hi)).all() or (marks & HELD_MARK).any() \
                 or (np.frombuffer(entries.flags, dtype=np.int8)[owners] & STAGED).any():
             return None                             # a stale owner (a held extent) or a value being read
+        if policy.spared is not None and np.frombuffer(policy.spared, dtype=np.bool_)[
+                np.frombuffer(entries.owner, dtype=np.uint8)[owners]].any():
+            return None                             # a value of a tenant this write must spare
         newest = int(np.frombuffer(policy._stamp, dtype=np.uint32)[owners].max())
         leaf_pos = np.frombuffer(policy._leaf_pos, dtype=np.int32)[owners]
         children = -int(leaf_pos[leaf_pos < 0].sum())
@@ -403,7 +425,7 @@ class RoomMaker:
             if child is not None:
                 stack.append((child, entries.keys[child]))
                 return True
-            if policy.is_held(entry):
+            if policy.is_held(entry) or policy.is_spared(entry):
                 self._end(key, blocked=True)
                 return True
             stack.pop()

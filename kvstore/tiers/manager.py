@@ -103,6 +103,8 @@ class TierManager:
         self._unacked: list[asyncio.Future] = []
         self._copies = ThreadPoolExecutor(2, thread_name_prefix="tier-copy") if gpu is not None else None
         engine.can_demote = self.can_demote
+        if self.ssd is not None:
+            engine.quotas.capacity[SSD] = self.ssd.capacity_bytes     # what SSD quotas must fit in
         engine.commit_listeners.append(self.on_commit)
         engine.drop_listeners.append(self._on_drop)
         engine.evict_listeners.append(self._on_evict)
