@@ -198,16 +198,17 @@ def run_plain(conn) -> None:
     backlog = conn.backlog
     if not backlog or backlog[0][0][0] not in _PLAIN or not _plain_allowed(conn):
         return
-    tiers = conn.tiers
+    tiers, by_name = conn.tiers, conn.commands.by_name
     done = 0
     try:
         while backlog and conn.waiting is None and not conn.close_after_reply:
-            args, failure, has_extents = backlog[0]
+            request = backlog.popleft()
+            args, failure, has_extents = request
             plain = _PLAIN.get(args[0])
             if plain is None or len(args) != plain[0] or failure is not None:
+                backlog.appendleft(request)     # not plain: the generic path takes it
                 return
-            backlog.popleft()
-            cmd, handler = conn.commands.by_name[args[0]], plain[1]
+            cmd, handler = by_name[args[0]], plain[1]
             try:
                 if tiers is not None and _fetch_first(conn, cmd, args, has_extents):
                     return      # counted when it runs, once its value is in DRAM

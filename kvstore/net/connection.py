@@ -316,17 +316,18 @@ class Connection:
         if self.over_output_limit:
             return                  # closing: hold no more values for it
         engine = self.engine
-        size = engine.size_of(entry)
+        view = engine.view(entry)
+        size = len(view)
         self.wbuf += b"$%d\r\n" % size
         if size < BIG_REPLY or len(self.wbuf) + self.out_bytes + size <= COPIED_REPLIES or self.reply_mode.muting:
-            self.wbuf += engine.view(entry)
+            self.wbuf += view
             self.wbuf += b"\r\n"
             if size >= BIG_REPLY:
                 self._check_output_limit()
             return
         lease = (engine.hold(entry), entry, engine.key_of(entry))     # None token: heap-staged copy
         self.out.append((self.wbuf, None))
-        self.out.append((engine.view(entry), lease))
+        self.out.append((view, lease))
         self.out_bytes += len(self.wbuf) + size
         self.wbuf = bytearray(b"\r\n")
         self._check_output_limit()
