@@ -60,13 +60,14 @@ class Connection:
 
     # Every command reads a dozen of these: declared, they are read at a slot's speed (an
     # object with 30 or more attributes in its dict reads each about 30 % slower in
-    # CPython 3.11). ``__dict__`` stays for tools that wrap a method of one connection.
+    # CPython 3.11). ``__dict__`` stays for tools that wrap a method of one connection,
+    # ``__weakref__`` for the keys a connection WATCHes.
     __slots__ = ("server", "engine", "tiers", "commands", "sock", "fd", "id", "enc", "client_info",
                  "created", "last_active", "last_command", "addr", "laddr", "tls", "user",
                  "authenticated", "reader", "wbuf", "out", "close_after_reply", "closed", "reading",
                  "writing", "transaction", "redirects", "reply_mode", "close_callbacks", "backlog",
                  "prefetched", "waiting", "later", "protocol_error", "pending_fds", "out_bytes",
-                 "soft_limit_since", "over_output_limit", "counted_args", "__dict__")
+                 "soft_limit_since", "over_output_limit", "counted_args", "__dict__", "__weakref__")
 
     def __init__(self, server, sock: socket.socket, conn_id: int):
         self.server = server
