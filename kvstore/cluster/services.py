@@ -20,7 +20,8 @@ from kvstore.cluster.cascade import Cascade
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
-from kvstore.cluster.replication import WINDOW, HotCopies
+from kvstore.cluster.heat import WINDOW
+from kvstore.cluster.replication import HotCopies
 from kvstore.cluster.simclock import loop_time
 
 log = logging.getLogger("kvstore.cluster")
@@ -39,7 +40,7 @@ class ClusterServices:
         self.cluster = cluster
         # A simulation passes in-process links; with tls-cluster, nodes reach each other over TLS.
         self.peers = peers or Peers(server.config.requirepass, tls_context=server.cluster_tls_context())
-        self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads, server.tiers)
+        self.moves = Migrator(server.engine, cluster, self.peers, config, lambda: self.copies.heat.recent(), server.tiers)
         self.copies = HotCopies(server.engine, cluster, self.peers, config, self.moves.rescue)
         self.cascade = Cascade(server.engine, cluster, self.peers)
         self.copies.attach()
@@ -49,9 +50,6 @@ class ClusterServices:
         self.tick_failures = 0
         self._tick_logged_at = -math.inf
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
-
-    def _recent_reads(self) -> dict[bytes, int]:
-        return self.copies.recent_reads()
 
     async def _tick(self) -> None:
         """Every heat window, for as long as the node runs: a step that fails is logged, and the
