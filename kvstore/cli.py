@@ -74,7 +74,7 @@ def serve_parser(sub) -> argparse.ArgumentParser:
                          help="reads per second above which a block is copied to other nodes (default 100; "
                          "0: never)")
     cluster.add_argument("--hot-replicas", type=int, metavar="K", help="nodes a hot block is copied to "
-                         "(default 2)")
+                         "at least, more as its load needs (default 2)")
     p.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port "
                    "(default: off)")
     security = p.add_argument_group("security (docs/security.md)")

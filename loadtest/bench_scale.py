@@ -6,6 +6,7 @@ nodes (`sim_cluster`). docs/scale.md is written from what this prints.
     python -m loadtest.bench_scale replay --full kvcache-centric:none --others 100000
     python -m loadtest.bench_scale growth                   # wall time vs requests, vs instances
     python -m loadtest.bench_scale cluster --nodes 16 64 256
+    python -m loadtest.bench_scale cluster --nodes 256 --blocks-per-node 410 --events join   # 64 GiB nodes
     python -m loadtest.bench_scale hits --nodes 16          # hit ratio vs DRAM per node
     python -m loadtest.bench_scale map --nodes 256          # map size, watch events and bytes per join
 
@@ -161,7 +162,7 @@ def cmd_cluster(args) -> None:
     print(load_line("before"))
     for nodes in args.nodes:
         settings = SimSettings(nodes=nodes, seed=args.seed, blocks_per_node=args.blocks_per_node,
-                               hot_reads=args.hot_reads)
+                               hot_reads=args.hot_reads, **({"events": tuple(args.events)} if args.events else {}))
         wall, cpu = time.perf_counter(), time.process_time()
         report = simulate(settings)
         print_report(report, time.perf_counter() - wall, time.process_time() - cpu)
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--seed", type=int, default=1)
     cp.add_argument("--hot-reads", type=float, default=100.0,
                     help="reads per second that make a block hot (its copies grow with its load past it)")
+    cp.add_argument("--events", nargs="+", choices=("join", "leave", "crash", "crash-leader"),
+                    help="the churn events, one a minute (default: join leave crash crash-leader join leave)")
     hp = sub.add_parser("hits", help="hit ratio vs DRAM per node (sim_cluster, no churn)")
     hp.add_argument("--nodes", type=int, default=16)
     hp.add_argument("--blocks", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -56,6 +56,7 @@ from loadtest.sim_report import EventReport, SimReport, etcd_rates
 
 EVENTS = ("join", "leave", "crash", "crash-leader")
 POLL_S = 0.05
+CHAINS_CHECKED = 2000           # the latest prompts whose cached blocks are checked for being a prefix
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ class SimNode:
 
     async def start(self, network: SimNetwork) -> None:
         await self.cluster.start()
-        self.services = ClusterServices(self, self.cluster, network.peers_of(self.addr))
+        model = network.model       # the arena holds values value_bytes / block_bytes of their size: so does the NIC
+        nic = model.nic_bytes_per_s * model.value_bytes / model.block_bytes
+        self.services = ClusterServices(self, self.cluster, network.peers_of(self.addr), nic)
 
     async def leave(self) -> None:
         """The server's SIGTERM path: move the slots away, leave, stop the services."""
@@ -129,6 +132,8 @@ class ClusterSim:
         self.client_map = SlotMap.empty()
         self.log: list[tuple[float, int, int, int]] = []     # (time, blocks, hits, errors) per request
         self.key_reads: Counter[bytes] = Counter()              # block reads per key (the hottest block)
+        self.chains: deque[list[bytes]] = deque(maxlen=CHAINS_CHECKED)
+        self.moving_keys: set[bytes] = set()                    # values of the moving slots at a step's start
         self._value = bytes(settings.nic.value_bytes)
 
     # ------------------------------------------------------------ nodes
@@ -153,6 +158,9 @@ class ClusterSim:
         mine = np.frombuffer(node.cluster.mine, dtype=np.uint8).astype(bool)
         self.double_owned += int(np.count_nonzero(claimed & mine))     # another node serves it at this epoch
         claimed |= mine
+        moving = {slot for slot, (source, _) in new.migrating.items() if source == node.cluster.my_id}
+        if moving:                  # a step map: what its sources hold of their moving slots
+            self.moving_keys.update(key for key in node.engine.index if keyslot(key) in moving)
 
     def leader(self) -> SimNode:
         return next(n for n in self.live if n.cluster.is_leader)
@@ -208,10 +216,8 @@ class ClusterSim:
                 errors += found is None
                 break
             hits += 1
-        parent = keys[hits - 1] if hits else None
-        for key in keys[hits:]:
-            errors += not self.write(key, parent)
-            parent = key
+        errors += self.write_chain(keys, hits)
+        self.chains.append(keys)
         self.log.append((asyncio.get_running_loop().time(), len(keys), hits, errors))
 
     def route(self, key: bytes) -> SimNode | None:
@@ -255,8 +261,25 @@ class ClusterSim:
         node.reads += hit
         return hit
 
-    def write(self, key: bytes, parent: bytes | None) -> bool:
-        node = self.route(key)
+    def write_chain(self, keys: list[bytes], hits: int) -> int:
+        """Write ``keys[hits:]`` as a cluster client's batch put does: each block under its nearest
+        ancestor on the same node, and a link at its predecessor's node when that is another one
+        (KV.LINK, which the client pipelines after that node's puts). Returns the blocks not written."""
+        nearest: dict[str, bytes] = {}              # node address -> the chain's last block there
+        before: SimNode | None = None
+        errors = 0
+        for i, key in enumerate(keys):
+            node = self.route(key)
+            if i >= hits and not self.write(node, key, nearest.get(node.addr) if node else None):
+                errors += 1
+            elif i >= hits and before is not None and before is not node and before.services:
+                before.services.cascade.link(keys[i - 1], key)
+            if node is not None:
+                nearest[node.addr] = key
+            before = node
+        return errors
+
+    def write(self, node: SimNode | None, key: bytes, parent: bytes | None) -> bool:
         if node is None:
             return False
         try:
@@ -264,6 +287,21 @@ class ClusterSim:
         except OutOfMemory:
             return False
         return True
+
+    def owner_holds(self, key: bytes) -> bool:
+        """Whether the node the leader's map gives ``key`` to holds it (no LRU touch)."""
+        m = self.leader().cluster.map
+        node = self.up(m.nodes.get(m.owner(keyslot(key))))
+        return node is not None and key in node.engine.index
+
+    def not_prefix(self) -> float:
+        """The share of the latest chains whose cached blocks are not a prefix of them (a block
+        cached after one that is not: unreachable by a prefix match)."""
+        broken = 0
+        for keys in self.chains:
+            held = [self.owner_holds(key) for key in keys]
+            broken += False in held and True in held[held.index(False):]
+        return broken / max(len(self.chains), 1)
 
     # ------------------------------------------------------------ churn
 
@@ -285,6 +323,8 @@ class ClusterSim:
         before = self.leader().cluster.map
         report = EventReport(kind, t0, len(self.live), len(self.live) + (1 if kind == "join" else -1))
         etcd0, (moved0, dropped0) = replace(self.etcd.stats), self.moves()
+        report.not_prefix_before = self.not_prefix()
+        self.moving_keys.clear()
         if kind == "join":
             node = self.new_node()
             await node.start(self.network)
@@ -301,6 +341,9 @@ class ClusterSim:
                 await node.crash()
         report.coverage_s = await self.until(self.covered)
         report.settled_s = max(report.coverage_s, await self.until(self.settled))
+        block = self.settings.nic.block_bytes
+        report.to_move_bytes = len(self.moving_keys) * block
+        report.kept_bytes = sum(map(self.owner_holds, self.moving_keys)) * block
         report.etcd = etcd_rates(etcd0, self.etcd.stats, max(report.settled_s, POLL_S))
         after = self.leader().cluster.map
         report.slots_moved = moved_slots(before, after)
@@ -308,7 +351,7 @@ class ClusterSim:
         report.map_bytes = len(after.to_json())
         await asyncio.sleep(max(0.0, t0 + self.settings.window_s - loop.time()))
         moved, dropped = self.moves()
-        block = self.settings.nic.block_bytes
+        report.not_prefix_after = self.not_prefix()
         report.moved_bytes, report.dropped_bytes = (moved - moved0) * block, (dropped - dropped0) * block
         report.lost_bytes *= block
         report.hit_before, _ = self.hit_ratio(t0 - self.settings.window_s, t0)

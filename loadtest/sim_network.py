@@ -45,6 +45,18 @@ class _Conn:
     server: object          # the target node: its .cluster
     engine: object
     addr: str               # the sender's announced address (the handlers check its host)
+    user: object = None     # nodes speak as a user allowed everything (KV.LINK asks)
+
+    def __post_init__(self) -> None:
+        self.user = _Unrestricted()
+
+
+class _Unrestricted:
+    """The user a node's peer link authenticates as: allowed every key."""
+
+    @staticmethod
+    def may_access(key: bytes, access) -> bool:
+        return True
 
 
 class SimNetwork:

@@ -32,6 +32,15 @@ class EventReport:
     errors_after: int = 0
     etcd: dict = field(default_factory=dict)
     map_bytes: int = 0
+    to_move_bytes: int = 0          # what the sources held of the moving slots when the step began
+    kept_bytes: int = 0             # ... of it, held by the slots' owners when the cluster settled
+    not_prefix_before: float = 0.0  # share of the latest chains whose cached blocks are not a prefix
+    not_prefix_after: float = 0.0   # ... at the end of the window after the event
+
+    @property
+    def move_dropped(self) -> float:
+        """Of what a clean move would move, the share not at its new owner once settled."""
+        return 1 - self.kept_bytes / self.to_move_bytes if self.to_move_bytes else 0.0
 
     @property
     def move_ratio(self) -> float:
@@ -74,18 +83,19 @@ def print_report(r: SimReport, wall_s: float, cpu_s: float) -> None:
     gib = 2**30
     print(f"\n{s.nodes} nodes, {s.blocks_per_node} blocks of {s.nic.block_bytes / 2**20:.0f} MiB per node, "
           f"{s.rate_per_node * s.nodes:.1f} req/s, NIC {s.nic.nic_bytes_per_s * 8 / 1e9:.0f} Gbit/s, "
-          f"move budget {s.move_budget:g} s, node timeout {s.node_timeout:g} s, hot-reads {s.hot_reads:g}")
+          f"move budget max({s.move_budget:g} s, 1.5 x DRAM / NIC), node timeout {s.node_timeout:g} s, hot-reads {s.hot_reads:g}")
     print("| event | nodes | slots moved | ideal | ratio | moved GiB | dropped GiB | lost GiB "
           "| coverage (s) | settled (s) | hit before | hit after | errors | keepalives/s "
-          "| watch events | txns (failed) | map bytes |")
-    print("|" + "---|" * 17)
+          "| watch events | txns (failed) | map bytes | to move GiB | not kept | chains not prefix before / after |")
+    print("|" + "---|" * 20)
     for e in r.events:
         t = e.etcd
         print(f"| {e.kind} | {e.nodes_before}->{e.nodes_after} | {e.slots_moved} | {e.ideal_slots:.0f} "
               f"| {e.move_ratio:.2f} | {e.moved_bytes / gib:.1f} | {e.dropped_bytes / gib:.1f} "
               f"| {e.lost_bytes / gib:.1f} | {e.coverage_s:.2f} | {e.settled_s:.2f} | {e.hit_before:.3f} "
               f"| {e.hit_after:.3f} | {e.errors_after} | {t['keepalives_per_s']:.0f} | {t['watch_events']} "
-              f"| {t['txns']} ({t['txns_failed']}) | {e.map_bytes} |")
+              f"| {t['txns']} ({t['txns_failed']}) | {e.map_bytes} | {e.to_move_bytes / gib:.1f} "
+              f"| {e.move_dropped:.1%} | {e.not_prefix_before:.1%} / {e.not_prefix_after:.1%} |")
     t = r.steady_etcd
     print(f"steady state: hit ratio {r.steady_hit:.3f}, DRAM holds {r.retention_s:.0f} s of writes, "
           f"{t['keepalives_per_s']:.1f} keep-alives/s, {t['watch_events_per_s']:.1f} watch "

@@ -18,7 +18,8 @@ import time
 import numpy as np
 import redis
 
-from kvstore.cluster.replication import WINDOW, lease_seconds
+from kvstore.cluster.heat import WINDOW
+from kvstore.cluster.replication import lease_seconds
 from kvstore.cluster.slots import keyslot
 from tests.cluster_client import SlotReader, connect
 from tests.cluster_procs import ClusterUp

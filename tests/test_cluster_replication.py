@@ -19,7 +19,8 @@ import redis
 
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError
-from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY, HotCopies, lease_seconds, rendezvous
+from kvstore.cluster.heat import rendezvous
+from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY, HotCopies, lease_seconds
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.commands.table import CommandError
@@ -176,7 +177,7 @@ def test_the_window_tick_renews_leases_counts_holder_reads_and_removes_cooled_co
         holders = copies.replicated[b"hot"]
         links.renew_reply = lambda addr, keys: [2] * len(keys)
         await copies.tick()                     # 6 own reads + 2 + 2 reported: still hot, 2 copies carry it
-        assert copies.replicated == {b"hot": holders} and copies.last[b"hot"] == 10
+        assert copies.replicated == {b"hot": holders} and copies.heat.last[b"hot"] == 10
         renewals = links.of(KV_RENEW)
         assert len(renewals) == 2 and all(args[0] == A and args[2:] == [b"hot"] for _, args in renewals)
         links.renew_reply = lambda addr, keys: [-1 if addr == NODES[holders[0]] else 0] * len(keys)

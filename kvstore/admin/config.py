@@ -102,7 +102,7 @@ class Config:
     cluster_node_timeout: float = 5.0  # seconds without a keep-alive before a node is gone
     cluster_move_budget: float = 5.0   # seconds a clean join or leave spends moving values (0: none move)
     hot_reads: float = 100.0          # reads per second above which a block is copied to other nodes (0: never)
-    hot_replicas: int = 2             # nodes a hot block is copied to
+    hot_replicas: int = 2             # nodes a hot block is copied to at least (more as its load needs)
     aclfile: str | None = None        # users, one "user NAME rules..." line each (ACL LOAD/SAVE)
     protected_mode: str = "yes"       # refuse remote clients while the default user has no password
     tls_port: int = 0                 # 0: no TLS listener

@@ -7,7 +7,7 @@ of a map's change that reaches every node), `assign` (the leader's even assignme
 election, the watched map), `node` (the ClusterState a server holds),
 `routing` (MOVED/ASK/CROSSSLOT decisions), `runner` (start and stop from a
 server), `services` (what a node runs on top: `peer` links to the other
-nodes, `replication` and `held_copies` for hot-block copies, `migration` for
+nodes, `replication`, `heat` and `held_copies` for hot-block copies, `migration` for
 values moving with their slots), `subcommand` (`kvstore cluster up|status`),
 `etcd_server` (a throwaway etcd process), `simclock` (virtual time for
 in-process simulations).

@@ -47,8 +47,8 @@ milliseconds; a cascade that loses that race drops a fresh block and the
 rest of its chain after it, which costs misses, never a wrong value, and
 leaves the chain a prefix.
 
-Not covered: links do not travel with a slot move, and what a dead node held
-cannot cascade (its links died with it).
+Links travel with a slot move (moved_links.py), from the end of the move's
+step; what a dead node held cannot cascade (its links died with it).
 """
 from __future__ import annotations
 

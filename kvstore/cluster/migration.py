@@ -11,6 +11,16 @@ move than to miss. Bytes moved and dropped are counted (INFO's cluster
 section) and logged. The source reports to the leader, which writes
 the final map; without a report it does so after the budget and a grace.
 
+The budget (`move_seconds`) is what moving a whole DRAM over the NIC takes,
+with a margin, and at least ``cluster-move-budget``. Not the bytes this
+source moves: a join's newcomer receives its share from many sources at
+once, so their pushes end together, when its NIC has taken about one node's
+DRAM; a clean leave sends the leaver's over its own NIC. A fixed budget cut
+every move of a node whose DRAM its NIC takes longer to carry (160 GiB at
+100 Gbit/s: 13.7 s against 5). Leader and sources compute the same budget
+from the same settings, so the leader's timer does not end a step its
+sources are still inside.
+
 While a slot moves, Redis's ASK protocol keeps every read and write correct
 without stopping anything: the source takes each value out of its index as it
 sends it, so the key is no longer here and a client is told ``ASK`` (to read
@@ -21,6 +31,10 @@ deleted there since the slot started coming in (`ImportGuard`), so a write that 
 undone by an older pushed value. The same rule lets the holders of a dead
 owner's copies push them to the slot's new owner for a while after the map
 gave it the slot.
+
+Chain links travel with the values (moved_links.py): a value's children, here
+and on other nodes, become links its new owner holds once the step is over,
+so the eviction cascade still keeps chains prefixes after a rebalance.
 
 After a map is applied, a node removes the values of slots it no longer
 serves (a sweep in chunks, so the loop keeps serving): they would otherwise
@@ -38,6 +52,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvstore.cluster.moved_links import MovedLinks
 from kvstore.cluster.node import MOVE_GRACE, ClusterState
 from kvstore.cluster.outgoing import Gathered, Outbox, Taken, in_host_memory, take
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
@@ -53,7 +68,15 @@ MAX_TOUCHED = 1_000_000             # keys remembered as written while slots com
 FOREVER = float("inf")
 DRAIN_POLL = 0.2
 MAP_WAIT = 2.0                      # how long a push waits for its target to apply the sender's map
+NIC_BYTES_PER_S = 12.5e9            # 100 Gbit/s, docs/scale.md's assumption: a node has no setting for its NIC
+MOVE_MARGIN = 1.5                   # the NIC also carries reads, copies and other moves
 KV_IMPORT, KV_MIGRATED, KV_DRAIN = "KV.IMPORT", "KV.MIGRATED", "KV.DRAIN"
+
+
+def move_seconds(least: float, dram_bytes: int, nic_bytes_per_s: float) -> float:
+    """How long a clean move may push: a whole DRAM over the NIC, with a margin, and at least
+    ``least`` (the cluster-move-budget setting; 0: no value moves)."""
+    return max(least, MOVE_MARGIN * dram_bytes / nic_bytes_per_s) if least > 0 else 0.0
 
 
 @dataclass
@@ -135,14 +158,16 @@ class Migrator:
     """This node's part in slot moves: source (push, drop, report), target (guarded imports), sweeps, drain."""
 
     def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
-                 heat: Callable[[], dict[bytes, float]], tiers=None):
+                 heat: Callable[[], dict[bytes, float]], tiers=None, nic_bytes_per_s: float = NIC_BYTES_PER_S):
         self.engine = engine
         self.tiers = tiers              # the node's TierManager: values on SSD or GPU are read through it
         self.cluster = cluster
         self.peers = peers
         self.config = config            # the node's live Config (cluster-move-budget)
+        self.nic_bytes_per_s = nic_bytes_per_s
         self.heat = heat                # recent reads per key: what moves first
         self.guard = ImportGuard()
+        self.links = MovedLinks(engine, cluster, peers)
         self.stats = MoveStats()
         self._moving_epoch = 0
         self._tasks = BackgroundTasks()
@@ -150,7 +175,7 @@ class Migrator:
 
     @property
     def budget(self) -> float:
-        return self.config().cluster_move_budget
+        return move_seconds(self.config().cluster_move_budget, self.engine.allocator.capacity, self.nic_bytes_per_s)
 
     def attach(self) -> None:
         engine = self.engine
@@ -183,7 +208,8 @@ class Migrator:
     async def _move(self, epoch: int, moving: dict[int, str]) -> None:
         started = loop_time()
         deadline = started + self.budget
-        engine, outbox, group = self.engine, Outbox(self._push), Gathered(self.engine, self.tiers)
+        engine, outbox = self.engine, Outbox(self._push)
+        group = Gathered(engine, self.tiers, self.links.capture)
         moved0, dropped0 = self.stats.moved_bytes, self.stats.dropped_bytes
         for i, key in enumerate(self._ordered_keys(moving)):
             if i % SCAN_CHUNK == SCAN_CHUNK - 1:
@@ -200,6 +226,15 @@ class Migrator:
         await outbox.flush()
         self._finish_move(epoch, moving, started, moved0, dropped0)
         await self._report(epoch)
+        await self._step_over(moving, started)
+        await self.links.deliver()
+
+    async def _step_over(self, moving: dict[int, str], started: float) -> None:
+        """Wait until the map no longer shows ``moving``'s slots moving from here (other sources of
+        the step may push for the rest of the budget; the leader ends it after that)."""
+        limit = started + self.budget + MOVE_GRACE + 2 * DRAIN_POLL + self.cluster.settle
+        while loop_time() < limit and any(self.cluster.migrating_to(slot) for slot in moving):
+            await asyncio.sleep(DRAIN_POLL / 4)
 
     def _still_moving(self, key: bytes, moving: dict[int, str]) -> bool:
         """Whether ``key``'s slot is one this move sends, to the target the map still names."""
@@ -374,6 +409,7 @@ class Migrator:
         return {"cluster_moves": s.moves, "cluster_moved_keys": s.moved_keys, "cluster_moved_bytes": s.moved_bytes,
                 "cluster_dropped_keys": s.dropped_keys, "cluster_dropped_bytes": s.dropped_bytes,
                 "cluster_imported_keys": s.imported_keys, "cluster_imported_bytes": s.imported_bytes,
+                "cluster_moved_links": self.links.sent, "cluster_moved_links_lost": self.links.lost,
                 "cluster_last_move_seconds": f"{s.last_move_seconds:.3f}"}
 
     def close(self) -> None:

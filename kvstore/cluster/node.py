@@ -66,7 +66,7 @@ class ClusterState:
         self.announce = announce
         self.membership = membership
         self.settle = settle
-        self.move_budget = move_budget          # seconds a clean move may take; 0: slots just change owner
+        self.move_budget = move_budget          # seconds a clean move may push (migration.move_seconds); 0: none
         self.nodes: dict[str, str] = {}         # leader: live registrations; others: the map's nodes
         self.refused = 0                        # maps refused since start
         self.map = SlotMap.empty()

@@ -44,8 +44,11 @@ def in_host_memory(engine, entry: int) -> bool:
     return engine.tier_code(entry) == DRAM or bool(engine.flags_of(entry) & STAGED)
 
 
-def take(engine, key: bytes, entry: int) -> Taken:
-    """Take the value of ``key`` (in host memory at ``entry``) out of the index, held for sending."""
+def take(engine, key: bytes, entry: int, capture: Callable[[bytes, int], None] | None = None) -> Taken:
+    """Take the value of ``key`` (in host memory at ``entry``) out of the index, held for sending;
+    ``capture(key, entry)`` first notes its chain links (moved_links.py)."""
+    if capture is not None:
+        capture(key, entry)
     parent_entry = engine.eviction.parent_of(entry)
     parent = engine.key_of(parent_entry) if parent_entry != NO_PARENT else b""
     hold = engine.hold(entry)
@@ -63,9 +66,10 @@ def full(count: int, size: int) -> bool:
 class Gathered:
     """Values of a move gathered in the move's order, read into host memory together, taken in order."""
 
-    def __init__(self, engine, tiers):
+    def __init__(self, engine, tiers, capture: Callable[[bytes, int], None] | None = None):
         self.engine = engine
         self.tiers = tiers          # the node's TierManager (None: DRAM only)
+        self.capture = capture      # notes a value's chain links as it is taken
         self.keys: list[bytes] = []
         self.size = 0
 
@@ -101,7 +105,7 @@ class Gathered:
                 continue
             if in_host_memory(engine, entry):
                 staged.discard(entry)
-                taken.append(take(engine, key, entry))
+                taken.append(take(engine, key, entry, self.capture))
             else:
                 lost.append(engine.size_of(entry))
                 engine.drop(entry)

@@ -7,31 +7,13 @@ counts the reads of each block, weighed by its size, copies a block read past
 readers spread over owner and copies (READONLY connections read a copy as Redis Cluster replicas serve
 reads). Whole slots are never replicated: only the few blocks that are hot.
 
-Heat is bytes, not only reads. Reads are counted per key in one-second
-windows (a dict, reset each window), each as its value's size over the mean
-size of the node's values in DRAM (`reference_bytes`, measured every window),
-and at least one: a block twice the mean size is hot at half the reads, so a
-block few readers fetch but that is large still gets copies, and a small value
-is hot at ``hot-reads`` reads as before. A key is copied the moment its count
-in the current window passes ``hot-reads``. Holders count the reads their
-copies serve and report them when the owner renews their leases, so the owner
-judges a copy's heat by all its reads.
-
-How many copies (`copies_for`). A block below the threshold is served by its
-owner alone, so no node should carry more than the threshold of one block: a
-hot block gets ``hot-replicas`` copies, and more at the end of any window
-whose load, less a quarter, its owner and copies could not carry under the
-threshold each (up to `MAX_COPIES`, or every other node): K follows a block's
-read rate and bytes. Copies shrink only when twice the load would still need
-fewer, so a load that wavers around what K copies carry (reads in a window
-vary by their square root) does not make and drop a copy every window; a
-block read less than half the threshold over a window cools and loses every
-copy.
-
-Targets. Rendezvous hashing: the K nodes with the highest xxh3 score of
-``node id + key``, the owner excluded. Every node computes the same targets
-without a word, a join or leave moves only the copies whose winner changed,
-and K growing or shrinking adds or drops the last of them only.
+Heat is bytes, not only reads, and a hot block's copies follow its load:
+heat.py counts the reads, says how many copies a load needs and which nodes
+hold them (rendezvous hashing: every node computes the same targets without
+a word). A key is copied the moment its count in the current window passes
+``hot-reads``; at the end of each window its copies grow or shrink to fit the
+window's load, and a block read less than half the threshold over a window
+cools and loses every copy.
 
 Consistency. A reader must never get a value older than the last write
 acknowledged: an overwrite, delete, expiry or eviction of a replicated key on
@@ -58,14 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import xxhash
-
+from kvstore.cluster.heat import MAX_COPIES, WINDOW, Heat, rendezvous
 from kvstore.cluster.held_copies import HeldCopies
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError, PeerReplyError, Peers
@@ -75,36 +55,13 @@ from kvstore.store.entries import DRAM, STAGED
 
 log = logging.getLogger("kvstore.cluster")
 
-WINDOW = 1.0                # seconds of one heat window, and of the lease renewal
 MAX_HOT_KEYS = 1024         # keys one owner replicates at once
-MAX_COPIES = 16             # copies of one block, however hot (hot-replicas is at most this)
-GROW_MARGIN = 1.25          # copies grow when the load passes what they carry by this much
-SHRINK_MARGIN = 2.0         # ... and shrink only when this much load would still need fewer
 KV_COPY, KV_UNCOPY, KV_RENEW = "KV.COPY", "KV.UNCOPY", "KV.RENEW"
 
 
 def lease_seconds(node_timeout: float) -> float:
     """How long a copy is served without a renewal: past a dead owner's lease in etcd and the new map."""
     return 2 * node_timeout + 1
-
-
-def copies_for(load: float, trigger: float, least: int) -> int:
-    """Copies of a hot block that carried ``load`` reads in a window where ``trigger`` makes a block
-    hot: at least ``least``, and enough that owner and copies carry under ``trigger`` each."""
-    return min(MAX_COPIES, max(least, math.ceil(load / trigger) - 1))
-
-
-def reference_bytes(engine) -> float:
-    """The mean size of the values in DRAM (infinite while there are none): a read of a value this
-    large or smaller counts as one."""
-    values = engine.entries.count_in[DRAM]
-    return engine.allocator.requested / values if values else math.inf
-
-
-def rendezvous(key: bytes, node_ids, count: int) -> tuple[str, ...]:
-    """The ``count`` nodes with the highest score for ``key`` (highest random weight hashing)."""
-    scored = sorted(node_ids, key=lambda node_id: xxhash.xxh3_64_intdigest(node_id.encode() + key), reverse=True)
-    return tuple(scored[:count])
 
 
 @dataclass
@@ -128,8 +85,7 @@ class HotCopies:
         self.peers = peers
         self.config = config                # the node's live Config (hot-reads, hot-replicas)
         self.rescue = rescue                # push copies of a dead owner's keys to their new owner
-        self.counts: dict[bytes, float] = {}        # reads of owned keys in this window, by size
-        self.last: dict[bytes, float] = {}          # ... in the window before (with the holders' reads)
+        self.heat = Heat(engine)                    # reads of owned keys, by size, with the holders'
         self.replicated: dict[bytes, tuple[str, ...]] = {}     # owner: key -> holder ids
         self.inflight: dict[bytes, asyncio.Task] = {}          # owner: key -> removal of its copies
         self.unacked: list[asyncio.Task] = []                  # removals a reply must wait for
@@ -137,9 +93,6 @@ class HotCopies:
         self.held = HeldCopies(engine, cluster)
         self.version = int(time.time() * 1000) << 16           # of the hot-key map (KV.HOTKEYS)
         self.stats = CopyStats()
-        self._trigger = 0
-        self._replicas = 0
-        self._reference = math.inf
         self._tasks = BackgroundTasks()
         self.refresh_settings()
 
@@ -159,15 +112,8 @@ class HotCopies:
         self.cluster.copies = self
 
     def refresh_settings(self) -> None:
-        """The settings, and the size a read counts as one for (the values' mean changes as they do)."""
         cfg = self.config()
-        self._trigger = math.floor(cfg.hot_reads * WINDOW) + 1 if cfg.hot_reads > 0 else 0
-        self._replicas = cfg.hot_replicas
-        self._reference = reference_bytes(self.engine)
-
-    def _weight(self, entry: int) -> float:
-        """What one read of ``entry`` counts as: its size over the reference, at least 1."""
-        return max(1.0, self.engine.size_of(entry) / self._reference)
+        self.heat.configure(cfg.hot_reads, cfg.hot_replicas)
 
     # ------------------------------------------------------------ reads (hot path)
 
@@ -175,11 +121,8 @@ class HotCopies:
         key = self.engine.key_of(entry)
         if self.held.read(key):
             return
-        weight = self._weight(entry)
-        n = self.counts.get(key, 0) + weight
-        self.counts[key] = n
-        if n >= self._trigger > n - weight and key not in self.replicated:
-            self._replicate(key, entry, self._replicas)
+        if self.heat.count(key, entry) and key not in self.replicated:
+            self._replicate(key, entry, self.heat.least)
 
     # ------------------------------------------------------------ owner: making copies
 
@@ -333,7 +276,7 @@ class HotCopies:
         """Close the window: renew leases (collecting the holders' reads), then fit each replicated
         key's copies to its load: more, fewer, or none when it cooled."""
         self.refresh_settings()
-        self.last, self.counts = self.counts, {}
+        self.heat.close_window()
         self.held.drop_lapsed()
         self.unacked = [task for task in self.unacked if not task.done()]
         by_holder: dict[str, list[bytes]] = defaultdict(list)
@@ -341,25 +284,20 @@ class HotCopies:
             for holder in holders:
                 by_holder[holder].append(key)
         await asyncio.gather(*(self._renew(holder, keys) for holder, keys in by_holder.items()))
-        floor = self._trigger / 2 if self._trigger else math.inf        # hot-reads 0: no copies at all
         for key in list(self.replicated):
-            load = self.last.get(key, 0)
-            if load < floor:
+            if self.heat.cooled(key):
                 self.stats.copies_cooled += 1
                 self._remove_copies(key)
             else:
-                self._fit(key, load)
+                self._fit(key)
 
-    def _fit(self, key: bytes, load: float) -> None:
-        """As many copies of ``key`` as ``load`` needs (`copies_for`), with a margin either way."""
+    def _fit(self, key: bytes) -> None:
+        """As many copies of ``key`` as its load needs (heat.py)."""
         have = len(self.replicated[key])
-        fewer = copies_for(load * SHRINK_MARGIN, self._trigger, self._replicas)
-        if fewer < have:
-            self._shrink(key, fewer)
-            return
-        wanted = copies_for(load / GROW_MARGIN, self._trigger, self._replicas)
-        entry = self.engine.lookup(key) if wanted > have else None
-        if entry is not None:
+        wanted = self.heat.fit(key, have)
+        if wanted < have:
+            self._shrink(key, wanted)
+        elif wanted > have and (entry := self.engine.lookup(key)) is not None:
             self._replicate(key, entry, wanted)
 
     async def _renew(self, holder: str, keys: list[bytes]) -> None:
@@ -378,9 +316,7 @@ class HotCopies:
             if count < 0:
                 self._forget_holders(key, [holder])
             elif count:
-                entry = self.engine.lookup(key)
-                weight = self._weight(entry) if entry is not None else 1.0
-                self.last[key] = self.last.get(key, 0) + count * weight
+                self.heat.add_reported(key, count)
 
     def _forget_holders(self, key: bytes, gone: list[str]) -> None:
         """``gone`` no longer hold copies of ``key`` (nothing to remove there)."""
@@ -399,13 +335,6 @@ class HotCopies:
     def copies_of(self, key: bytes) -> list[str]:
         """Addresses of the nodes holding copies of ``key`` (as its owner knows them)."""
         return [addr for addr in map(self._addr, self.replicated.get(key, ())) if addr is not None]
-
-    def recent_reads(self) -> dict[bytes, float]:
-        """Reads per owned key, by size, over this window and the one before (what a slot move sends first)."""
-        reads = dict(self.last)
-        for key, count in self.counts.items():
-            reads[key] = reads.get(key, 0) + count
-        return reads
 
     def hot_map(self) -> list[tuple[bytes, list[str]]]:
         return [(key, self.copies_of(key)) for key in self.replicated]

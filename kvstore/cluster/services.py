@@ -17,10 +17,11 @@ import math
 import time
 
 from kvstore.cluster.cascade import Cascade
-from kvstore.cluster.migration import Migrator
+from kvstore.cluster.migration import NIC_BYTES_PER_S, Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
-from kvstore.cluster.replication import WINDOW, HotCopies
+from kvstore.cluster.heat import WINDOW
+from kvstore.cluster.replication import HotCopies
 from kvstore.cluster.simclock import loop_time
 
 log = logging.getLogger("kvstore.cluster")
@@ -31,7 +32,8 @@ TICK_LOG_INTERVAL_S = 60.0      # a failing tick step logs its traceback at most
 class ClusterServices:
     """Peers, hot copies and slot moves of one node, wired to its engine and its ClusterState."""
 
-    def __init__(self, server, cluster: ClusterState, peers: Peers | None = None):
+    def __init__(self, server, cluster: ClusterState, peers: Peers | None = None,
+                 nic_bytes_per_s: float = NIC_BYTES_PER_S):
         def config():
             return server.config            # CONFIG SET replaces it: always read the one in force
 
@@ -39,19 +41,17 @@ class ClusterServices:
         self.cluster = cluster
         # A simulation passes in-process links; with tls-cluster, nodes reach each other over TLS.
         self.peers = peers or Peers(server.config.requirepass, tls_context=server.cluster_tls_context())
-        self.moves = Migrator(server.engine, cluster, self.peers, config, self._recent_reads, server.tiers)
+        self.moves = Migrator(server.engine, cluster, self.peers, config, lambda: self.copies.heat.recent(),
+                              server.tiers, nic_bytes_per_s)     # a simulation passes its modelled NIC
         self.copies = HotCopies(server.engine, cluster, self.peers, config, self.moves.rescue)
         self.cascade = Cascade(server.engine, cluster, self.peers)
         self.copies.attach()
         self.moves.attach()
         self.cascade.attach()
-        cluster.move_budget = server.config.cluster_move_budget
+        cluster.move_budget = self.moves.budget
         self.tick_failures = 0
         self._tick_logged_at = -math.inf
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
-
-    def _recent_reads(self) -> dict[bytes, int]:
-        return self.copies.recent_reads()
 
     async def _tick(self) -> None:
         """Every heat window, for as long as the node runs: a step that fails is logged, and the
@@ -67,7 +67,7 @@ class ClusterServices:
     async def _tick_once(self) -> None:
         """Replication's renewals and cooling (after waiting out the window); settings changed by CONFIG SET."""
         await self.copies.run_once()
-        self.cluster.move_budget = self.server.config.cluster_move_budget
+        self.cluster.move_budget = self.moves.budget
         self.moves.guard.expire(loop_time())
         self.peers.keep_only(set(self.cluster.map.nodes.values()) | set(self.cluster.nodes.values()))
 
