@@ -52,7 +52,10 @@ class _Conn:
 
 
 class _Unrestricted:
-    """The user a node's peer link authenticates as: allowed every key."""
+    """The user a node's peer link authenticates as: allowed every key, in the shared pool
+    of no tenant's quota."""
+
+    tenant = 0
 
     @staticmethod
     def may_access(key: bytes, access) -> bool:
