@@ -46,12 +46,12 @@ def test_growth_past_the_chunk_copies_once_and_keeps_ttl_and_parent(engine):
 
 def test_a_held_value_is_never_rewritten_in_place(engine):
     engine.put(b"k", b"a" * 100)
-    hold = engine.hold(engine.lookup(b"k"))
+    hold = engine.holds.hold(engine.lookup(b"k"))
     old_view = engine.view(engine.lookup(b"k"))
     engine.splice(b"k", 0, b"B")
     assert bytes(old_view[:1]) == b"a"          # the reader still sends the old bytes
     assert engine.value(engine.lookup(b"k"))[:2] == b"Ba"
-    engine.release_hold(hold)
+    engine.holds.release(hold)
 
 
 def test_a_gap_inside_the_chunk_reads_as_zeros(engine):

@@ -48,7 +48,7 @@ def take(engine, key: bytes, entry: int) -> Taken:
     """Take the value of ``key`` (in host memory at ``entry``) out of the index, held for sending."""
     parent_entry = engine.eviction.parent_of(entry)
     parent = engine.key_of(parent_entry) if parent_entry != NO_PARENT else b""
-    hold = engine.hold(entry)
+    hold = engine.holds.hold(entry)
     view = engine.view(entry)
     size = engine.size_of(entry)
     engine.delete(key)              # from now on the key is asked for at the target

@@ -157,8 +157,8 @@ def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
     if entry is None:
         return None
     size = engine.size_of(entry)
-    token = engine.hold(entry)
-    lease = table.grant(conn, size, ttl_ms, lambda: engine.release_hold(token), entry=entry)
+    token = engine.holds.hold(entry)
+    lease = table.grant(conn, size, ttl_ms, lambda: engine.holds.release(token), entry=entry)
     return DramLease(lease.id, token, size, lease.word, lease.tag)
 
 

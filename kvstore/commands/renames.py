@@ -25,11 +25,11 @@ def _copy_value(conn, src: bytes, dst: bytes) -> None:
     engine = conn.engine
     entry = engine.lookup(src)
     deadline = engine.expires.get(src)
-    hold = engine.hold(entry)
+    hold = engine.holds.hold(entry)
     try:
         engine.put(dst, engine.view(entry), owner=engine.owner_of(entry))     # the value keeps its tenant
     finally:
-        engine.release_hold(hold)
+        engine.holds.release(hold)
     if deadline is not None:
         engine.set_expire(dst, deadline)
 

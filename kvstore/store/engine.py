@@ -11,7 +11,7 @@ A write is two steps so a value is never visible half-written: ``reserve``
 hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
 under ``noeviction``) that the connection receives the bytes straight into,
 and ``commit`` publishes it under its key. A reader that sends a value from
-the arena holds it (``hold``, kvstore/store/holds.py); a delete or overwrite during
+the arena holds it (``engine.holds``, kvstore/store/holds.py); a delete or overwrite during
 the send hides the key at once but frees the bytes only when the hold is
 released.
 
@@ -95,7 +95,7 @@ class Engine:
         class_of, sizes = self.allocator.class_of, self.entries.size
         self.eviction.class_of = lambda entry: class_of(sizes[entry])
         self.entries.on_dram = self._placed
-        self.holds = ExtentHolds(self.allocator, self.eviction)
+        self.holds = ExtentHolds(self.allocator, self.eviction, self.entries)   # reads in flight
         self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
@@ -241,7 +241,7 @@ class Engine:
         size = max(self.entries.size[entry], at + src.nbytes)
         if self._rewrite_in_place(entry, at, src, size, keep_ttl=True):
             return size
-        hold = self.hold(entry)          # the old value must survive making room for the new one
+        hold = self.holds.hold(entry)    # the old value must survive making room for the new one
         try:
             extent = self.reserve(size, owner=self.entries.owner[entry])
             old = self.view(entry)
@@ -249,7 +249,7 @@ class Engine:
             extent.view[old.nbytes:at] = bytes(max(0, at - old.nbytes))
             extent.view[at:at + src.nbytes] = src
         finally:
-            self.release_hold(hold)
+            self.holds.release(hold)
         parent = self.eviction.parent_of(entry)
         self.commit(key, extent, None if parent == NO_PARENT else self.entries.keys[parent], keep_ttl=True)
         return size
@@ -365,26 +365,6 @@ class Engine:
         for entry in reversed(matched):
             self.eviction.touch(entry)
         return len(matched)
-
-    # ----------------------------------------------------------- holds
-
-    def hold(self, entry: int) -> int | None:
-        """Keep the value of ``entry`` in place while it is read (sent, or copied to
-        another tier); returns the token for ``release_hold``: the value's offset
-        in the arena.
-
-        A value staged on the heap needs no hold (the view keeps it alive): None.
-        """
-        if self.entries.heap_copies and entry in self.entries.heap_copies:
-            return None
-        offset = self.entries.dram_offset(entry)
-        self.holds.hold(offset, entry)
-        return offset
-
-    def release_hold(self, offset: int | None) -> None:
-        """One read of the value held at ``offset`` is done."""
-        if offset is not None:
-            self.holds.release(offset)
 
     # ----------------------------------------------------------- pins
 
