@@ -18,8 +18,8 @@ import tracemalloc
 
 import pytest
 
-from kvstore.store.deadlines import Deadlines
-from kvstore.store.engine import Engine, now_ms
+from kvstore.store.deadlines import Deadlines, now_ms
+from kvstore.store.engine import Engine
 
 MiB = 1 << 20
 

@@ -27,7 +27,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvstore.store.engine import Engine, OutOfMemory, now_ms
+from kvstore.store.deadlines import now_ms
+from kvstore.store.engine import Engine, OutOfMemory
 from kvstore.store.eviction import NO_PARENT
 
 KiB, MiB = 1 << 10, 1 << 20

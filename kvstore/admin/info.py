@@ -16,7 +16,8 @@ import sys
 import time
 
 from kvstore import __version__
-from kvstore.store.engine import DRAM, GPU, SSD, now_ms
+from kvstore.store.deadlines import now_ms
+from kvstore.store.engine import DRAM, GPU, SSD
 from kvstore.store.quotas import NO_QUOTA, QUOTA_TIERS
 
 DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd",

@@ -15,7 +15,7 @@ from kvstore.commands.glob import matches
 from kvstore.commands.strings import is_raw
 from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
-from kvstore.store.engine import now_ms
+from kvstore.store.deadlines import now_ms
 from kvstore.store.watch import touched
 
 FAMILY = Family()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvstore.commands.args import SYNTAX, options, parse_int, store
 from kvstore.commands.table import CommandError, Family, all_keys, first_key
 from kvstore.net.protocol import writer
-from kvstore.store.engine import now_ms
+from kvstore.store.deadlines import now_ms
 from kvstore.store.watch import touched
 
 FAMILY = Family()

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import itertools
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store.arena import Arena, Extent
-from kvstore.store.deadlines import Deadlines
+from kvstore.store.deadlines import Deadlines, now_ms
 from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
@@ -54,7 +53,7 @@ from kvstore.tiers.moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 
 __all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsDemotion", "NeedsRoom",
-           "OutOfMemory", "now_ms"]
+           "OutOfMemory"]
 
 TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
 MAX_VALUE = 2**32 - 1  # sizes are kept in 32 bits
@@ -74,10 +73,6 @@ class EngineStats:
     evict_seconds: float = 0.0      # time spent evicting
     evict_deferrals: int = 0        # writes put off to a later loop turn by the per-turn bound
     evict_regions: int = 0          # regions chosen to clear for a write
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class Engine:

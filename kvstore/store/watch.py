@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from weakref import WeakKeyDictionary, WeakSet
 
-from kvstore.store.engine import Engine, now_ms
+from kvstore.store.deadlines import now_ms
+from kvstore.store.engine import Engine
 
 _BY_ENGINE: WeakKeyDictionary = WeakKeyDictionary()
 
