@@ -46,6 +46,7 @@ from kvstore.store.deadlines import Deadlines, now_ms
 from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.holds import ExtentHolds
+from kvstore.store.pins import SoftPins
 from kvstore.store.quotas import SHARED, Quotas
 from kvstore.store.room import NeedsDemotion, NeedsRoom, OutOfMemory, RoomMaker
 from kvstore.store.slabs import SlabAllocator
@@ -107,7 +108,7 @@ class Engine:
         self.overwrite_listeners: list[Callable[[bytes], None]] = []        # fn(key) before an in-place rewrite
         self.expire_listeners: list[Callable[[bytes], None]] = []           # fn(key) when it gets a deadline
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
-        self._soft_pins: dict[int, tuple[bytes, int]] = {}   # entry -> (key, deadline ms)
+        self.pins = SoftPins(self.index, self.eviction, self.lookup)    # KV.PIN (kvstore/store/pins.py)
         self.room = RoomMaker(self)      # eviction that frees what a write needs (kvstore/store/room.py)
 
     def refuses_writes(self) -> bool:
@@ -361,33 +362,6 @@ class Engine:
             self.eviction.touch(entry)
         return len(matched)
 
-    # ----------------------------------------------------------- pins
-
-    def pin(self, key: bytes, ttl_ms: int) -> bool:
-        """Soft-pin ``key`` for ``ttl_ms`` (KV.PIN): evicted last; the pin expires by itself."""
-        entry = self.lookup(key)
-        if entry is None:
-            return False
-        self.eviction.soft_pin(entry)
-        self._soft_pins[entry] = (key, now_ms() + ttl_ms)
-        return True
-
-    def unpin(self, key: bytes) -> bool:
-        entry = self.lookup(key)
-        if entry is None or entry not in self._soft_pins:
-            return False
-        del self._soft_pins[entry]
-        self.eviction.soft_pin(entry, False)
-        return True
-
-    def expire_pins(self) -> None:
-        now = now_ms()
-        for entry, (key, deadline) in list(self._soft_pins.items()):
-            if deadline <= now or self.index.get(key) != entry:
-                del self._soft_pins[entry]
-                if self.index.get(key) == entry:
-                    self.eviction.soft_pin(entry, False)
-
     # ----------------------------------------------------------- expiry
 
     def set_expire(self, key: bytes, deadline_ms: int) -> None:
@@ -400,8 +374,6 @@ class Engine:
 
     def expire_cycle(self, samples: int = 20) -> int:
         """Drop expired keys among a random sample (Redis's active expiry)."""
-        if self._soft_pins:
-            self.expire_pins()
         if not self.expires:
             return 0
         now = now_ms()
