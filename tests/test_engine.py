@@ -114,11 +114,11 @@ def test_overwrite_drops_the_ttl_unless_kept(make_engine):
     engine = make_engine()
     for value in (b"x", b"x" * 5000):             # in place, then elsewhere
         engine.put(b"k", b"v")
-        engine.set_expire(b"k", now_ms() + 60_000)
+        engine.expiry.set(b"k", now_ms() + 60_000)
         engine.put(b"k", value, keep_ttl=True)
-        assert b"k" in engine.expires
+        assert b"k" in engine.expiry.deadlines
         engine.put(b"k", value)
-        assert b"k" not in engine.expires
+        assert b"k" not in engine.expiry.deadlines
 
 
 def test_delete(make_engine):
@@ -412,8 +412,8 @@ def test_lazy_expiry_on_access(make_engine):
     engine = make_engine()
     engine.put(b"gone", b"v" * 1000)
     engine.put(b"kept", b"v")
-    engine.set_expire(b"gone", now_ms() - 1)
-    engine.set_expire(b"kept", now_ms() + 60_000)
+    engine.expiry.set(b"gone", now_ms() - 1)
+    engine.expiry.set(b"kept", now_ms() + 60_000)
     assert get(engine, b"gone") is None and get(engine, b"kept") == b"v"
     assert engine.stats.expired == 1 and engine.allocator.used == 64
     assert engine.match_prefix([b"kept"]) == 1
@@ -422,8 +422,8 @@ def test_lazy_expiry_on_access(make_engine):
 def test_persist_removes_the_deadline(make_engine):
     engine = make_engine()
     engine.put(b"k", b"v")
-    engine.set_expire(b"k", now_ms() - 1)
-    assert engine.persist(b"k") and not engine.persist(b"k")
+    engine.expiry.set(b"k", now_ms() - 1)
+    assert engine.expiry.persist(b"k") and not engine.expiry.persist(b"k")
     assert get(engine, b"k") == b"v"
 
 
@@ -432,13 +432,13 @@ def test_expire_cycle_drops_expired_keys_without_access(make_engine):
     past, future = now_ms() - 1, now_ms() + 60_000
     for i in range(200):
         engine.put(b"k%d" % i, b"v")
-        engine.set_expire(b"k%d" % i, past if i % 2 else future)
+        engine.expiry.set(b"k%d" % i, past if i % 2 else future)
     dropped = 0
-    while (n := engine.expire_cycle()) > 0 or engine.stats.expired < 100:
+    while (n := engine.expiry.cycle()) > 0 or engine.stats.expired < 100:
         dropped += n
     assert dropped == 100 == engine.stats.expired
     assert sorted(engine.index) == sorted(b"k%d" % i for i in range(0, 200, 2))
-    assert engine.expire_cycle() == 0
+    assert engine.expiry.cycle() == 0
 
 
 # ----------------------------------------------------------------- scan

@@ -33,14 +33,14 @@ def test_growth_within_the_chunk_is_in_place_and_signalled(engine):
 def test_growth_past_the_chunk_copies_once_and_keeps_ttl_and_parent(engine):
     engine.put(b"p", b"x" * 10)
     engine.put(b"k", b"a" * 100, parent=b"p")
-    engine.set_expire(b"k", 2**62)
+    engine.expiry.set(b"k", 2**62)
     dropped = []
     engine.drop_listeners.append(lambda slot, key: dropped.append(key))
     assert engine.splice(b"k", 200, b"z") == 201
     slot = engine.lookup(b"k")
     assert engine.value(slot) == b"a" * 100 + bytes(100) + b"z"
     assert dropped == [b"k"]                    # the old value left as in an overwrite
-    assert engine.expires[b"k"] == 2**62
+    assert engine.expiry.deadlines[b"k"] == 2**62
     assert engine.eviction.parent_of(slot) == engine.lookup(b"p")
 
 

@@ -62,5 +62,5 @@ def test_a_new_value_starts_unpinned(engine):
 def test_an_absent_or_expired_key_is_not_pinned(engine):
     assert not engine.pins.pin(b"absent", 60_000)
     engine.put(b"gone", VALUE)
-    engine.set_expire(b"gone", now_ms() - 1)
+    engine.expiry.set(b"gone", now_ms() - 1)
     assert not engine.pins.pin(b"gone", 60_000) and engine.lookup(b"gone") is None

@@ -138,7 +138,7 @@ def hold_ms(conn, key: bytes, ttl_ms: int) -> int:
     for this read only) when the key has an expiry time: an expired key leaves the index
     only when it is next looked up, and a cached lease would not look.
     """
-    return 0 if key in conn.engine.expires else ttl_ms // 2
+    return 0 if key in conn.engine.expiry.deadlines else ttl_ms // 2
 
 
 @dataclass(slots=True)

@@ -230,7 +230,7 @@ class Server:
     def _cron(self) -> None:
         try:
             self.engine.pins.expire()
-            while self.engine.expire_cycle() >= 5:    # many expired: keep going, as Redis does
+            while self.engine.expiry.cycle() >= 5:    # many expired: keep going, as Redis does
                 pass
             for job in self._cron_jobs:
                 try:

@@ -30,9 +30,12 @@ Tenants (kvstore/store/quotas.py): every write names the tenant making it
 the entry table records with the value; making room for it, and choosing what
 a lower tier takes (``coldest``), spare what the tenants' quotas protect.
 
-Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
-lazily on access and actively by a periodic sampling cycle whose cost does
-not grow with the number of keys (kvstore/store/deadlines.py).
+The parts that are concepts of their own are objects the engine owns and
+callers use directly, each handed what it needs rather than the engine:
+``holds`` (reads in flight, kvstore/store/holds.py), ``pins`` (KV.PIN,
+kvstore/store/pins.py) and ``expiry`` (TTLs and Redis's active expiry cycle,
+kvstore/store/expiry.py). The lazy half of expiry stays here, in ``lookup``,
+which every read goes through.
 """
 from __future__ import annotations
 
@@ -42,9 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store.arena import Arena, Extent
-from kvstore.store.deadlines import Deadlines, now_ms
+from kvstore.store.deadlines import now_ms
 from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
+from kvstore.store.expiry import Expiry
 from kvstore.store.holds import ExtentHolds
 from kvstore.store.pins import SoftPins
 from kvstore.store.quotas import SHARED, Quotas
@@ -96,7 +100,8 @@ class Engine:
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
-        self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/store/deadlines.py)
+        self.expiry = Expiry(self.index, self._expire)     # TTLs (kvstore/store/expiry.py)
+        self._deadlines = self.expiry.deadlines             # lookup's check reads them with no attribute hop
         self.stats = EngineStats()
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
         self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, entry) after a commit
@@ -106,7 +111,6 @@ class Engine:
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
         # Cluster copies of hot blocks (kvstore/cluster/replication.py): told of in-place rewrites, shed first.
         self.overwrite_listeners: list[Callable[[bytes], None]] = []        # fn(key) before an in-place rewrite
-        self.expire_listeners: list[Callable[[bytes], None]] = []           # fn(key) when it gets a deadline
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
         self.pins = SoftPins(self.index, self.eviction, self.lookup)    # KV.PIN (kvstore/store/pins.py)
         self.room = RoomMaker(self)      # eviction that frees what a write needs (kvstore/store/room.py)
@@ -277,8 +281,8 @@ class Engine:
         if size != old:
             entries.resize(entry, size)
             alloc.requested += size - old
-        if not keep_ttl and self.expires:
-            self.expires.pop(entries.keys[entry], None)
+        if not keep_ttl and self._deadlines:
+            self._deadlines.pop(entries.keys[entry], None)
         self.eviction.touch(entry)
         return True
 
@@ -303,10 +307,9 @@ class Engine:
     def lookup(self, key: bytes) -> int | None:
         """The entry of a live key (expired keys are removed on the way)."""
         entry = self.index.get(key)
-        if entry is not None and self.expires and key in self.expires:
-            if self.expires[key] <= now_ms():
-                self._drop(entry)
-                self.stats.expired += 1
+        if entry is not None and self._deadlines and key in self._deadlines:
+            if self._deadlines[key] <= now_ms():
+                self._expire(entry)
                 return None
         return entry
 
@@ -361,30 +364,6 @@ class Engine:
         for entry in reversed(matched):
             self.eviction.touch(entry)
         return len(matched)
-
-    # ----------------------------------------------------------- expiry
-
-    def set_expire(self, key: bytes, deadline_ms: int) -> None:
-        for listener in self.expire_listeners:
-            listener(key)
-        self.expires[key] = deadline_ms
-
-    def persist(self, key: bytes) -> bool:
-        return self.expires.pop(key, None) is not None
-
-    def expire_cycle(self, samples: int = 20) -> int:
-        """Drop expired keys among a random sample (Redis's active expiry)."""
-        if not self.expires:
-            return 0
-        now = now_ms()
-        keys = self.expires.sample(samples)
-        dropped = 0
-        for key in keys:
-            if self.expires[key] <= now:
-                self._drop(self.index[key])
-                self.stats.expired += 1
-                dropped += 1
-        return dropped
 
     # ----------------------------------------------------------- iteration
 
@@ -475,13 +454,18 @@ class Engine:
                 listener(entry, key)
         del self.index[key]
         if not keep_ttl:
-            self.expires.pop(key, None)
+            self._deadlines.pop(key, None)
         if entries.tier[entry] == DRAM:
             self.holds.free(entries.dram_offset(entry), entries.size[entry])
         else:
             self.moves.unstage(entry)
         self.holds.forget_entry(entry)
         entries.remove(entry)
+
+    def _expire(self, entry: int) -> None:
+        """Drop a value past its deadline (found by lookup or by the expiry cycle)."""
+        self._drop(entry)
+        self.stats.expired += 1
 
     def _evict_one(self, clean_only: bool = False) -> bool:
         """Make room in DRAM: let a clean copy go first, else evict the coldest value.
