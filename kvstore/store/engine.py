@@ -11,9 +11,8 @@ A write is two steps so a value is never visible half-written: ``reserve``
 hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
 under ``noeviction``) that the connection receives the bytes straight into,
 and ``commit`` publishes it under its key. A reader that sends a value from
-the arena holds it (``engine.holds``, kvstore/store/holds.py); a delete or overwrite during
-the send hides the key at once but frees the bytes only when the hold is
-released.
+the arena holds it (``holds``); a delete or overwrite during the send hides
+the key at once but frees the bytes only when the hold is released.
 
 Lower tiers (kvstore/tiers/manager.py) are told what happens through listeners:
 ``commit_listeners`` (a value was published), ``drop_listeners`` (a value is
@@ -31,11 +30,13 @@ the entry table records with the value; making room for it, and choosing what
 a lower tier takes (``coldest``), spare what the tenants' quotas protect.
 
 The parts that are concepts of their own are objects the engine owns and
-callers use directly, each handed what it needs rather than the engine:
-``holds`` (reads in flight, kvstore/store/holds.py), ``pins`` (KV.PIN,
-kvstore/store/pins.py) and ``expiry`` (TTLs and Redis's active expiry cycle,
-kvstore/store/expiry.py). The lazy half of expiry stays here, in ``lookup``,
-which every read goes through.
+callers use directly (``engine.holds.hold(entry)``, ``engine.expiry.set(key,
+deadline)``), each handed what it needs (the index, the eviction policy, a
+lookup or drop function) rather than the engine: ``holds`` (reads in flight,
+kvstore/store/holds.py), ``pins`` (KV.PIN soft pins, kvstore/store/pins.py)
+and ``expiry`` (TTLs and Redis's active expiry cycle, kvstore/store/expiry.py).
+The lazy half of expiry stays here, in ``lookup``, which every read goes
+through. What is left here is writes, reads, and what ties the parts together.
 """
 from __future__ import annotations
 
