@@ -5,8 +5,9 @@
 net/       the network front: server (accept loop, cron, shutdown; builds the node),
            connection (+ client_state), protocol/ (RESP reader and writer), tls, client_pause
 commands/  the command table, dispatch, and the command families as Redis groups them
-store/     the index and DRAM: engine, entries (the index's columns), eviction, holds,
-           deadlines, allocator, arena, watch; knows nothing of RESP
+store/     the index and DRAM: engine (writes, reads; owns holds, pins, expiry), entries
+           (the index's columns), eviction, holds, pins, expiry, deadlines, allocator,
+           arena, watch; knows nothing of RESP
 tiers/     below DRAM: the tier manager (manager), index moves (moves), gpu, ssd
 local/     what local clients share: leases, shared_index, layers
 cluster/   hash slots over etcd: slot map, membership, routing, copies, migration

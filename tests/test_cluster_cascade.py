@@ -91,7 +91,7 @@ def test_final_drop_listeners_hear_deletes_evictions_and_expiry_but_not_a_replac
     assert heard == []
     engine.delete(b"k")
     engine.put(b"e", b"v")
-    engine.set_expire(b"e", 1)
+    engine.expiry.set(b"e", 1)
     assert engine.lookup(b"e") is None
     for i in range(3):                          # 3 x 1 MiB chunks into 2 MiB: the oldest goes
         engine.put(b"big%d" % i, bytes(600_000))

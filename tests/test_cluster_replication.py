@@ -131,7 +131,7 @@ def test_every_change_of_a_replicated_key_removes_its_copies_and_holds_the_reply
         elif write == "delete":
             engine.delete(b"hot")
         else:
-            engine.set_expire(b"hot", 1)
+            engine.expiry.set(b"hot", 1)
             assert engine.lookup(b"hot") is None
         assert copies.replicated == {} and copies.version > version
         assert copies.unacked                                       # dispatch holds the reply on these

@@ -18,8 +18,8 @@ import tracemalloc
 
 import pytest
 
-from kvstore.store.deadlines import Deadlines
-from kvstore.store.engine import Engine, now_ms
+from kvstore.store.deadlines import Deadlines, now_ms
+from kvstore.store.engine import Engine
 
 MiB = 1 << 20
 
@@ -73,11 +73,11 @@ def cycle_allocation(keys: int) -> int:
         for i in range(keys):
             key = b"%032x" % i
             engine.put(key, b"v")
-            engine.set_expire(key, deadline)
-        engine.expire_cycle()       # first-call allocations (caches) out of the way
+            engine.expiry.set(key, deadline)
+        engine.expiry.cycle()       # first-call allocations (caches) out of the way
         tracemalloc.start()
         try:
-            assert engine.expire_cycle() == 0
+            assert engine.expiry.cycle() == 0
             return tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

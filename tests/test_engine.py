@@ -27,7 +27,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvstore.store.engine import Engine, OutOfMemory, now_ms
+from kvstore.store.deadlines import now_ms
+from kvstore.store.engine import Engine, OutOfMemory
 from kvstore.store.eviction import NO_PARENT
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -113,11 +114,11 @@ def test_overwrite_drops_the_ttl_unless_kept(make_engine):
     engine = make_engine()
     for value in (b"x", b"x" * 5000):             # in place, then elsewhere
         engine.put(b"k", b"v")
-        engine.set_expire(b"k", now_ms() + 60_000)
+        engine.expiry.set(b"k", now_ms() + 60_000)
         engine.put(b"k", value, keep_ttl=True)
-        assert b"k" in engine.expires
+        assert b"k" in engine.expiry.deadlines
         engine.put(b"k", value)
-        assert b"k" not in engine.expires
+        assert b"k" not in engine.expiry.deadlines
 
 
 def test_delete(make_engine):
@@ -322,13 +323,13 @@ def test_a_held_value_outlives_its_delete(make_engine):
     engine.put(b"k", pattern(7, 512 * KiB))
     slot = engine.get_entry(b"k")
     sending = engine.view(slot)
-    token = engine.hold(slot)
+    token = engine.holds.hold(slot)
     assert engine.delete(b"k") and engine.lookup(b"k") is None
     engine.put(b"other", pattern(8, 512 * KiB))          # the other half of the arena
     with pytest.raises(OutOfMemory):
         engine.put(b"third", b"x")                       # the held half is still taken
     assert sending == pattern(7, 512 * KiB)
-    engine.release_hold(token)
+    engine.holds.release(token)
     engine.delete(b"other")
     engine.put(b"third", pattern(9, 1 * MiB))            # everything is free again
     assert engine.allocator.used == 1 * MiB
@@ -339,11 +340,11 @@ def test_a_held_value_is_not_overwritten_in_place(make_engine):
     engine.put(b"k", pattern(1))
     slot = engine.get_entry(b"k")
     sending = engine.view(slot)
-    token = engine.hold(slot)
+    token = engine.holds.hold(slot)
     engine.put(b"k", pattern(2))                         # same size: would fit in place
     assert sending == pattern(1) and get(engine, b"k") == pattern(2)
     assert engine.allocator.used == 2 * VALUE_SIZE
-    engine.release_hold(token)
+    engine.holds.release(token)
     assert engine.allocator.used == VALUE_SIZE
 
 
@@ -351,11 +352,11 @@ def test_a_held_value_is_not_evicted(make_engine):
     engine = make_engine(1 * MiB)
     engine.put(b"held", pattern(0))
     slot = engine.get_entry(b"held")
-    token = engine.hold(slot)
+    token = engine.holds.hold(slot)
     for i in range(1, 64):
         engine.put(b"k%d" % i, pattern(i))
     assert get(engine, b"held") == pattern(0)
-    engine.release_hold(token)
+    engine.holds.release(token)
     for i in range(64, 128):
         engine.put(b"k%d" % i, pattern(i))
     assert engine.lookup(b"held") is None
@@ -365,11 +366,11 @@ def test_two_holds_free_on_the_last(make_engine):
     engine = make_engine()
     engine.put(b"k", pattern(1))
     slot = engine.get_entry(b"k")
-    first, second = engine.hold(slot), engine.hold(slot)
+    first, second = engine.holds.hold(slot), engine.holds.hold(slot)
     engine.delete(b"k")
-    engine.release_hold(first)
+    engine.holds.release(first)
     assert engine.allocator.used == VALUE_SIZE
-    engine.release_hold(second)
+    engine.holds.release(second)
     assert engine.allocator.used == 0
 
 
@@ -377,14 +378,14 @@ def test_a_hold_on_a_deleted_value_leaves_the_next_value_in_its_slot_alone(make_
     engine = make_engine()
     engine.put(b"k", pattern(1))
     slot = engine.lookup(b"k")
-    old_read = engine.hold(slot)
+    old_read = engine.holds.hold(slot)
     engine.delete(b"k")
     engine.put(b"k", pattern(2))
     assert engine.lookup(b"k") == slot, "the slot id is handed out again"
-    new_read = engine.hold(slot)
-    engine.release_hold(old_read)
+    new_read = engine.holds.hold(slot)
+    engine.holds.release(old_read)
     assert engine.eviction.is_held(slot)
-    engine.release_hold(new_read)
+    engine.holds.release(new_read)
     assert not engine.eviction.is_held(slot)
 
 
@@ -397,10 +398,10 @@ def test_a_hold_on_a_staged_copy_is_released_after_the_value_moves_home(make_eng
     engine.moves.mark_on_ssd(slot)
     engine.moves.demoted_to_ssd(slot)
     engine.moves.stage(slot, engine.reserve(VALUE_SIZE))
-    read = engine.hold(slot)
+    read = engine.holds.hold(slot)
     engine.moves.home_in_dram(slot, engine.reserve(VALUE_SIZE))
     assert engine.allocator.used == 2 * VALUE_SIZE, "the staged copy is still being sent"
-    engine.release_hold(read)
+    engine.holds.release(read)
     assert not engine.eviction.is_held(slot)
     assert engine.allocator.used == VALUE_SIZE and engine.tier_of(slot) == "dram"
 
@@ -411,8 +412,8 @@ def test_lazy_expiry_on_access(make_engine):
     engine = make_engine()
     engine.put(b"gone", b"v" * 1000)
     engine.put(b"kept", b"v")
-    engine.set_expire(b"gone", now_ms() - 1)
-    engine.set_expire(b"kept", now_ms() + 60_000)
+    engine.expiry.set(b"gone", now_ms() - 1)
+    engine.expiry.set(b"kept", now_ms() + 60_000)
     assert get(engine, b"gone") is None and get(engine, b"kept") == b"v"
     assert engine.stats.expired == 1 and engine.allocator.used == 64
     assert engine.match_prefix([b"kept"]) == 1
@@ -421,8 +422,8 @@ def test_lazy_expiry_on_access(make_engine):
 def test_persist_removes_the_deadline(make_engine):
     engine = make_engine()
     engine.put(b"k", b"v")
-    engine.set_expire(b"k", now_ms() - 1)
-    assert engine.persist(b"k") and not engine.persist(b"k")
+    engine.expiry.set(b"k", now_ms() - 1)
+    assert engine.expiry.persist(b"k") and not engine.expiry.persist(b"k")
     assert get(engine, b"k") == b"v"
 
 
@@ -431,13 +432,13 @@ def test_expire_cycle_drops_expired_keys_without_access(make_engine):
     past, future = now_ms() - 1, now_ms() + 60_000
     for i in range(200):
         engine.put(b"k%d" % i, b"v")
-        engine.set_expire(b"k%d" % i, past if i % 2 else future)
+        engine.expiry.set(b"k%d" % i, past if i % 2 else future)
     dropped = 0
-    while (n := engine.expire_cycle()) > 0 or engine.stats.expired < 100:
+    while (n := engine.expiry.cycle()) > 0 or engine.stats.expired < 100:
         dropped += n
     assert dropped == 100 == engine.stats.expired
     assert sorted(engine.index) == sorted(b"k%d" % i for i in range(0, 200, 2))
-    assert engine.expire_cycle() == 0
+    assert engine.expiry.cycle() == 0
 
 
 # ----------------------------------------------------------------- scan

@@ -33,25 +33,25 @@ def test_growth_within_the_chunk_is_in_place_and_signalled(engine):
 def test_growth_past_the_chunk_copies_once_and_keeps_ttl_and_parent(engine):
     engine.put(b"p", b"x" * 10)
     engine.put(b"k", b"a" * 100, parent=b"p")
-    engine.set_expire(b"k", 2**62)
+    engine.expiry.set(b"k", 2**62)
     dropped = []
     engine.drop_listeners.append(lambda slot, key: dropped.append(key))
     assert engine.splice(b"k", 200, b"z") == 201
     slot = engine.lookup(b"k")
     assert engine.value(slot) == b"a" * 100 + bytes(100) + b"z"
     assert dropped == [b"k"]                    # the old value left as in an overwrite
-    assert engine.expires[b"k"] == 2**62
+    assert engine.expiry.deadlines[b"k"] == 2**62
     assert engine.eviction.parent_of(slot) == engine.lookup(b"p")
 
 
 def test_a_held_value_is_never_rewritten_in_place(engine):
     engine.put(b"k", b"a" * 100)
-    hold = engine.hold(engine.lookup(b"k"))
+    hold = engine.holds.hold(engine.lookup(b"k"))
     old_view = engine.view(engine.lookup(b"k"))
     engine.splice(b"k", 0, b"B")
     assert bytes(old_view[:1]) == b"a"          # the reader still sends the old bytes
     assert engine.value(engine.lookup(b"k"))[:2] == b"Ba"
-    engine.release_hold(hold)
+    engine.holds.release(hold)
 
 
 def test_a_gap_inside_the_chunk_reads_as_zeros(engine):

@@ -97,12 +97,12 @@ def test_an_overwrite_in_place_is_retracted_before_the_bytes_change(node):
 def test_a_key_with_an_expiry_is_never_published(node):
     engine, _, view = node
     engine.put(b"k", value(1))
-    seen = changed_first(engine, view, b"k", engine.expire_listeners)
-    engine.set_expire(b"k", 2**62)
+    seen = changed_first(engine, view, b"k", engine.expiry.listeners)
+    engine.expiry.set(b"k", 2**62)
     assert seen == [True] and view.find(b"k") is None
     engine.get_entry(b"k")
     assert view.find(b"k") is None                        # a hit does not publish it
-    engine.persist(b"k")
+    engine.expiry.persist(b"k")
     engine.get_entry(b"k")
     assert read(engine, view, b"k") == value(1)           # without the expiry it is published again
 
@@ -160,7 +160,7 @@ def test_a_value_on_ssd_alone_is_published_with_its_tag_until_it_changes(node):
     assert view.find(b"a") is None and not view.unchanged(found[0], found[1])
     engine.put(b"b", value(6))                            # overwritten: the SSD copy is stale
     assert read(engine, view, b"b") == value(6)
-    engine.set_expire(b"c", 2**62)
+    engine.expiry.set(b"c", 2**62)
     assert view.find(b"c") is None
     extent = engine.reserve(64 * KiB)
     extent.view[:] = value(5)
@@ -292,7 +292,7 @@ def test_nothing_follows_writes_before_a_mapping_or_a_value_on_ssd(unmapped):
     engine, index = unmapped
 
     def following() -> int:
-        listeners = engine.drop_listeners + engine.overwrite_listeners + engine.expire_listeners
+        listeners = engine.drop_listeners + engine.overwrite_listeners + engine.expiry.listeners
         return sum(getattr(listener, "__self__", None) is index for listener in listeners)
     engine.put(b"k", value(1))
     engine.put(b"k", value(2))

@@ -16,7 +16,8 @@ import sys
 import time
 
 from kvstore import __version__
-from kvstore.store.engine import DRAM, GPU, SSD, now_ms
+from kvstore.store.deadlines import now_ms
+from kvstore.store.engine import DRAM, GPU, SSD
 from kvstore.store.quotas import NO_QUOTA, QUOTA_TIERS
 
 DEFAULT_SECTIONS = ("server", "clients", "memory", "stats", "cluster", "keyspace", "kvcache", "gpu", "dram", "ssd",
@@ -144,7 +145,7 @@ def keyspace_section(server) -> dict:
     engine = server.engine
     if not engine.index:
         return {}
-    return {"db0": f"keys={len(engine.index)},expires={len(engine.expires)},avg_ttl={average_ttl_ms(engine)}"}
+    return {"db0": f"keys={len(engine.index)},expires={len(engine.expiry.deadlines)},avg_ttl={average_ttl_ms(engine)}"}
 
 
 def average_ttl_ms(engine) -> int:
@@ -155,7 +156,7 @@ def average_ttl_ms(engine) -> int:
     (about 9 ns a key), paid only when INFO is asked. Keys past their
     deadline that active expiry has not reached yet pull it down a little.
     """
-    expires = engine.expires
+    expires = engine.expiry.deadlines
     if not expires:
         return 0
     return max(0, sum(expires.values()) // len(expires) - now_ms())

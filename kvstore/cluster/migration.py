@@ -281,7 +281,7 @@ class Migrator:
             log.warning("Pushing %d values to %s failed: %s", len(batch), addr, e)
         finally:
             for item in batch:
-                self.engine.release_hold(item.hold)
+                self.engine.holds.release(item.hold)
         return 0, 0
 
     def _dropped(self, keys: int, size: int) -> None:

@@ -51,7 +51,7 @@ def take(engine, key: bytes, entry: int, capture: Callable[[bytes, int], None] |
         capture(key, entry)
     parent_entry = engine.eviction.parent_of(entry)
     parent = engine.key_of(parent_entry) if parent_entry != NO_PARENT else b""
-    hold = engine.hold(entry)
+    hold = engine.holds.hold(entry)
     view = engine.view(entry)
     size = engine.size_of(entry)
     engine.delete(key)              # from now on the key is asked for at the target

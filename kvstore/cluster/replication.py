@@ -149,7 +149,7 @@ class HotCopies:
         self.replicated[key] = held + new
         self.version += 1
         self.stats.copies_made += len(new)
-        token = engine.hold(entry)                   # the value stays in place while it is sent
+        token = engine.holds.hold(entry)             # the value stays in place while it is sent
         self._tasks.spawn(self._push(key, engine.view(entry), token, new))
 
     async def _push(self, key: bytes, value: memoryview, token, holders: tuple[str, ...]) -> None:
@@ -168,7 +168,7 @@ class HotCopies:
         try:
             await asyncio.gather(*(one(holder) for holder in holders))
         finally:
-            self.engine.release_hold(token)
+            self.engine.holds.release(token)
 
     # ------------------------------------------------------------ owner: removing copies
 

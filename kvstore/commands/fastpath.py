@@ -138,7 +138,7 @@ def hold_ms(conn, key: bytes, ttl_ms: int) -> int:
     for this read only) when the key has an expiry time: an expired key leaves the index
     only when it is next looked up, and a cached lease would not look.
     """
-    return 0 if key in conn.engine.expires else ttl_ms // 2
+    return 0 if key in conn.engine.expiry.deadlines else ttl_ms // 2
 
 
 @dataclass(slots=True)
@@ -157,8 +157,8 @@ def dram_lease(conn, table, key: bytes, ttl_ms: int) -> DramLease | None:
     if entry is None:
         return None
     size = engine.size_of(entry)
-    token = engine.hold(entry)
-    lease = table.grant(conn, size, ttl_ms, lambda: engine.release_hold(token), entry=entry)
+    token = engine.holds.hold(entry)
+    lease = table.grant(conn, size, ttl_ms, lambda: engine.holds.release(token), entry=entry)
     return DramLease(lease.id, token, size, lease.word, lease.tag)
 
 

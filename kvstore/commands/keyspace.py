@@ -15,7 +15,7 @@ from kvstore.commands.glob import matches
 from kvstore.commands.strings import is_raw
 from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
-from kvstore.store.engine import now_ms
+from kvstore.store.deadlines import now_ms
 from kvstore.store.watch import touched
 
 FAMILY = Family()
@@ -150,7 +150,7 @@ def _expire(conn, args, unit_ms: int, absolute: bool = False):
     engine = conn.engine
     if engine.lookup(key) is None:
         return writer.ZERO
-    current = engine.expires.get(key)
+    current = engine.expiry.deadlines.get(key)
     if (b"NX" in flags and current is not None) or (b"XX" in flags and current is None) \
             or (b"GT" in flags and (current is None or deadline <= current)) \
             or (b"LT" in flags and current is not None and deadline >= current):
@@ -158,7 +158,7 @@ def _expire(conn, args, unit_ms: int, absolute: bool = False):
     if deadline <= now_ms():
         engine.delete(key)
     else:
-        engine.set_expire(key, deadline)
+        engine.expiry.set(key, deadline)
     return writer.ONE
 
 
@@ -186,7 +186,7 @@ def pexpireat(conn, args):
 def _ttl(conn, key: bytes, unit_ms: int, absolute: bool = False) -> bytes:
     if conn.engine.lookup(key) is None:
         return writer.integer(-2)
-    deadline = conn.engine.expires.get(key)
+    deadline = conn.engine.expiry.deadlines.get(key)
     if deadline is None:
         return writer.integer(-1)
     left = deadline if absolute else max(0, deadline - now_ms())
@@ -216,7 +216,7 @@ def pttl(conn, args):
 
 @FAMILY.command("PERSIST", 2, "write fast", "keyspace", "Removes the expiration time of a key.")
 def persist(conn, args):
-    if conn.engine.lookup(args[1]) is None or not conn.engine.persist(args[1]):
+    if conn.engine.lookup(args[1]) is None or not conn.engine.expiry.persist(args[1]):
         return writer.ZERO
     touched(conn.engine, args[1])
     return writer.ONE

@@ -26,7 +26,7 @@ def kv_put(conn, args):
         return writer.ZERO
     store(conn, args[1], args[2], opts.get(b"PARENT"))
     if b"PIN" in opts:
-        conn.engine.pin(args[1], DEFAULT_PIN_TTL_MS)
+        conn.engine.pins.pin(args[1], DEFAULT_PIN_TTL_MS)
     return writer.ONE
 
 
@@ -38,12 +38,12 @@ def kv_pin(conn, args):
     ttl = parse_int(args[2]) if len(args) == 3 else DEFAULT_PIN_TTL_MS
     if ttl <= 0:
         raise CommandError("invalid pin time in 'kv.pin' command")
-    return writer.integer(int(conn.engine.pin(args[1], ttl)))
+    return writer.integer(int(conn.engine.pins.pin(args[1], ttl)))
 
 
 @FAMILY.command(wire.KV_UNPIN, 2, "write fast", "kvcache", "Removes a block's soft pin.")
 def kv_unpin(conn, args):
-    return writer.integer(int(conn.engine.unpin(args[1])))
+    return writer.integer(int(conn.engine.pins.unpin(args[1])))
 
 
 @FAMILY.command(wire.KV_MATCH, -2, "readonly fast", "kvcache",

@@ -168,10 +168,10 @@ def kv_leaselayers(conn, args):
         else:
             key, entry = engine.key_of(found), found
             engine.get_entry(key)
-            base = engine.hold(found)         # the token is the value's arena offset
+            base = engine.holds.hold(found)   # the token is the value's arena offset
             if base is None:
                 refuse_outside_arena(conn.server.leases, [])
-            unpin = lambda: engine.release_hold(base)    # noqa: E731
+            unpin = lambda: engine.holds.release(base)    # noqa: E731
         lease = conn.server.leases.grant(conn, len(data), ttl, unpin, entry=entry)
         return writer.array([writer.integer(lease.id), writer.integer(base + first), writer.integer(len(data)),
                              writer.bulk(bytes(header)), writer.integer(lease.word), writer.integer(lease.tag)])

@@ -24,14 +24,14 @@ def _copy_value(conn, src: bytes, dst: bytes) -> None:
     """Put the live value of ``src`` (and its TTL) under ``dst``."""
     engine = conn.engine
     entry = engine.lookup(src)
-    deadline = engine.expires.get(src)
-    hold = engine.hold(entry)
+    deadline = engine.expiry.deadlines.get(src)
+    hold = engine.holds.hold(entry)
     try:
         engine.put(dst, engine.view(entry), owner=engine.owner_of(entry))     # the value keeps its tenant
     finally:
-        engine.release_hold(hold)
+        engine.holds.release(hold)
     if deadline is not None:
-        engine.set_expire(dst, deadline)
+        engine.expiry.set(dst, deadline)
 
 
 def _rename(conn, args: list, replace: bool) -> bool:

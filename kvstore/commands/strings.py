@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvstore.commands.args import SYNTAX, options, parse_int, store
 from kvstore.commands.table import CommandError, Family, all_keys, first_key
 from kvstore.net.protocol import writer
-from kvstore.store.engine import now_ms
+from kvstore.store.deadlines import now_ms
 from kvstore.store.watch import touched
 
 FAMILY = Family()
@@ -72,7 +72,7 @@ def set_(conn, args):
         return old or conn.enc.null
     store(conn, key, value, keep_ttl=keep_ttl)
     if deadline is not None:
-        engine.set_expire(key, deadline)
+        engine.expiry.set(key, deadline)
     return old or writer.OK
 
 
@@ -155,7 +155,7 @@ def getrange(conn, args):
 def _set_with_ttl(conn, args: list, unit: bytes) -> bytes:
     deadline = _deadline(unit, parse_int(args[2]), args[0].decode().lower())
     store(conn, args[1], args[3])
-    conn.engine.set_expire(args[1], deadline)
+    conn.engine.expiry.set(args[1], deadline)
     return writer.OK
 
 
@@ -221,8 +221,8 @@ def getex(conn, args):
     if deadline is not None and deadline <= now_ms():
         engine.delete(args[1])
     elif deadline is not None:
-        engine.set_expire(args[1], deadline)
-    elif chosen and engine.persist(args[1]):
+        engine.expiry.set(args[1], deadline)
+    elif chosen and engine.expiry.persist(args[1]):
         touched(engine, args[1])
     return reply
 

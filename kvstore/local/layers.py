@@ -166,7 +166,7 @@ class BlockTable:
         self.engine.commit(block.key, block.extent, block.parent)
         if block.readers:
             entry = self.engine.index[block.key]
-            block.engine_lease = (self.engine.hold(entry), entry, block.key)
+            block.engine_lease = (self.engine.holds.hold(entry), entry, block.key)
         self.stats.partial_blocks_committed += 1
 
     # ------------------------------------------------------------ readers
@@ -182,7 +182,7 @@ class BlockTable:
             if block.state == "abandoned":
                 self.engine.release(block.extent)
             elif block.engine_lease is not None:
-                self.engine.release_hold(block.engine_lease[0])
+                self.engine.holds.release(block.engine_lease[0])
                 block.engine_lease = None
         return unpin
 

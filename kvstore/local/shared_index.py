@@ -153,7 +153,7 @@ class SharedIndex:
             self._tracking = True
             self.engine.drop_listeners.append(self._on_drop)
             self.engine.overwrite_listeners.append(self._on_rewrite)
-            self.engine.expire_listeners.append(self._on_rewrite)
+            self.engine.expiry.listeners.append(self._on_rewrite)
 
     def info(self) -> dict[str, int]:
         """Counters for KV.LEASES."""
@@ -210,7 +210,7 @@ class SharedIndex:
         """Publish the value of ``entry`` if the table can take it (else clients ask the node):
         where it is in the arena, or for a value on SSD alone the tag of its payload."""
         engine, entries = self.engine, self.engine.entries
-        if len(key) > fp.INDEX_KEY_MAX or key in engine.expires:
+        if len(key) > fp.INDEX_KEY_MAX or key in engine.expiry.deadlines:
             return
         tier = entries.tier[entry]
         if tier == DRAM and not (entries.heap_copies and entry in entries.heap_copies):

@@ -326,7 +326,7 @@ class Connection:
             if size >= BIG_REPLY:
                 self._check_output_limit()
             return
-        lease = (engine.hold(entry), entry, engine.key_of(entry))     # None token: heap-staged copy
+        lease = (engine.holds.hold(entry), entry, engine.key_of(entry))     # None token: heap-staged copy
         self.out.append((self.wbuf, None))
         self.out.append((view, lease))
         self.out_bytes += len(self.wbuf) + size
@@ -437,7 +437,7 @@ class Connection:
             sent -= n
             out.popleft()
             if lease is not None:
-                self.engine.release_hold(lease[0])
+                self.engine.holds.release(lease[0])
         return not out
 
     def _update_interest(self) -> None:
@@ -493,7 +493,7 @@ class Connection:
             self.prefetched = []
         for _, lease in self.out:
             if lease is not None:
-                self.engine.release_hold(lease[0])
+                self.engine.holds.release(lease[0])
         self.out.clear()
         self.out_bytes = 0
         for callback in self.close_callbacks:

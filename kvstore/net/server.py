@@ -234,7 +234,8 @@ class Server:
 
     def _cron(self) -> None:
         try:
-            while self.engine.expire_cycle() >= 5:    # many expired: keep going, as Redis does
+            self.engine.pins.expire()
+            while self.engine.expiry.cycle() >= 5:    # many expired: keep going, as Redis does
                 pass
             for job in self._cron_jobs:
                 try:

@@ -16,6 +16,12 @@ would change the dict behind its back raise instead of drifting.
 from __future__ import annotations
 
 import random
+import time
+
+
+def now_ms() -> int:
+    """The clock deadlines are read against: ms since the epoch, as Redis's absolute expiry times."""
+    return int(time.time() * 1000)
 
 
 class Deadlines(dict):

@@ -11,9 +11,8 @@ A write is two steps so a value is never visible half-written: ``reserve``
 hands out an extent (evicting under ``allkeys-lru`` or raising ``OutOfMemory``
 under ``noeviction``) that the connection receives the bytes straight into,
 and ``commit`` publishes it under its key. A reader that sends a value from
-the arena holds it (``hold``, kvstore/store/holds.py); a delete or overwrite during
-the send hides the key at once but frees the bytes only when the hold is
-released.
+the arena holds it (``holds``); a delete or overwrite during the send hides
+the key at once but frees the bytes only when the hold is released.
 
 Lower tiers (kvstore/tiers/manager.py) are told what happens through listeners:
 ``commit_listeners`` (a value was published), ``drop_listeners`` (a value is
@@ -30,23 +29,29 @@ Tenants (kvstore/store/quotas.py): every write names the tenant making it
 the entry table records with the value; making room for it, and choosing what
 a lower tier takes (``coldest``), spare what the tenants' quotas protect.
 
-Expiry is Redis's: deadlines in a side dict (few keys carry one), checked
-lazily on access and actively by a periodic sampling cycle whose cost does
-not grow with the number of keys (kvstore/store/deadlines.py).
+The parts that are concepts of their own are objects the engine owns and
+callers use directly (``engine.holds.hold(entry)``, ``engine.expiry.set(key,
+deadline)``), each handed what it needs (the index, the eviction policy, a
+lookup or drop function) rather than the engine: ``holds`` (reads in flight,
+kvstore/store/holds.py), ``pins`` (KV.PIN soft pins, kvstore/store/pins.py)
+and ``expiry`` (TTLs and Redis's active expiry cycle, kvstore/store/expiry.py).
+The lazy half of expiry stays here, in ``lookup``, which every read goes
+through. What is left here is writes, reads, and what ties the parts together.
 """
 from __future__ import annotations
 
 import itertools
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store.arena import Arena, Extent
-from kvstore.store.deadlines import Deadlines
+from kvstore.store.deadlines import now_ms
 from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
+from kvstore.store.expiry import Expiry
 from kvstore.store.holds import ExtentHolds
+from kvstore.store.pins import SoftPins
 from kvstore.store.quotas import SHARED, Quotas
 from kvstore.store.room import NeedsDemotion, NeedsRoom, OutOfMemory, RoomMaker
 from kvstore.store.slabs import SlabAllocator
@@ -54,7 +59,7 @@ from kvstore.tiers.moves import TierMoves
 from proto.wire import TIER_DRAM, TIER_GPU, TIER_SSD
 
 __all__ = ["DRAM", "GPU", "SSD", "ON_SSD", "STAGED", "Engine", "Extent", "NeedsDemotion", "NeedsRoom",
-           "OutOfMemory", "now_ms"]
+           "OutOfMemory"]
 
 TIER_NAMES = {DRAM: TIER_DRAM, SSD: TIER_SSD, GPU: TIER_GPU}
 MAX_VALUE = 2**32 - 1  # sizes are kept in 32 bits
@@ -76,10 +81,6 @@ class EngineStats:
     evict_regions: int = 0          # regions chosen to clear for a write
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 class Engine:
     """The index of one node: every key, whichever tier its value is in, and the
     DRAM arena that values are written into."""
@@ -95,12 +96,13 @@ class Engine:
         class_of, sizes = self.allocator.class_of, self.entries.size
         self.eviction.class_of = lambda entry: class_of(sizes[entry])
         self.entries.on_dram = self._placed
-        self.holds = ExtentHolds(self.allocator, self.eviction)
+        self.holds = ExtentHolds(self.allocator, self.eviction, self.entries)   # reads in flight
         self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
         self.index: dict[bytes, int] = {}
-        self.expires = Deadlines()       # key -> deadline ms, sampleable (kvstore/store/deadlines.py)
+        self.expiry = Expiry(self.index, self._expire)     # TTLs (kvstore/store/expiry.py)
+        self._deadlines = self.expiry.deadlines             # lookup's check reads them with no attribute hop
         self.stats = EngineStats()
         self.can_demote: Callable[[], bool] | None = None   # set by a tier below DRAM
         self.commit_listeners: list[Callable[[bytes, int], None]] = []      # fn(key, entry) after a commit
@@ -110,9 +112,8 @@ class Engine:
         self.evict_listeners: list[Callable[[bool], None]] = []             # fn(demoted) per value let go
         # Cluster copies of hot blocks (kvstore/cluster/replication.py): told of in-place rewrites, shed first.
         self.overwrite_listeners: list[Callable[[bytes], None]] = []        # fn(key) before an in-place rewrite
-        self.expire_listeners: list[Callable[[bytes], None]] = []           # fn(key) when it gets a deadline
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
-        self._soft_pins: dict[int, tuple[bytes, int]] = {}   # entry -> (key, deadline ms)
+        self.pins = SoftPins(self.index, self.eviction, self.lookup)    # KV.PIN (kvstore/store/pins.py)
         self.room = RoomMaker(self)      # eviction that frees what a write needs (kvstore/store/room.py)
 
     def refuses_writes(self) -> bool:
@@ -241,7 +242,7 @@ class Engine:
         size = max(self.entries.size[entry], at + src.nbytes)
         if self._rewrite_in_place(entry, at, src, size, keep_ttl=True):
             return size
-        hold = self.hold(entry)          # the old value must survive making room for the new one
+        hold = self.holds.hold(entry)    # the old value must survive making room for the new one
         try:
             extent = self.reserve(size, owner=self.entries.owner[entry])
             old = self.view(entry)
@@ -249,7 +250,7 @@ class Engine:
             extent.view[old.nbytes:at] = bytes(max(0, at - old.nbytes))
             extent.view[at:at + src.nbytes] = src
         finally:
-            self.release_hold(hold)
+            self.holds.release(hold)
         parent = self.eviction.parent_of(entry)
         self.commit(key, extent, None if parent == NO_PARENT else self.entries.keys[parent], keep_ttl=True)
         return size
@@ -281,8 +282,8 @@ class Engine:
         if size != old:
             entries.resize(entry, size)
             alloc.requested += size - old
-        if not keep_ttl and self.expires:
-            self.expires.pop(entries.keys[entry], None)
+        if not keep_ttl and self._deadlines:
+            self._deadlines.pop(entries.keys[entry], None)
         self.eviction.touch(entry)
         return True
 
@@ -307,10 +308,9 @@ class Engine:
     def lookup(self, key: bytes) -> int | None:
         """The entry of a live key (expired keys are removed on the way)."""
         entry = self.index.get(key)
-        if entry is not None and self.expires and key in self.expires:
-            if self.expires[key] <= now_ms():
-                self._drop(entry)
-                self.stats.expired += 1
+        if entry is not None and self._deadlines and key in self._deadlines:
+            if self._deadlines[key] <= now_ms():
+                self._expire(entry)
                 return None
         return entry
 
@@ -365,79 +365,6 @@ class Engine:
         for entry in reversed(matched):
             self.eviction.touch(entry)
         return len(matched)
-
-    # ----------------------------------------------------------- holds
-
-    def hold(self, entry: int) -> int | None:
-        """Keep the value of ``entry`` in place while it is read (sent, or copied to
-        another tier); returns the token for ``release_hold``: the value's offset
-        in the arena.
-
-        A value staged on the heap needs no hold (the view keeps it alive): None.
-        """
-        if self.entries.heap_copies and entry in self.entries.heap_copies:
-            return None
-        offset = self.entries.dram_offset(entry)
-        self.holds.hold(offset, entry)
-        return offset
-
-    def release_hold(self, offset: int | None) -> None:
-        """One read of the value held at ``offset`` is done."""
-        if offset is not None:
-            self.holds.release(offset)
-
-    # ----------------------------------------------------------- pins
-
-    def pin(self, key: bytes, ttl_ms: int) -> bool:
-        """Soft-pin ``key`` for ``ttl_ms`` (KV.PIN): evicted last; the pin expires by itself."""
-        entry = self.lookup(key)
-        if entry is None:
-            return False
-        self.eviction.soft_pin(entry)
-        self._soft_pins[entry] = (key, now_ms() + ttl_ms)
-        return True
-
-    def unpin(self, key: bytes) -> bool:
-        entry = self.lookup(key)
-        if entry is None or entry not in self._soft_pins:
-            return False
-        del self._soft_pins[entry]
-        self.eviction.soft_pin(entry, False)
-        return True
-
-    def expire_pins(self) -> None:
-        now = now_ms()
-        for entry, (key, deadline) in list(self._soft_pins.items()):
-            if deadline <= now or self.index.get(key) != entry:
-                del self._soft_pins[entry]
-                if self.index.get(key) == entry:
-                    self.eviction.soft_pin(entry, False)
-
-    # ----------------------------------------------------------- expiry
-
-    def set_expire(self, key: bytes, deadline_ms: int) -> None:
-        for listener in self.expire_listeners:
-            listener(key)
-        self.expires[key] = deadline_ms
-
-    def persist(self, key: bytes) -> bool:
-        return self.expires.pop(key, None) is not None
-
-    def expire_cycle(self, samples: int = 20) -> int:
-        """Drop expired keys among a random sample (Redis's active expiry)."""
-        if self._soft_pins:
-            self.expire_pins()
-        if not self.expires:
-            return 0
-        now = now_ms()
-        keys = self.expires.sample(samples)
-        dropped = 0
-        for key in keys:
-            if self.expires[key] <= now:
-                self._drop(self.index[key])
-                self.stats.expired += 1
-                dropped += 1
-        return dropped
 
     # ----------------------------------------------------------- iteration
 
@@ -528,13 +455,18 @@ class Engine:
                 listener(entry, key)
         del self.index[key]
         if not keep_ttl:
-            self.expires.pop(key, None)
+            self._deadlines.pop(key, None)
         if entries.tier[entry] == DRAM:
             self.holds.free(entries.dram_offset(entry), entries.size[entry])
         else:
             self.moves.unstage(entry)
         self.holds.forget_entry(entry)
         entries.remove(entry)
+
+    def _expire(self, entry: int) -> None:
+        """Drop a value past its deadline (found by lookup or by the expiry cycle)."""
+        self._drop(entry)
+        self.stats.expired += 1
 
     def _evict_one(self, clean_only: bool = False) -> bool:
         """Make room in DRAM: let a clean copy go first, else evict the coldest value.

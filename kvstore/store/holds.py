@@ -5,36 +5,50 @@ a worker thread's time, after the command that asked for it has returned.
 Meanwhile a delete, an overwrite or a move may let the value go: its extent
 must not be handed out again, nor rewritten, until the last reader is done.
 
-A hold names the extent by its offset (the token a reader carries), counts
-the extent's readers, and remembers which entry it counts against in eviction,
-so that the release of a hold taken before the value moved home from a staged
-copy, or before its entry id went to another value, counts against the right
-entry (or against none).
+A reader holds an entry's value (`hold`) and gets back a token, the extent's
+offset in the arena, that it hands to `release` when done; a value staged on
+the heap needs no hold (the reader's view keeps it alive) and gets None. A
+hold names the extent by that offset, counts the extent's readers, and
+remembers which entry it counts against in eviction, so that the release of a
+hold taken before the value moved home from a staged copy, or before its entry
+id went to another value, counts against the right entry (or against none).
 """
 from __future__ import annotations
 
 from kvstore.store.allocator import BuddyAllocator
+from kvstore.store.entries import EntryTable
 from kvstore.store.eviction import SampledLRU
 
 
 class ExtentHolds:
     """Readers per held DRAM extent; frees of held extents deferred to the last release."""
 
-    def __init__(self, allocator: BuddyAllocator, policy: SampledLRU):
+    def __init__(self, allocator: BuddyAllocator, policy: SampledLRU, entries: EntryTable):
         self.allocator = allocator
         self.policy = policy
+        self.entries = entries
         self._readers: dict[int, int] = {}      # held offset -> reads in flight
         self._entry: dict[int, int] = {}         # held offset -> the entry it counts as held in eviction
         self._doomed: dict[int, int] = {}       # held offset -> size, freed at the last release
 
-    def hold(self, offset: int, entry: int) -> None:
-        """A read of ``entry``'s value at ``offset`` starts: the policy keeps the value."""
+    def hold(self, entry: int) -> int | None:
+        """Keep the value of ``entry`` in place while it is read (sent, or copied to
+        another tier): the policy keeps it and its extent is neither freed nor
+        rewritten. Returns the token for `release`: the value's offset in the
+        arena, or None for a value staged on the heap."""
+        entries = self.entries
+        if entries.heap_copies and entry in entries.heap_copies:
+            return None
+        offset = entries.dram_offset(entry)
         self._readers[offset] = self._readers.get(offset, 0) + 1
         self._entry[offset] = entry
         self.policy.hold(entry)
+        return offset
 
-    def release(self, offset: int) -> None:
-        """One read at ``offset`` is done."""
+    def release(self, offset: int | None) -> None:
+        """One read of the value held at ``offset`` (`hold`'s token) is done."""
+        if offset is None:
+            return
         entry = self._entry.get(offset)
         if entry is not None:
             self.policy.release_hold(entry)

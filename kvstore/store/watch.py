@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from weakref import WeakKeyDictionary, WeakSet
 
-from kvstore.store.engine import Engine, now_ms
+from kvstore.store.deadlines import now_ms
+from kvstore.store.engine import Engine
 
 _BY_ENGINE: WeakKeyDictionary = WeakKeyDictionary()
 
@@ -28,7 +29,7 @@ class Watches:
         engine.commit_listeners.append(lambda key, entry: self.touch(key))
         engine.drop_listeners.append(lambda entry, key: self.touch(key))
         engine.overwrite_listeners.append(self.touch)
-        engine.expire_listeners.append(self.touch)
+        engine.expiry.listeners.append(self.touch)
 
     def touch(self, key: bytes) -> None:
         """``key`` changed: every transaction watching it will abort."""
@@ -40,7 +41,7 @@ class Watches:
         """Watch ``key`` for ``conn``, noting whether it had already expired (as Redis does)."""
         if key in conn.transaction.watched:
             return
-        deadline = self.engine.expires.get(key)
+        deadline = self.engine.expiry.deadlines.get(key)
         conn.transaction.watched[key] = deadline is not None and deadline <= now_ms()
         self._watchers.setdefault(key, WeakSet()).add(conn)
 
@@ -60,7 +61,7 @@ class Watches:
         since WATCH without anyone noticing yet."""
         if conn.transaction.touched:
             return True
-        now, expires = now_ms(), self.engine.expires
+        now, expires = now_ms(), self.engine.expiry.deadlines
         return any(not was_expired and expires.get(key, now + 1) <= now
                    for key, was_expired in conn.transaction.watched.items())
 

@@ -343,7 +343,7 @@ class TierManager:
 
     def _write_to_ssd(self, key: bytes, entry: int, demote: bool) -> None:
         engine = self.engine
-        hold = engine.hold(entry)            # the bytes stay put while the writer reads them
+        hold = engine.holds.hold(entry)      # the bytes stay put while the writer reads them
         token = self._start_move(entry)
         size = engine.size_of(entry)
         self._inflight += size
@@ -359,7 +359,7 @@ class TierManager:
         engine = self.engine
         same = self._end_move(entry, token) and engine.tier_code(entry) == DRAM
         self._inflight -= size
-        engine.release_hold(hold)
+        engine.holds.release(hold)
         error = future.exception()
         if error is not None:
             self._ssd_failed(key, error)
@@ -521,7 +521,7 @@ class TierManager:
         offset = self.gpu.alloc(size)
         if offset is None:
             return
-        hold, token = engine.hold(entry), self._start_move(entry)
+        hold, token = engine.holds.hold(entry), self._start_move(entry)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._copies, self.gpu.write, offset, engine.view(entry))
         future.add_done_callback(lambda f: self._on_gpu(f, entry, hold, token, offset, size))
@@ -529,7 +529,7 @@ class TierManager:
     def _on_gpu(self, future, entry: int, hold: int | None, token: int, offset: int, size: int) -> None:
         engine = self.engine
         same = self._end_move(entry, token) and engine.tier_code(entry) == DRAM
-        engine.release_hold(hold)
+        engine.holds.release(hold)
         if future.exception() is None and same:
             self._gpu_offset[entry] = offset
             self._gpu_headers[entry] = bytes(engine.view(entry)[:HEADER_SIZE])
