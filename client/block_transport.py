@@ -88,6 +88,12 @@ class BlockTransport(ABC):
         """Close the node's connections; the transport cannot be used afterwards."""
         self.client.close()
 
+    def __enter__(self) -> BlockTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 class RespTransport(BlockTransport):
     """Blocks in RESP requests and replies (GET, KV.PUT) on the node's client: received with
