@@ -1,28 +1,29 @@
-"""CPU seconds per GB of the cross-node RESP block path, beside a raw socket and memcpy.
+"""CPU seconds per GB of remote block reads and writes over RESP, beside a raw socket, memcpy
+and the control commands an RDMA transport would keep.
 
     python -m loadtest.bench_transport [--quick] [--repeats N] [--mib N] [--markdown]
 
 What a remote block read or write costs the two machines' CPUs decides how
 many cores a node needs to keep a 100-400 Gbit/s NIC busy over RESP, and so
-what an RDMA transport (docs/transport.md) would save. One `kvstore serve`
-and one client process on loopback, as between two hosts but without a
-NIC: the client is `RespTransport` (client/block_transport.py) over a
-`KVClient` with the fast path off, so every byte crosses the socket. For
-blocks of 1 MiB and 4 MiB it reads (`read_into` a caller's buffer) and
-writes (`write`, overwriting a working set of 256 MiB) one block per round
-trip, and counts:
+what an RDMA transport (docs/transport.md) would save. Nodes and client run
+on loopback, as between two hosts but without a NIC. For blocks of 1 MiB
+and 4 MiB it reads (into a caller's buffer) and writes (overwriting a
+working set of 256 MiB) one block per round trip, and counts the client's
+CPU (this process: `time.process_time`) and the server's (its threads'
+`/proc/<pid>/task/*/schedstat`, in ns) per GB moved, over four paths:
 
-- the client's CPU (this process: `time.process_time`) and the node's
-  (its threads' `/proc/<pid>/task/*/schedstat`, in ns) per GB moved;
-- the same bytes over a raw loopback socket between this process and a
-  child (a 9-byte request, the block, a 1-byte reply for a write;
-  `recv_into` a buffer reused, `sendall` from one): the floor of any
-  socket transport in Python, kernel copies and wake-ups only;
-- one memcpy of each block from the working set into a reused buffer (the
-  copy an RDMA NIC would do instead of both CPUs).
+- RESP: `RespTransport` (client/block_transport.py) over a `KVClient` with
+  the fast path off, so every byte crosses the socket (GET, KV.PUT);
+- socket, the reference: the same bytes over a raw loopback socket between
+  this process and a child (a 9-byte request, the block, a 1-byte reply for
+  a write; `recv_into` a reused buffer, `sendall` from one): the floor of
+  any socket transport in Python, kernel copies and wake-ups only;
+- memcpy: one copy of each block from the working set into a reused buffer;
+- control: the RESP commands the RDMA design keeps per block, without the
+  bytes (`ControlPath`), on a second node: what RDMA would still cost.
 
-Each repeat runs RESP and the socket back to back (taking turns going
-first); cells are medians, ratios the median of per-repeat ratios.
+Each repeat runs RESP, the socket and the control path back to back (taking
+turns going first); cells are medians, ratios the median of per-repeat ratios.
 """
 from __future__ import annotations
 
@@ -39,14 +40,17 @@ import numpy as np
 
 from client import KVClient
 from client.block_transport import RespTransport
-from loadtest.procs import HOST, ProcessGroup, start_kvstore
+from client.connection import Connection
+from client.sockets import Endpoint
+from loadtest.procs import HOST, ProcessGroup, Server, start_kvstore
+from proto.fastpath import KV_ARENA, KV_LEASE, KV_PUBLISH, KV_RELEASE, KV_RESERVE, KV_UNRESERVE, LEASE_TTL_MS
 from loadtest.report import Table, log, machine_info, turns
 
 MIB = 1 << 20
 SIZES = (MIB, 4 * MIB)
 WORKING_SET = 256 * MIB              # distinct blocks read and overwritten: bigger than any cache here
 NIC_GBPS = 12.5                      # 100 Gbit/s, for the "cores to fill a NIC" note
-RESP, SOCKET, MEMCPY = "RESP", "socket", "memcpy"
+RESP, SOCKET, MEMCPY, CONTROL = "RESP", "socket", "memcpy", "control"
 REQUEST = struct.Struct("!cQ")       # the raw socket's request: b"R" or b"W", then the block's size
 
 
@@ -136,7 +140,48 @@ class RawSocket:
         self.process.join(5)
 
 
+# ------------------------------------------------------------------ RDMA's share: the control commands
+
+class ControlPath:
+    """The RESP commands the RDMA design (docs/transport.md) keeps per block, sent without the bytes.
+
+    A read is KV.LEASE (the extent's offset, for a one-sided read) with the
+    previous block's KV.RELEASE riding in the same round trip; a write is
+    KV.PUBLISH ... NEXT, which commits the extent the block was written into
+    and reserves the next one. What these cost both CPUs per GB is what an
+    RDMA transport would still spend: the bytes would be the NICs' work. The
+    node's arena token comes from KV.ARENA, which also starts the node's
+    shared index, so this path gets a node of its own.
+    """
+
+    def __init__(self, host: str, port: int):
+        self.conn = Connection(Endpoint(host, port), 60)
+        self.token = self.conn.round_trip([(KV_ARENA,)])[0][4]
+
+    def reads(self, keys: list[str], count: int) -> None:
+        held: list[tuple] = []
+        for i in range(count):
+            replies = self.conn.round_trip([*held, (KV_LEASE, self.token, LEASE_TTL_MS, keys[i % len(keys)])])
+            held = [(KV_RELEASE, replies[-1][0][0])]
+        self.conn.round_trip(held)
+
+    def writes(self, keys: list[str], size: int, count: int) -> None:
+        spare = self.conn.round_trip([(KV_RESERVE, self.token, LEASE_TTL_MS, size)])[0][0][0]
+        for i in range(count):
+            stored, following = self.conn.round_trip([(KV_PUBLISH, spare, keys[i % len(keys)], "NEXT",
+                                                       LEASE_TTL_MS)])[0]
+            spare = following[0]
+        self.conn.round_trip([(KV_UNRESERVE, spare)])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 # ------------------------------------------------------------------ one sample per path
+
+def keys_of(size: int, count: int) -> list[str]:
+    return [f"bench:transport:{size}:{i}" for i in range(count)]
+
 
 def blocks_of(size: int) -> np.ndarray:
     """The working set: WORKING_SET bytes of random blocks of ``size``, one per row."""
@@ -144,8 +189,7 @@ def blocks_of(size: int) -> np.ndarray:
 
 
 def resp_sample(blocks: RespTransport, op: str, rows: np.ndarray, count: int, node_pid: int):
-    keys = [f"bench:transport:{rows.shape[1]}:{i}" for i in range(len(rows))]
-    into = np.empty(rows.shape[1], dtype=np.uint8)
+    keys, into = keys_of(rows.shape[1], len(rows)), np.empty(rows.shape[1], dtype=np.uint8)
 
     def run() -> int:
         for i in range(count):
@@ -170,6 +214,18 @@ def socket_sample(raw: RawSocket, op: str, rows: np.ndarray, count: int):
     return measure(run, raw.process.pid)
 
 
+def control_sample(control: ControlPath, op: str, rows: np.ndarray, count: int, node_pid: int):
+    size, keys = rows.shape[1], keys_of(rows.shape[1], len(rows))
+
+    def run() -> int:
+        if op == "read":
+            control.reads(keys, count)
+        else:
+            control.writes(keys, size, count)
+        return count * size
+    return measure(run, node_pid)
+
+
 def memcpy_sample(rows: np.ndarray, count: int) -> tuple[float, float, float]:
     into = np.empty(rows.shape[1], dtype=np.uint8)
 
@@ -191,20 +247,24 @@ def add_sample(table: Table, case: str, column: str, sample: tuple[float, float,
     table.row(f"{case}: both sides", "s/GB").add(column, client + server)
 
 
-def run_case(table: Table, node, op: str, size: int, repeats: int, moved: int) -> None:
-    case = f"{'GET' if op == 'read' else 'KV.PUT'} {size // MIB} MiB"
-    rows = blocks_of(size)
-    count = max(moved // size, 1)
-    raw = RawSocket(size)
+def run_case(table: Table, nodes: tuple[Server, Server], op: str, size: int, repeats: int, moved: int) -> None:
+    """One operation and block size: RESP, the raw socket and the control path in turns, then memcpy."""
+    case, rows, count = f"{op} {size // MIB} MiB", blocks_of(size), max(moved // size, 1)
+    node, control_node = nodes
+    for target in nodes:                                        # the blocks a read finds on each node
+        with KVClient(target.host, target.port, fast_path="off", timeout=60) as setup:
+            setup.batch_put(zip(keys_of(size, len(rows)), rows), overwrite=True)
+    raw, control = RawSocket(size), ControlPath(control_node.host, control_node.port)
     with RespTransport(KVClient(node.host, node.port, fast_path="off", timeout=60)) as blocks:
-        blocks.batch_write(((f"bench:transport:{size}:{i}", row) for i, row in enumerate(rows)), overwrite=True)
         paths = {RESP: lambda: resp_sample(blocks, op, rows, count, node.process.pid),
-                 SOCKET: lambda: socket_sample(raw, op, rows, count)}
+                 SOCKET: lambda: socket_sample(raw, op, rows, count),
+                 CONTROL: lambda: control_sample(control, op, rows, count, control_node.process.pid)}
         for path in paths.values():
-            path()                                           # warm: connections, pages, caches
+            path()                                              # warm: connections, pages, caches
         for column, path in turns(paths, repeats):
             add_sample(table, case, column, path())
     raw.close()
+    control.close()
     for _ in range(repeats):
         add_sample(table, case, MEMCPY, memcpy_sample(rows, count))
     log(f"  {case}: done")
@@ -214,12 +274,11 @@ def cores_note(table: Table) -> list[str]:
     """Per case, the cores both sides would spend to fill a 100 Gbit/s NIC over each path."""
     notes = []
     for name, row in table.rows.items():
-        if name.endswith("both sides"):
-            resp, raw = row.median(RESP), row.median(SOCKET)
-            if resp is not None and raw is not None:
-                notes.append(f"{name.removesuffix(': both sides')}: {resp * NIC_GBPS:.1f} cores (RESP) and "
-                             f"{raw * NIC_GBPS:.1f} (raw socket), client and node together, "
-                             f"to move {NIC_GBPS:g} GB/s (a 100 Gbit/s NIC)")
+        if name.endswith("both sides") and all(row.median(c) is not None for c in (RESP, SOCKET, CONTROL)):
+            notes.append(f"{name.removesuffix(': both sides')}: to move {NIC_GBPS:g} GB/s (a 100 Gbit/s NIC) "
+                         f"client and node together spend {row.median(RESP) * NIC_GBPS:.1f} cores over RESP, "
+                         f"{row.median(SOCKET) * NIC_GBPS:.1f} over a raw socket, "
+                         f"{row.median(CONTROL) * NIC_GBPS:.2f} on RDMA's control commands")
     return notes
 
 
@@ -231,13 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true")
     opts = parser.parse_args(argv)
     repeats, moved = (2, 64 * MIB) if opts.quick else (opts.repeats, opts.mib * MIB)
-    table = Table("Cross-node block path: RESP vs a raw loopback socket (one stream, one block a round trip)",
-                  subject=RESP, reference=SOCKET, extras=(MEMCPY,))
+    table = Table("Remote block reads and writes, CPU per GB: RESP vs a raw loopback socket "
+                  "(one stream, one block a round trip)", subject=RESP, reference=SOCKET, extras=(MEMCPY, CONTROL))
     with ProcessGroup() as group:
-        node = start_kvstore(group, "1gb")
+        nodes = (start_kvstore(group, "1gb"), start_kvstore(group, "1gb", name="kvstore-control"))
         for op in ("read", "write"):
             for size in SIZES:
-                run_case(table, node, op, size, repeats, moved)
+                run_case(table, nodes, op, size, repeats, moved)
     table.notes += cores_note(table)
     machine = machine_info()
     print(table.render_markdown(machine) if opts.markdown else table.render_text(machine))
@@ -245,5 +304,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    log("bench_transport: one node, RESP and a raw socket on loopback")
+    log("bench_transport: two nodes (RESP, RDMA's control commands) and a raw socket on loopback")
     sys.exit(main())
