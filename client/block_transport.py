@@ -7,8 +7,8 @@ one implementation, `RespTransport`: the bytes travel in RESP replies and
 requests on the node's `KVClient` (which takes the node's shared-memory arena
 instead when the node runs on this host). The interface exists for the
 second one, one-sided RDMA reads and writes over Mooncake's Transfer Engine
-(docs/transport.md has its design; it needs an RDMA NIC this code has never
-run on), so its methods are shaped after the engine's calls:
+(docs/transport.md has its design; these machines have no RDMA NIC to
+build it on), so its methods are shaped after the engine's calls:
 
     read_into / batch_read_into   transfer_sync_read / batch_transfer_sync_read
     write / batch_write           transfer_sync_write / batch_transfer_sync_write
