@@ -36,6 +36,10 @@ over routing one key at a time:
   cannot serve (the copy went, the holder died) is retried on the owner.
 - **The local fast path is per node**: each node's `KVClient` maps its node's
   arena when that node runs on this host (``fast_path="auto"``).
+- **Block bytes go through a transport.** Reads, writes and prefix matches
+  take the node's `BlockTransport` (client/block_transport.py), today RESP on
+  the node's `KVClient`; everything else (tensors, layers, locate, the map)
+  takes that client itself. Routing hands each call the node's transport.
 
 A put that is not an overwrite (put-once) is not retried after ``MOVED``
 changed the map mid-batch for nodes whose part had already run: as in
@@ -53,10 +57,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from client.block_transport import BlockTransport, RespTransport
 from client.buffers import Key, key_bytes
 from client.errors import ConnectionError, KVError, ResponseError
 from client.hashing import BlockHasher
-from client.operations import Items, Location, Value, match_prefix as match_call, with_parents
+from client.operations import Items, Location, Value, with_parents
 from client.cluster_links import LinkSender
 from client.sync_client import KVClient
 from proto.slots import SLOTS, keyslot
@@ -83,14 +88,14 @@ class KVClusterClient:
         if not nodes:
             raise ValueError("name at least one node (host:port)")
         self._client_args = client_args
-        self._clients: dict[str, KVClient] = {}
-        self._clients_lock = threading.Lock()
+        self._transports: dict[str, BlockTransport] = {}
+        self._transports_lock = threading.Lock()
         self._seeds = list(nodes)
         # (node addresses, owner index per slot), replaced whole by `refresh`: an operation reads
         # it once, so a refresh in another thread never mixes two maps.
         self._map: tuple[list[str], np.ndarray] = ([], np.full(SLOTS, -1, dtype=np.int32))
         self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="kvcluster")
-        self._ask_clients: dict[str, KVClient] = {}
+        self._ask_transports: dict[str, BlockTransport] = {}
         self._ask_lock = threading.Lock()
         self._hot: dict[bytes, list[str]] = {}          # hot key -> owner and copy holders
         self._hot_versions: dict[str, Any] = {}         # per node: its hot-key map's version ...
@@ -141,33 +146,38 @@ class KVClusterClient:
         return addrs[index]
 
     def _client(self, addr: str) -> KVClient:
-        """The one client of node ``addr``, opened on first use. Double-checked under a lock: two
-        threads asking at once must not each open one (the loser's would never be closed)."""
-        client = self._clients.get(addr)
-        if client is None:
-            with self._clients_lock:
-                client = self._clients.get(addr)
-                if client is None:
+        """The one client of node ``addr``, opened on first use."""
+        return self._transport(addr).client
+
+    def _transport(self, addr: str) -> BlockTransport:
+        """The one transport of node ``addr`` (over its one client), opened on first use.
+        Double-checked under a lock: two threads asking at once must not each open one (the
+        loser's would never be closed)."""
+        transport = self._transports.get(addr)
+        if transport is None:
+            with self._transports_lock:
+                transport = self._transports.get(addr)
+                if transport is None:
                     host, _, port = addr.rpartition(":")
                     client = KVClient(host.strip("[]"), int(port), readonly=True, **self._client_args)
-                    self._clients[addr] = client
-        return client
+                    transport = self._transports[addr] = RespTransport(client)
+        return transport
 
     # ------------------------------------------------------------ routing
 
-    def _on_key(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
-        """Run ``run(client)`` on the owner of ``key``, following MOVED and ASK."""
+    def _on_key(self, key: Key, run: Callable[[BlockTransport], Any]) -> Any:
+        """Run ``run(transport)`` on the owner of ``key``, following MOVED and ASK."""
         addr = self.node_of(key)
         for _ in range(REDIRECTS):
             try:
-                return run(self._client(addr))
+                return run(self._transport(addr))
             except ResponseError as exc:
                 addr = self._redirected(exc, key, run)
                 if not isinstance(addr, str):
                     return addr[0]
         raise ClusterDown(f"too many redirections for key {key!r}")
 
-    def _redirected(self, exc: ResponseError, key: Key, run: Callable[[KVClient], Any]):
+    def _redirected(self, exc: ResponseError, key: Key, run: Callable[[BlockTransport], Any]):
         """Where to retry after a redirection: an address, or (result,) when ASK already ran it."""
         words = str(exc).split()
         if exc.code == "MOVED" and len(words) >= 3:
@@ -177,20 +187,20 @@ class KVClusterClient:
             return (self._asking(words[2], run),)
         raise exc
 
-    def _asking(self, addr: str, run: Callable[[KVClient], Any]) -> Any:
+    def _asking(self, addr: str, run: Callable[[BlockTransport], Any]) -> Any:
         """Run once on the node importing the slot, after ASKING on the same connection.
 
         A one-connection client over the wire (no fast path: its lease commands
         would be routed on their own) guarantees ASKING and the request share it.
         """
         with self._ask_lock:
-            client = self._ask_clients.get(addr)
-            if client is None:
+            transport = self._ask_transports.get(addr)
+            if transport is None:
                 host, _, port = addr.rpartition(":")
                 args = {**self._client_args, "pool_size": 1, "fast_path": "off"}
-                client = self._ask_clients[addr] = KVClient(host.strip("[]"), int(port), **args)
-            client.execute("ASKING")
-            return run(client)
+                transport = self._ask_transports[addr] = RespTransport(KVClient(host.strip("[]"), int(port), **args))
+            transport.client.execute("ASKING")
+            return run(transport)
 
     def _slots_of(self, keys: Sequence[Key]) -> list[int]:
         """The slot of each key, remembered (a prompt's keys come back in every match and read)."""
@@ -215,9 +225,9 @@ class KVClusterClient:
             groups[owner].append(index)
         return {addr: indices for addr, indices in zip(addrs, groups) if indices}
 
-    def _scatter(self, keys: Sequence[Key], run: Callable[[KVClient, list[int]], list[Any]],
+    def _scatter(self, keys: Sequence[Key], run: Callable[[BlockTransport, list[int]], list[Any]],
                  tail_first: bool = True, also: Iterable[str] = ()) -> list[Any]:
-        """Run ``run(client, indices)`` on every node with keys, in parallel; results in key order.
+        """Run ``run(transport, indices)`` on every node with keys, in parallel; results in key order.
 
         Each node gets its part ``tail_first`` (last key first): a batch is
         usually a chain's blocks in chain order, and a node touched tail first
@@ -238,7 +248,8 @@ class KVClusterClient:
         if tail_first:
             pending = {addr: indices[::-1] for addr, indices in pending.items()}
         for _ in range(REDIRECTS):
-            futures = {addr: self._pool.submit(run, self._client(addr), indices) for addr, indices in pending.items()}
+            futures = {addr: self._pool.submit(run, self._transport(addr), indices)
+                       for addr, indices in pending.items()}
             moved: list[int] = []
             for addr, future in futures.items():
                 try:
@@ -285,7 +296,7 @@ class KVClusterClient:
             self._hot_versions[addr], self._hot_entries[addr] = reply[0], reply[1]
         return self._hot_entries.get(addr, [])
 
-    def _read(self, key: Key, run: Callable[[KVClient], Any]) -> Any:
+    def _read(self, key: Key, run: Callable[[BlockTransport], Any]) -> Any:
         """A read: a hot key's goes to its owner and copies in turn, and to the next
         holder when one fails (a copy gone or a holder dead, the owner included).
 
@@ -301,7 +312,7 @@ class KVClusterClient:
         owner_failed: ConnectionError | None = None
         for addr in holders[start:] + holders[:start]:
             try:
-                return self._on_key(key, run) if addr == holders[0] else run(self._client(addr))
+                return self._on_key(key, run) if addr == holders[0] else run(self._transport(addr))
             except ConnectionError as e:      # a dead holder (the owner too): the others answer meanwhile
                 if addr == holders[0]:
                     owner_failed = e
@@ -313,26 +324,26 @@ class KVClusterClient:
     # ------------------------------------------------------------ one key
 
     def put(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> bool:
-        stored = self._on_key(key, lambda c: c.put(key, value, parent=parent, overwrite=overwrite))
+        stored = self._on_key(key, lambda t: t.write(key, value, parent=parent, overwrite=overwrite))
         return self._linked(stored, parent, key)
 
     def get(self, key: Key) -> bytearray | None:
-        return self._read(key, lambda c: c.get(key))
+        return self._read(key, lambda t: t.read(key))
 
     def get_into(self, key: Key, buffer: Any) -> int | None:
-        return self._read(key, lambda c: c.get_into(key, buffer))
+        return self._read(key, lambda t: t.read_into(key, buffer))
 
     def put_tensor(self, key: Key, tensor: Any, *, parent: Key | None = None) -> bool:
-        return self._linked(self._on_key(key, lambda c: c.put_tensor(key, tensor, parent=parent)), parent, key)
+        return self._linked(self._on_key(key, lambda t: t.client.put_tensor(key, tensor, parent=parent)), parent, key)
 
     def get_tensor(self, key: Key, *, framework: str = "numpy") -> Any:
-        return self._read(key, lambda c: c.get_tensor(key, framework=framework))
+        return self._read(key, lambda t: t.client.get_tensor(key, framework=framework))
 
     def get_tensor_into(self, key: Key, tensor: Any) -> bool:
-        return self._read(key, lambda c: c.get_tensor_into(key, tensor))
+        return self._read(key, lambda t: t.client.get_tensor_into(key, tensor))
 
     def put_layer(self, key: Key, layer: int, data: Any, **options: Any) -> Any:
-        stored = self._on_key(key, lambda c: c.put_layer(key, layer, data, **options))
+        stored = self._on_key(key, lambda t: t.client.put_layer(key, layer, data, **options))
         last = layer == options.get("n_layers", 0) - 1          # the block is whole (and its parent before it)
         return self._linked(stored, options.get("parent"), key) if last else stored
 
@@ -348,7 +359,7 @@ class KVClusterClient:
         return stored
 
     def get_layers(self, key: Key, start: int = 0, stop: int | None = None, **options: Any) -> Any:
-        return self._on_key(key, lambda c: c.get_layers(key, start, stop, **options))
+        return self._on_key(key, lambda t: t.client.get_layers(key, start, stop, **options))
 
     def batch_put_layers(self, items: Sequence[tuple[Key, int, Any]], *, n_layers: int,
                          parents: Sequence[Key | None] | None = None, timeout_ms: int | None = None) -> list[bool]:
@@ -356,8 +367,8 @@ class KVClusterClient:
         layer is in is linked to its parent's node as put_layer links it."""
         links = [None] * len(items) if parents is None else list(parents)
 
-        def put(client: KVClient, ix: list[int]) -> list[bool]:
-            return client.batch_put_layers([items[i] for i in ix], n_layers=n_layers,
+        def put(t: BlockTransport, ix: list[int]) -> list[bool]:
+            return t.client.batch_put_layers([items[i] for i in ix], n_layers=n_layers,
                                            parents=[links[i] for i in ix], timeout_ms=timeout_ms)
         stored = self._scatter([key for key, _, _ in items], put, tail_first=False)
         return [self._linked(done, parent, key) if layer == n_layers - 1 else done
@@ -366,7 +377,7 @@ class KVClusterClient:
     def batch_get_layers(self, keys: Sequence[Key], start: int = 0, stop: int | None = None, *,
                          into: Sequence[Any] | None = None, **options: Any) -> list[Any]:
         """KVClient.batch_get_layers, each node's blocks in one batch, in parallel."""
-        return self._scatter(keys, lambda c, ix: c.batch_get_layers(
+        return self._scatter(keys, lambda t, ix: t.client.batch_get_layers(
             [keys[i] for i in ix], start, stop, into=None if into is None else [into[i] for i in ix], **options))
 
     # ------------------------------------------------------------ batches
@@ -377,13 +388,13 @@ class KVClusterClient:
 
     def delete(self, *keys: Key) -> int:
         """Remove keys; how many existed. DEL stays within one slot, as Redis Cluster requires."""
-        def per_node(client: KVClient, indices: list[int]) -> list[int]:
+        def per_node(t: BlockTransport, indices: list[int]) -> list[int]:
             slots: dict[int, list[int]] = {}
             for i in indices:
                 slots.setdefault(keyslot(key_bytes(keys[i])), []).append(i)
             counts = {i: 0 for i in indices}
             for same_slot in slots.values():
-                counts[same_slot[0]] = client.delete(*(keys[i] for i in same_slot))
+                counts[same_slot[0]] = t.client.delete(*(keys[i] for i in same_slot))
             return [counts[i] for i in indices]
         return sum(self._scatter(keys, per_node))
 
@@ -391,32 +402,32 @@ class KVClusterClient:
                   overwrite: bool = True) -> list[bool]:
         pairs, links = with_parents(items, parents)
 
-        def put(client: KVClient, ix: list[int], local: list[Key | None], chain: list) -> list[bool]:
-            return client.batch_put([pairs[i] for i in ix], parents=local, overwrite=overwrite, chain_links=chain)
+        def put(t: BlockTransport, ix: list[int], local: list[Key | None], chain: list) -> list[bool]:
+            return t.batch_write([pairs[i] for i in ix], parents=local, overwrite=overwrite, chain_links=chain)
         return self._put_chain([k for k, _ in pairs], links, put)
 
     def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
-        return self._scatter(keys, lambda c, ix: c.batch_get([keys[i] for i in ix]))
+        return self._scatter(keys, lambda t, ix: t.batch_read([keys[i] for i in ix]))
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
-        return self._scatter(keys, lambda c, ix: c.batch_get_into([keys[i] for i in ix], [buffers[i] for i in ix]))
+        return self._scatter(keys, lambda t, ix: t.batch_read_into([keys[i] for i in ix], [buffers[i] for i in ix]))
 
     def batch_put_tensors(self, items: Items, *, parents: Sequence[Key | None] | None = None) -> list[bool]:
         pairs, links = with_parents(items, parents)
 
-        def put(client: KVClient, ix: list[int], local: list[Key | None], chain: list) -> list[bool]:
-            stored = client.batch_put_tensors([pairs[i] for i in ix], parents=local)
-            client.batch_put([], chain_links=chain)         # tensors go one by one: the links follow
+        def put(t: BlockTransport, ix: list[int], local: list[Key | None], chain: list) -> list[bool]:
+            stored = t.client.batch_put_tensors([pairs[i] for i in ix], parents=local)
+            t.client.batch_put([], chain_links=chain)         # tensors go one by one: the links follow
             return stored
         return self._put_chain([k for k, _ in pairs], links, put)
 
     def _put_chain(self, keys: list[Key], links: list[Key | None],
-                   put: Callable[[KVClient, list[int], list[Key | None], list], list[bool]]) -> list[bool]:
-        """A batch put, each node's part by ``put(client, indices, local parents, chain links)``,
+                   put: Callable[[BlockTransport, list[int], list[Key | None], list], list[bool]]) -> list[bool]:
+        """A batch put, each node's part by ``put(transport, indices, local parents, chain links)``,
         in chain order (not tail first), so an ancestor is there when its descendant is linked to it."""
         local, remote = self._chain_links(keys, links)
-        by_client = {self._client(addr): chain for addr, chain in remote.items()}
-        return self._scatter(keys, lambda c, ix: put(c, ix, [local[i] for i in ix], by_client.pop(c, [])),
+        by_node = {self._transport(addr): chain for addr, chain in remote.items()}
+        return self._scatter(keys, lambda t, ix: put(t, ix, [local[i] for i in ix], by_node.pop(t, [])),
                              tail_first=False, also=remote)
 
     def _chain_links(self, keys: list[Key], links: list[Key | None]) -> tuple[list[Key | None], dict[str, list]]:
@@ -451,11 +462,11 @@ class KVClusterClient:
         return local, remote
 
     def batch_get_tensors_into(self, keys: Sequence[Key], tensors: Sequence[Any]) -> list[bool]:
-        return self._scatter(keys, lambda c, ix: c.batch_get_tensors_into([keys[i] for i in ix],
+        return self._scatter(keys, lambda t, ix: t.client.batch_get_tensors_into([keys[i] for i in ix],
                                                                           [tensors[i] for i in ix]))
 
     def locate(self, keys: Sequence[Key]) -> list[Location | None]:
-        return self._scatter(keys, lambda c, ix: c.locate([keys[i] for i in ix]))
+        return self._scatter(keys, lambda t, ix: t.client.locate([keys[i] for i in ix]))
 
     # ------------------------------------------------------------ prefixes
 
@@ -470,7 +481,7 @@ class KVClusterClient:
         try:
             leading = self._match_round(keys)
         except (ResponseError, ConnectionError):
-            leading = self._scatter(keys, lambda c, ix: _leading_flags(c.match_prefix([keys[i] for i in ix]),
+            leading = self._scatter(keys, lambda t, ix: _leading_flags(t.match_prefix([keys[i] for i in ix]),
                                                                        len(ix)), tail_first=False)
         return leading.index(False) if False in leading else len(keys)
 
@@ -485,14 +496,10 @@ class KVClusterClient:
         """
         leading = [False] * len(keys)
         with ExitStack() as borrowed:
-            sent = []
-            for addr, indices in sorted(self._by_node(keys).items()):
-                conn = borrowed.enter_context(self._client(addr)._transport.connection())
-                call = match_call([keys[i] for i in indices])
-                conn.send(call.requests)
-                sent.append((conn, call, indices))
-            for conn, call, indices in sent:
-                for i in indices[:call.finish(conn.receive([None] * len(call.requests)))]:
+            sent = [(borrowed.enter_context(self._transport(addr).match_sent([keys[i] for i in indices])), indices)
+                    for addr, indices in sorted(self._by_node(keys).items())]
+            for answer, indices in sent:
+                for i in indices[:answer()]:
                     leading[i] = True
         return leading
 
@@ -516,19 +523,19 @@ class KVClusterClient:
         """Any command: sent to the owner of its first argument after the name (a key for most
         commands), or to any node when it has none."""
         if len(args) > 1:
-            return self._on_key(args[1], lambda c: c.execute(*args))
+            return self._on_key(args[1], lambda t: t.client.execute(*args))
         return self._client(self.nodes[0]).execute(*args)
 
     def close(self) -> None:
         self._links.close()             # before the clients go: a link sent later would open a new one
         self._pool.shutdown(wait=False)
-        for client in [*self._clients.values(), *self._ask_clients.values()]:
+        for transport in [*self._transports.values(), *self._ask_transports.values()]:
             try:
-                client.close()
+                transport.close()
             except ConnectionError:
                 pass
-        self._clients.clear()
-        self._ask_clients.clear()
+        self._transports.clear()
+        self._ask_transports.clear()
 
     def __enter__(self) -> KVClusterClient:
         return self
