@@ -1,19 +1,23 @@
 """Fixtures that start real daemon processes on loopback.
 
-`server` starts `python -m kvstore serve` on a free port and a Unix socket in
-a temporary folder, waits until it answers PING, and stops it with SIGTERM.
-`kvstore_factory` starts as many as a test asks for (`kvstore_factory(*flags)`,
-the arguments of `start_kvstore` after the folder) and stops every one it
-started (or was handed with `.adopt`, e.g. a restarted one) at teardown, so a test needs no try/finally of its own; a test that
-stops a daemon itself (to restart it, or with a signal) may: stopping twice is
-harmless. `kv` is a KVClient of `server`.
-`redis_server` does the same for a real redis-server (the reference).
+`kvstore_factory` starts as many `python -m kvstore serve` daemons as a test
+asks for (`kvstore_factory(*flags)`, the arguments of `start_kvstore` after
+the folder), each on a free port and a Unix socket in the test's folder, and
+stops every one it started (or was handed with `.adopt`, or started again with
+`.restart`) at teardown, so a test needs no try/finally of its own; a test
+that stops a daemon itself (to restart it, or with a signal) may: stopping
+twice is harmless. `kvstore_module_factory` is the same for a module's shared
+daemons (a start costs a second on a busy host), stopped after the module's
+last test. `server` is one daemon from the factory and `kv` a KVClient of it.
+`redis_server` does the same for a real redis-server (the reference), and
+`redis_module_server` is one shared by a module.
 
 Names: `kv` is always a client; a daemon is `server` or `node`.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -129,6 +133,20 @@ def start_kvstore(tmp_path, *extra: str, password: str | None = None,
     return daemon
 
 
+def restart(daemon: Daemon, sig: int = signal.SIGTERM) -> Daemon:
+    """Stop ``daemon`` with ``sig`` (nothing if it is stopped already) and start the same
+    command line again: the same port and socket, a new log file beside the old one."""
+    daemon.stop(sig)
+    log_path = f"{daemon.log_path or 'kv'}.{time.monotonic_ns()}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
+    again = dataclasses.replace(daemon, proc=proc, log_path=log_path)
+    try:
+        wait_ready(again.host, again.port, proc)
+    except Exception:
+        again.stop(signal.SIGKILL)
+        raise RuntimeError("kvstore did not restart:\n" + again.log())
+    return again
 
 
 class KVStoreFactory:
@@ -142,9 +160,13 @@ class KVStoreFactory:
         return self.adopt(start_kvstore(self.tmp_path, *extra, **kwargs))
 
     def adopt(self, daemon: Daemon) -> Daemon:
-        """Stop ``daemon`` (started some other way, e.g. a restart) with the others."""
+        """Stop ``daemon`` (started some other way) with the others."""
         self.started.append(daemon)
         return daemon
+
+    def restart(self, daemon: Daemon, sig: int = signal.SIGTERM) -> Daemon:
+        """`restart` ``daemon``; the new process is stopped with the others."""
+        return self.adopt(restart(daemon, sig))
 
     def stop_all(self) -> None:
         for daemon in reversed(self.started):
@@ -155,6 +177,14 @@ class KVStoreFactory:
 def kvstore_factory(tmp_path):
     """Starts kvstore daemons in ``tmp_path`` on demand; stops all of them at teardown."""
     factory = KVStoreFactory(tmp_path)
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def kvstore_module_factory(tmp_path_factory):
+    """Starts daemons shared by a module's tests; stops them after its last test."""
+    factory = KVStoreFactory(tmp_path_factory.mktemp("module"))
     yield factory
     factory.stop_all()
 
@@ -175,6 +205,14 @@ def kv(server):
 @pytest.fixture
 def redis_server(tmp_path):
     daemon = start_redis(tmp_path)
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_module_server(tmp_path_factory):
+    """One redis-server for a module's tests (each empties what it uses)."""
+    daemon = start_redis(tmp_path_factory.mktemp("redis"))
     yield daemon
     daemon.stop()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, start_kvstore
+from conftest import Daemon
 
 FAKECUDA = Path(__file__).resolve().parent / "fakecuda"
 REPO = FAKECUDA.parents[1]
@@ -44,7 +44,7 @@ def use_fake_cupy_in_children(monkeypatch, devices: str = NODE_BUS_ID) -> None:
     monkeypatch.setenv("FAKE_CUDA_DEVICES", devices)
 
 
-def start_fake_gpu_node(tmp_path, monkeypatch, *flags: str) -> Daemon:
-    """`kvstore serve --gpu-size 16mb` whose cupy is the fake."""
+def start_fake_gpu_node(kvstore_factory, monkeypatch, *flags: str) -> Daemon:
+    """`kvstore serve --gpu-size 16mb` whose cupy is the fake, started by ``kvstore_factory``."""
     use_fake_cupy_in_children(monkeypatch)
-    return start_kvstore(tmp_path, "--gpu-size", "16mb", *flags)
+    return kvstore_factory("--gpu-size", "16mb", *flags)

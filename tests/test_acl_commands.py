@@ -17,7 +17,7 @@ import pytest
 
 from client import KVClient
 from client.errors import AuthenticationError, FastPathUnavailable, ResponseError
-from conftest import free_port, start_kvstore
+from conftest import free_port
 from test_redis_compat import (ErrorReply, Pipelined, RespConnection, assert_same_replies, decode,
                                run_steps)
 
@@ -25,24 +25,22 @@ USERS = ("alice", "bob", "carol", "dave", "a b")
 
 
 @pytest.fixture(scope="module")
-def kv(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kvstore-acl")
-    aclfile = folder / "users.acl"
+def node(kvstore_module_factory):
+    aclfile = kvstore_module_factory.tmp_path / "users.acl"
     aclfile.write_text("user default on nopass ~* &* +@all\n")
-    daemon = start_kvstore(folder, "--aclfile", str(aclfile))
+    daemon = kvstore_module_factory("--aclfile", str(aclfile))
     daemon.aclfile = aclfile
-    yield daemon
-    daemon.stop()
+    return daemon
 
 
 @pytest.fixture
-def fresh_kv(kv):
+def fresh_node(node):
     """The module's node with only the default user and an empty keyspace."""
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         conn.call("ACL", "DELUSER", *USERS)
         conn.call("ACL", "SETUSER", "default", "on", "nopass", "resetkeys", "~*", "&*", "+@all")
         conn.call("FLUSHALL")
-    return kv
+    return node
 
 
 def clean(daemon) -> None:
@@ -83,17 +81,17 @@ AS_BOB = [
 ]
 
 
-def test_acl_replies_match_redis(redis_server, fresh_kv):
+def test_acl_replies_match_redis(redis_server, fresh_node):
     steps = SETUP + ERRORS + AS_BOB
     expected = run_steps(redis_server, steps)
     try:
-        assert_same_replies(expected, run_steps(fresh_kv, steps))
+        assert_same_replies(expected, run_steps(fresh_node, steps))
     finally:
-        clean(fresh_kv)
+        clean(fresh_node)
 
 
-def test_deleted_users_connections_are_closed(fresh_kv):
-    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as alice:
+def test_deleted_users_connections_are_closed(fresh_node):
+    with RespConnection(fresh_node) as admin, RespConnection(fresh_node) as alice:
         admin.call("ACL", "SETUSER", "alice", "on", ">pw", "~a:*", "+@all")
         assert alice.call("AUTH", "alice", "pw") == b"+OK\r\n"
         assert alice.call("ACL", "WHOAMI") == b"$5\r\nalice\r\n"
@@ -102,8 +100,8 @@ def test_deleted_users_connections_are_closed(fresh_kv):
         assert alice.closed_by_peer()
 
 
-def test_rule_changes_apply_to_logged_in_clients(fresh_kv):
-    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as alice:
+def test_rule_changes_apply_to_logged_in_clients(fresh_node):
+    with RespConnection(fresh_node) as admin, RespConnection(fresh_node) as alice:
         admin.call("ACL", "SETUSER", "alice", "on", ">pw", "~a:*", "+@all")
         alice.call("AUTH", "alice", "pw")
         assert alice.call("SET", "a:1", "v") == b"+OK\r\n"
@@ -112,9 +110,9 @@ def test_rule_changes_apply_to_logged_in_clients(fresh_kv):
         assert alice.call("GET", "a:1") == b"$1\r\nv\r\n"
 
 
-def test_names_passwords_and_patterns_are_binary_safe(fresh_kv):
+def test_names_passwords_and_patterns_are_binary_safe(fresh_node):
     name, password, prefix = b"t\xff\xfe", b"p\xff\x00\r\n", b"\xffbin:"
-    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as user:
+    with RespConnection(fresh_node) as admin, RespConnection(fresh_node) as user:
         assert admin.call("ACL", "SETUSER", name, "on", b">" + password, b"~" + prefix + b"*", "+@all") == \
             b"+OK\r\n"
         fields = dict(zip(*[iter(decode(admin.call("ACL", "GETUSER", name)))] * 2))
@@ -127,8 +125,8 @@ def test_names_passwords_and_patterns_are_binary_safe(fresh_kv):
         assert admin.call("ACL", "DELUSER", name) == b":1\r\n"
 
 
-def test_genpass_and_cat(fresh_kv):
-    with RespConnection(fresh_kv) as conn:
+def test_genpass_and_cat(fresh_node):
+    with RespConnection(fresh_node) as conn:
         password = decode(conn.call("ACL", "GENPASS"))
         assert len(password) == 64 and int(password, 16) >= 0
         assert len(decode(conn.call("ACL", "GENPASS", "5"))) == 2
@@ -137,10 +135,10 @@ def test_genpass_and_cat(fresh_kv):
         assert b"kv.match" in kv_commands and b"kv.arena" in kv_commands and b"get" not in kv_commands
 
 
-def test_categories_match_redis(redis_server, kv):
+def test_categories_match_redis(redis_server, node):
     """Every category holds the same commands (subcommands included) on both servers,
     for the commands both have."""
-    with RespConnection(redis_server) as redis, RespConnection(kv) as ours:
+    with RespConnection(redis_server) as redis, RespConnection(node) as ours:
         redis_categories = set(decode(redis.call("ACL", "CAT")))
         ours_all = {c: set(decode(ours.call("ACL", "CAT", c))) for c in decode(ours.call("ACL", "CAT"))}
         both = set().union(*ours_all.values()) & set().union(
@@ -154,8 +152,8 @@ def test_categories_match_redis(redis_server, kv):
         assert not differences
 
 
-def test_command_info_lists_acl_categories(kv):
-    with RespConnection(kv) as conn:
+def test_command_info_lists_acl_categories(node):
+    with RespConnection(node) as conn:
         [entry] = decode(conn.call("COMMAND", "INFO", "kv.match"))
         assert entry[6] == [b"@read", b"@fast", b"@kvcache"]
         [publish] = decode(conn.call("COMMAND", "INFO", "kv.publish"))
@@ -167,10 +165,10 @@ def test_command_info_lists_acl_categories(kv):
 NOPERM_KEY = b"-NOPERM this user has no permissions to access one of the keys used as arguments\r\n"
 
 
-def test_a_tenant_cannot_reach_another_tenants_blocks(fresh_kv):
+def test_a_tenant_cannot_reach_another_tenants_blocks(fresh_node):
     """bob (~tenantB:*, every command) against alice's blocks: every request that names
     one is refused the same way whether the block exists or not."""
-    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as bob:
+    with RespConnection(fresh_node) as admin, RespConnection(fresh_node) as bob:
         for name, prefix in (("alice", "tenantA"), ("bob", "tenantB")):
             admin.call("ACL", "SETUSER", name, "on", ">pw", f"~{prefix}:*", "+@all")
         admin.call("KV.PUT", "tenantA:1", "block-one")
@@ -194,54 +192,50 @@ def test_a_tenant_cannot_reach_another_tenants_blocks(fresh_kv):
             b"This user has no permissions to access the 'tenantA:1' key"
 
 
-def test_sdk_falls_back_to_the_wire_when_the_arena_is_refused(tmp_path):
+def test_sdk_falls_back_to_the_wire_when_the_arena_is_refused(server):
     """A restricted user's client in fast_path="auto" mode stores and reads over the
     socket; in "required" mode it is told the fast path is unavailable."""
-    daemon = start_kvstore(tmp_path)
+    with RespConnection(server) as admin:
+        assert admin.call("ACL", "SETUSER", "default", "resetkeys", "~tenantA:*") == b"+OK\r\n"
+    client = KVClient(unix_socket=server.unix_socket, fast_path="auto")
     try:
-        with RespConnection(daemon) as admin:
-            assert admin.call("ACL", "SETUSER", "default", "resetkeys", "~tenantA:*") == b"+OK\r\n"
-        client = KVClient(unix_socket=daemon.unix_socket, fast_path="auto")
-        try:
-            assert client.put(b"tenantA:block", b"x" * 100_000)
-            assert bytes(client.get(b"tenantA:block")) == b"x" * 100_000
-            assert client.match_prefix([b"tenantA:block", b"tenantA:next"]) == 1
-            assert "NOPERM" in (client.fast_path.unavailable or "")
-            assert client.fast_path.stats.reads == 0 and client.fast_path.stats.writes == 0
-        finally:
-            client.close()
-        strict = KVClient(unix_socket=daemon.unix_socket, fast_path="required")
-        try:
-            with pytest.raises(FastPathUnavailable, match="NOPERM"):
-                strict.get(b"tenantA:block")
-        finally:
-            strict.close()
+        assert client.put(b"tenantA:block", b"x" * 100_000)
+        assert bytes(client.get(b"tenantA:block")) == b"x" * 100_000
+        assert client.match_prefix([b"tenantA:block", b"tenantA:next"]) == 1
+        assert "NOPERM" in (client.fast_path.unavailable or "")
+        assert client.fast_path.stats.reads == 0 and client.fast_path.stats.writes == 0
     finally:
-        daemon.stop()
+        client.close()
+    strict = KVClient(unix_socket=server.unix_socket, fast_path="required")
+    try:
+        with pytest.raises(FastPathUnavailable, match="NOPERM"):
+            strict.get(b"tenantA:block")
+    finally:
+        strict.close()
 
 
-def test_sdk_logs_in_as_a_tenant(fresh_kv):
+def test_sdk_logs_in_as_a_tenant(fresh_node):
     """KVClient(username=...) acts as that ACL user: its tenant's keys work (over the
     wire: the arena is refused to it), another tenant's are NOPERM."""
-    with RespConnection(fresh_kv) as admin:
+    with RespConnection(fresh_node) as admin:
         admin.call("ACL", "SETUSER", "alice", "on", ">pw", "~tenantA:*", "+@all")
         admin.call("SET", "tenantB:secret", "s")
-    with KVClient(unix_socket=fresh_kv.unix_socket, username="alice", password="pw") as alice:
+    with KVClient(unix_socket=fresh_node.unix_socket, username="alice", password="pw") as alice:
         assert alice.execute("ACL", "WHOAMI") == b"alice"
         assert alice.put(b"tenantA:1", b"a" * 70_000) and bytes(alice.get(b"tenantA:1")) == b"a" * 70_000
         with pytest.raises(ResponseError, match="NOPERM"):
             alice.get(b"tenantB:secret")
         assert "NOPERM" in (alice.fast_path.unavailable or "")
     with pytest.raises(AuthenticationError, match="WRONGPASS"):
-        KVClient(unix_socket=fresh_kv.unix_socket, username="alice", password="wrong").ping()
-    clean(fresh_kv)
+        KVClient(unix_socket=fresh_node.unix_socket, username="alice", password="wrong").ping()
+    clean(fresh_node)
 
 
 # ------------------------------------------------------------------ the ACL file
 
-def test_acl_save_and_load(fresh_kv):
-    aclfile = fresh_kv.aclfile
-    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as alice:
+def test_acl_save_and_load(fresh_node):
+    aclfile = fresh_node.aclfile
+    with RespConnection(fresh_node) as admin, RespConnection(fresh_node) as alice:
         admin.call("ACL", "SETUSER", "alice", "on", ">pw", "~a:*", "+@kvcache")
         assert admin.call("ACL", "SAVE") == b"+OK\r\n"
         saved = aclfile.read_text().splitlines()
@@ -255,11 +249,11 @@ def test_acl_save_and_load(fresh_kv):
         assert admin.call("ACL", "LOAD") == b"+OK\r\n"
         assert decode(admin.call("ACL", "USERS")) == [b"bob", b"default"]
         assert alice.closed_by_peer()
-    clean(fresh_kv)
+    clean(fresh_node)
 
 
-def test_no_acl_file_and_a_bad_one_at_start(tmp_path):
-    daemon = start_kvstore(tmp_path)
+def test_no_acl_file_and_a_bad_one_at_start(tmp_path, kvstore_factory):
+    daemon = kvstore_factory()
     with RespConnection(daemon) as conn:
         assert conn.call("ACL", "SAVE").startswith(b"-ERR This Redis instance is not configured to use an ACL")
     daemon.stop()
@@ -272,14 +266,14 @@ def test_no_acl_file_and_a_bad_one_at_start(tmp_path):
     assert "Could not start" in done.stderr and "Error in applying operation '+nosuch'" in done.stderr
 
 
-def test_requirepass_set_live_is_the_default_users_password(fresh_kv):
-    with RespConnection(fresh_kv) as admin, RespConnection(fresh_kv) as later:
+def test_requirepass_set_live_is_the_default_users_password(fresh_node):
+    with RespConnection(fresh_node) as admin, RespConnection(fresh_node) as later:
         assert admin.call("CONFIG", "SET", "requirepass", "sekrit") == b"+OK\r\n"
         try:
-            with RespConnection(fresh_kv) as fresh:
+            with RespConnection(fresh_node) as fresh:
                 assert fresh.call("GET", "k").startswith(b"-NOAUTH")
                 assert fresh.call("AUTH", "default", "sekrit") == b"+OK\r\n"
             assert later.call("PING") == b"+PONG\r\n"       # already logged in as default
         finally:
             assert admin.call("CONFIG", "SET", "requirepass", "") == b"+OK\r\n"
-    assert os.path.exists(fresh_kv.aclfile)
+    assert os.path.exists(fresh_node.aclfile)

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Daemon, start_kvstore, wait_until
+from conftest import Daemon, wait_until
 from test_redis_compat import RespConnection, encode_command
 
 MiB = 1 << 20
@@ -33,27 +33,20 @@ MAXCLIENTS = 4
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory) -> Daemon:
+    return kvstore_module_factory()
 
 
 @pytest.fixture(scope="module")
-def node_guarded(tmp_path_factory) -> Daemon:
+def node_guarded(kvstore_module_factory) -> Daemon:
     """A password, a 1 MiB bulk limit and a small client limit."""
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-guarded"), "--proto-max-bulk-len", "1mb",
-                           "--maxclients", str(MAXCLIENTS), password=PASSWORD)
-    yield daemon
-    daemon.stop()
+    return kvstore_module_factory("--proto-max-bulk-len", "1mb", "--maxclients", str(MAXCLIENTS),
+                                  password=PASSWORD)
 
 
 @pytest.fixture(scope="module")
-def node_noeviction(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-noeviction"),
-                           "--maxmemory-policy", "noeviction")
-    yield daemon
-    daemon.stop()
+def node_noeviction(kvstore_module_factory) -> Daemon:
+    return kvstore_module_factory("--maxmemory-policy", "noeviction")
 
 
 def configure(daemon: Daemon, *pairs: str) -> Daemon:

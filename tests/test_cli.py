@@ -19,7 +19,7 @@ import sys
 import pytest
 import redis
 
-from conftest import Daemon, free_port, start_kvstore, wait_ready
+from conftest import Daemon, free_port, wait_ready
 from kvstore.admin.config import Config
 
 ISSUE_FLAGS = ("--bind", "--port", "--unixsocket", "--dram-size", "--maxmemory-policy", "--requirepass",
@@ -159,23 +159,21 @@ def test_bad_value_in_config_file_exits_2_with_one_error_line(tmp_path, line, me
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(f"error: {message}")
 
 
-def test_log_level_from_a_config_file(tmp_path):
+def test_log_level_from_a_config_file(kvstore_factory, tmp_path):
     port = free_port()
     path = tmp_path / "kvstore.toml"
     path.write_text(f'port = {port}\ndram-size = "8mb"\nloglevel = "warning"\n')
-    daemon = spawn(tmp_path, port, "--config", str(path))
-    try:
-        assert config_get(port, "loglevel") == "warning"
-    finally:
-        assert daemon.stop() == 0
+    daemon = spawn(kvstore_factory, port, "--config", str(path))
+    assert config_get(port, "loglevel") == "warning"
+    assert daemon.stop() == 0
     assert "Ready to accept connections" not in daemon.log()
 
 
 # ----------------------------------------------------------------- --config
 
-def spawn(tmp_path, port: int, *args: str) -> Daemon:
-    """`kvstore serve` with exactly these flags, ready on ``port``."""
-    log_path = str(tmp_path / f"kv-{port}.log")
+def spawn(kvstore_factory, port: int, *args: str) -> Daemon:
+    """`kvstore serve` with exactly these flags, ready on ``port``; stopped with the factory's."""
+    log_path = str(kvstore_factory.tmp_path / f"kv-{port}.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", *args],
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -185,7 +183,7 @@ def spawn(tmp_path, port: int, *args: str) -> Daemon:
     except Exception:
         daemon.stop(signal.SIGKILL)
         raise RuntimeError("kvstore did not start:\n" + daemon.log())
-    return daemon
+    return kvstore_factory.adopt(daemon)
 
 
 def config_get(port: int, name: str) -> str:
@@ -193,44 +191,40 @@ def config_get(port: int, name: str) -> str:
         return client.config_get(name)[name]
 
 
-def test_config_file_is_honoured(tmp_path):
+def test_config_file_is_honoured(kvstore_factory, tmp_path):
     port = free_port()
     sock = tmp_path / "from-file.sock"
     path = tmp_path / "kvstore.toml"
     path.write_text(f'port = {port}\ndram-size = "8mb"\nunixsocket = "{sock}"\nmaxclients = 7\n')
-    daemon = spawn(tmp_path, port, "--config", str(path))
-    try:
-        with redis.Redis(port=port) as client:
-            assert client.info("kvcache")["dram_capacity"] == 8 << 20
-            assert client.info("server")["config_file"] == str(path)
-        assert config_get(port, "maxclients") == "7"
-        with redis.Redis(unix_socket_path=str(sock)) as client:
-            assert client.ping()
-    finally:
-        assert daemon.stop() == 0
+    daemon = spawn(kvstore_factory, port, "--config", str(path))
+    with redis.Redis(port=port) as client:
+        assert client.info("kvcache")["dram_capacity"] == 8 << 20
+        assert client.info("server")["config_file"] == str(path)
+    assert config_get(port, "maxclients") == "7"
+    with redis.Redis(unix_socket_path=str(sock)) as client:
+        assert client.ping()
+    assert daemon.stop() == 0
 
 
-def test_a_flag_overrides_the_config_file(tmp_path):
+def test_a_flag_overrides_the_config_file(kvstore_factory, tmp_path):
     file_port, flag_port = free_port(), free_port()
     path = tmp_path / "kvstore.toml"
     path.write_text(f'port = {file_port}\ndram-size = "8mb"\nmaxmemory-policy = "noeviction"\n')
-    daemon = spawn(tmp_path, flag_port, "--config", str(path), "--port", str(flag_port),
+    daemon = spawn(kvstore_factory, flag_port, "--config", str(path), "--port", str(flag_port),
                    "--maxmemory-policy", "allkeys-lru")
-    try:
-        assert config_get(flag_port, "maxmemory-policy") == "allkeys-lru"
-        with redis.Redis(port=flag_port) as client:
-            assert client.info("kvcache")["dram_capacity"] == 8 << 20
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", file_port), timeout=2).close()
-    finally:
-        assert daemon.stop() == 0
+    assert config_get(flag_port, "maxmemory-policy") == "allkeys-lru"
+    with redis.Redis(port=flag_port) as client:
+        assert client.info("kvcache")["dram_capacity"] == 8 << 20
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", file_port), timeout=2).close()
+    assert daemon.stop() == 0
 
 
 # ----------------------------------------------------------------- shutdown
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_cleanly(tmp_path, sig):
-    daemon = start_kvstore(tmp_path, *SMALL)
+def test_signal_stops_cleanly(kvstore_factory, sig):
+    daemon = kvstore_factory(*SMALL)
     with redis.Redis(port=daemon.port) as client:       # a connected client does not hold it up
         client.set("k", "v")
         assert os.path.exists(daemon.unix_socket)
@@ -239,14 +233,11 @@ def test_signal_stops_cleanly(tmp_path, sig):
     assert "Traceback" not in daemon.log()
 
 
-def test_shutdown_from_redis_cli(tmp_path):
-    daemon = start_kvstore(tmp_path, *SMALL)
-    try:
-        subprocess.run(["redis-cli", "-p", str(daemon.port), "SHUTDOWN"], capture_output=True,
-                       timeout=10)
-        assert daemon.proc.wait(10) == 0
-    finally:
-        daemon.stop(signal.SIGKILL)
+def test_shutdown_from_redis_cli(kvstore_factory):
+    daemon = kvstore_factory(*SMALL)
+    subprocess.run(["redis-cli", "-p", str(daemon.port), "SHUTDOWN"], capture_output=True,
+                   timeout=10)
+    assert daemon.proc.wait(10) == 0
     assert not os.path.exists(daemon.unix_socket)
     assert "Traceback" not in daemon.log()
 
@@ -260,36 +251,30 @@ def connected(daemon: Daemon) -> socket.socket:
     return sock
 
 
-def test_maxclients_rejects_the_next_client(tmp_path):
-    daemon = start_kvstore(tmp_path, *SMALL, "--maxclients", "2")
-    try:
-        first, second = connected(daemon), connected(daemon)
-        with socket.create_connection((daemon.host, daemon.port), timeout=5) as third:
-            assert third.recv(128) == b"-ERR max number of clients reached\r\n"
-            assert third.recv(128) == b"", "the rejected client is disconnected"
-        first.close()
-        # The server may see the close a moment later; redis-py retries the connect meanwhile.
-        with redis.Redis(port=daemon.port) as client:
-            assert client.info("clients")["connected_clients"] == 2    # second and this one
-            assert client.info("stats")["rejected_connections"] >= 1
-        second.close()
-    finally:
-        daemon.stop()
+def test_maxclients_rejects_the_next_client(kvstore_factory):
+    daemon = kvstore_factory(*SMALL, "--maxclients", "2")
+    first, second = connected(daemon), connected(daemon)
+    with socket.create_connection((daemon.host, daemon.port), timeout=5) as third:
+        assert third.recv(128) == b"-ERR max number of clients reached\r\n"
+        assert third.recv(128) == b"", "the rejected client is disconnected"
+    first.close()
+    # The server may see the close a moment later; redis-py retries the connect meanwhile.
+    with redis.Redis(port=daemon.port) as client:
+        assert client.info("clients")["connected_clients"] == 2    # second and this one
+        assert client.info("stats")["rejected_connections"] >= 1
+    second.close()
 
 
-def test_unixsocket_serves_redis_cli(tmp_path):
-    daemon = start_kvstore(tmp_path, *SMALL)
-    try:
-        def cli(*args: str) -> str:
-            done = subprocess.run(["redis-cli", "-s", daemon.unix_socket, *args], capture_output=True,
-                                  text=True, timeout=10)
-            assert done.returncode == 0, done.stderr
-            return done.stdout.strip()
+def test_unixsocket_serves_redis_cli(kvstore_factory):
+    daemon = kvstore_factory(*SMALL)
+    def cli(*args: str) -> str:
+        done = subprocess.run(["redis-cli", "-s", daemon.unix_socket, *args], capture_output=True,
+                              text=True, timeout=10)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
 
-        assert cli("PING") == "PONG"
-        assert cli("SET", "greeting", "hello world") == "OK"
-        assert cli("GET", "greeting") == "hello world"
-        with redis.Redis(port=daemon.port) as client:
-            assert client.get("greeting") == b"hello world"
-    finally:
-        daemon.stop()
+    assert cli("PING") == "PONG"
+    assert cli("SET", "greeting", "hello world") == "OK"
+    assert cli("GET", "greeting") == "hello world"
+    with redis.Redis(port=daemon.port) as client:
+        assert client.get("greeting") == b"hello world"

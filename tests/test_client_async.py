@@ -14,8 +14,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import pytest
 import uvloop
-from conftest import start_kvstore
-from test_client_sync import daemon, payload, restart, scripted_server, server, silent_listener  # noqa: F401  (shared fixtures)
+from test_client_sync import node, payload, scripted_server, server, silent_listener  # noqa: F401  (shared fixtures)
 
 from client import (AsyncKVClient, AuthenticationError, BlockHasher, BufferTooSmall, ConnectionError,
                     KVError, Location, Namespace, ResponseError, TimeoutError)
@@ -162,8 +161,8 @@ def test_server_error_reply(server):
     run(scenario())
 
 
-def test_password(tmp_path):
-    daemon = start_kvstore(tmp_path, password="pw")
+def test_password(kvstore_factory):
+    daemon = kvstore_factory(password="pw")
 
     async def scenario():
         async with AsyncKVClient(daemon.host, daemon.port, password="pw") as kv:
@@ -176,26 +175,20 @@ def test_password(tmp_path):
         async with AsyncKVClient(daemon.host, daemon.port) as kv:
             with pytest.raises(AuthenticationError):
                 await kv.get("k")
-    try:
-        run(scenario())
-    finally:
-        daemon.stop()
+    run(scenario())
 
 
-def test_server_restarted_mid_session(tmp_path):
-    daemons = [start_kvstore(tmp_path)]
+def test_server_restarted_mid_session(kvstore_factory):
+    daemons = [kvstore_factory()]
 
     async def scenario():
         async with AsyncKVClient(daemons[0].host, daemons[0].port) as kv:
             assert await kv.put("before", b"1")
-            daemons.append(restart(daemons[0]))
+            daemons.append(kvstore_factory.restart(daemons[0]))
             assert await kv.put("after", b"2") is True
             assert await kv.get("before") is None
             assert await kv.get("after") == b"2"
-    try:
-        run(scenario())
-    finally:
-        daemons[-1].stop()
+    run(scenario())
 
 
 def test_reads_retry_and_put_once_does_not():

@@ -2,7 +2,7 @@
 
 They start the real kvstore daemon: one per module, emptied before each test
 and reached over TCP and its Unix socket, plus daemons of their own (through
-`start_kvstore`) for a password and for a restart mid-session. Small loopback
+`kvstore_factory`) for a password and for a restart mid-session. Small loopback
 listeners of their own stand for the failures a daemon does not produce on
 demand: a server that never answers, one that drops a connection in the
 middle of a request.
@@ -10,11 +10,8 @@ middle of a request.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import signal
 import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-from conftest import Daemon, free_port, start_kvstore, wait_ready
+from conftest import Daemon, free_port
 
 from client import (AuthenticationError, BlockHasher, BufferTooSmall, ConnectionError, KVClient,
                     KVError, Location, Namespace, ProtocolError, ResponseError, TimeoutError)
@@ -31,19 +28,17 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[Daemon]:
+def node(kvstore_module_factory) -> Daemon:
     """One kvstore daemon for the tests of this module that do not stop or reconfigure it."""
-    running = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield running
-    running.stop()
+    return kvstore_module_factory()
 
 
 @pytest.fixture
-def server(daemon) -> Daemon:
+def server(node) -> Daemon:
     """The module's daemon, emptied (FLUSHALL) before each test."""
-    with KVClient(daemon.host, daemon.port) as kv:
+    with KVClient(node.host, node.port) as kv:
         kv.execute("FLUSHALL")
-    return daemon
+    return node
 
 
 @pytest.fixture(params=["tcp", "unix"])
@@ -58,21 +53,6 @@ def payload(size: int, seed: int = 0) -> bytes:
 
 
 # --- helpers shared with test_client_async.py -------------------------------------
-
-def restart(daemon: Daemon, sig: int = signal.SIGTERM) -> Daemon:
-    """Stop the daemon (``sig``: SIGKILL for a crash) and start a fresh one with the same
-    flags (same port, same socket)."""
-    daemon.stop(sig)
-    with open(daemon.log_path, "ab") as log:
-        proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
-    fresh = dataclasses.replace(daemon, proc=proc)
-    try:
-        wait_ready(fresh.host, fresh.port, proc)
-    except Exception:
-        fresh.stop()
-        raise
-    return fresh
-
 
 @contextlib.contextmanager
 def silent_listener() -> Iterator[int]:
@@ -318,33 +298,27 @@ def test_server_error_reply_is_raised_and_the_connection_survives(server):
 
 
 @pytest.mark.parametrize("via", ["tcp", "unix"])
-def test_password(tmp_path, via):
-    daemon = start_kvstore(tmp_path, password="pw")
+def test_password(kvstore_factory, via):
+    daemon = kvstore_factory(password="pw")
     where = {"unix_socket": daemon.unix_socket} if via == "unix" else {}
-    try:
-        with KVClient(daemon.host, daemon.port, password="pw", **where) as kv:
-            assert kv.put("k", b"v") and kv.get("k") == b"v"
-        with KVClient(daemon.host, daemon.port, password="wrong", **where) as kv:
-            with pytest.raises(AuthenticationError):
-                kv.ping()
-        with KVClient(daemon.host, daemon.port, **where) as kv:
-            with pytest.raises(AuthenticationError):
-                kv.get("k")
-    finally:
-        daemon.stop()
+    with KVClient(daemon.host, daemon.port, password="pw", **where) as kv:
+        assert kv.put("k", b"v") and kv.get("k") == b"v"
+    with KVClient(daemon.host, daemon.port, password="wrong", **where) as kv:
+        with pytest.raises(AuthenticationError):
+            kv.ping()
+    with KVClient(daemon.host, daemon.port, **where) as kv:
+        with pytest.raises(AuthenticationError):
+            kv.get("k")
 
 
-def test_server_restarted_mid_session(tmp_path):
-    daemon = start_kvstore(tmp_path)
-    try:
-        with KVClient(daemon.host, daemon.port) as kv:
-            assert kv.put("before", b"1")
-            daemon = restart(daemon)
-            assert kv.put("after", b"2") is True     # not retried: the stale connection was replaced
-            assert kv.get("before") is None          # a fresh daemon, an empty cache
-            assert kv.batch_get(["after"]) == [b"2"]
-    finally:
-        daemon.stop()
+def test_server_restarted_mid_session(kvstore_factory):
+    daemon = kvstore_factory()
+    with KVClient(daemon.host, daemon.port) as kv:
+        assert kv.put("before", b"1")
+        daemon = kvstore_factory.restart(daemon)
+        assert kv.put("after", b"2") is True     # not retried: the stale connection was replaced
+        assert kv.get("before") is None          # a fresh daemon, an empty cache
+        assert kv.batch_get(["after"]) == [b"2"]
 
 
 def test_idempotent_reads_retry_after_a_dropped_connection():

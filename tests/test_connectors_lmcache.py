@@ -20,7 +20,6 @@ import random
 
 import pytest
 
-from conftest import start_kvstore
 from loadtest.bench_lmcache import Rig
 
 CHUNKS = 10
@@ -34,18 +33,14 @@ def rig():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(kvstore_module_factory):
     """One node for the tests that use distinct keys (a node start costs a second on a busy host)."""
-    daemon = start_kvstore(tmp_path_factory.mktemp("lmcache-node"))
-    yield daemon
-    daemon.stop()
+    return kvstore_module_factory()
 
 
 @pytest.fixture
-def small_node(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "16mb")              # ~30 chunks of 512 KiB
-    yield daemon
-    daemon.stop()
+def small_node(kvstore_factory):
+    return kvstore_factory("--dram-size", "16mb")              # ~30 chunks of 512 KiB
 
 
 def release(*memory_objs) -> None:

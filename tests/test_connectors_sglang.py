@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import signal
-import subprocess
 import sys
 import time
 
@@ -19,7 +18,6 @@ from transformers import DynamicCache
 from client import BlockHasher, KVClient
 from client.connectors import sglang_hicache
 from client.connectors.sglang_hicache import HiCacheStore
-from conftest import start_kvstore, wait_ready
 from loadtest.bench_sglang import create_backend, extra_config, fill_pages, host_pool, load_sglang, same_pages
 from loadtest.bench_sglang import storage_config as make_config
 from workers.catalog import TINY
@@ -36,10 +34,8 @@ def sg():
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield daemon
-    daemon.stop()
+def store(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 def backend_over(sg, daemon, pool, *, layout="page_first", model="org/model-7B", tp_rank=0, tp_size=1, **extra):
@@ -141,63 +137,52 @@ def test_tp_ranks_and_models_keep_apart(sg, store):
 
 # ---------------------------------------------------------------------- a store down, slow, misnamed
 
-def restart(daemon) -> None:
-    daemon.proc = subprocess.Popen(daemon.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    wait_ready(daemon.host, daemon.port, daemon.proc)
-
-
-def test_a_store_that_goes_down_gives_misses_and_is_used_again_when_back(sg, tmp_path, caplog):
-    daemon = start_kvstore(tmp_path)
-    try:
-        _, pool = host_pool(sg, "page_first")
-        backend = backend_over(sg, daemon, pool, store_retry_s=0.2, store_timeout_s=1.0)
-        keys = ["d0", "d1"]
-        src, dst = fill_pages(pool, 0, 2, seed=5), page_indices(pool, 4, 2)
-        assert all(backend.batch_set_v1(keys, src))
-        daemon.stop(signal.SIGKILL)
-        with caplog.at_level(logging.WARNING, logger=LOG):
-            for _ in range(3):
-                assert backend.batch_exists(keys) == 0
-                assert backend.batch_get_v1(keys, dst) == [False, False]
-                assert backend.batch_set_v1(keys, src) == [False, False]
-                assert backend.get("d0", torch.empty(4)) is None and backend.set("d0", torch.zeros(4)) is False
-                time.sleep(0.25)
-        unreachable = [r for r in caplog.records if "cannot be used" in r.getMessage()]
-        assert len(unreachable) == 1 and f"{daemon.host}:{daemon.port}" in unreachable[0].getMessage()
-        restart(daemon)
-        time.sleep(0.25)
-        with caplog.at_level(logging.WARNING, logger=LOG):
-            assert backend.batch_set_v1(keys, src) == [True, True]              # the restarted node is empty
-        assert any("answers again" in r.getMessage() for r in caplog.records)
-        assert backend.batch_exists(keys) == 2
-        assert backend.batch_get_v1(keys, dst) == [True, True] and same_pages(pool, src, dst)
-        backend.close()
-    finally:
-        daemon.stop()
-
-
-def test_a_stopped_store_costs_a_timeout_not_an_exception(sg, tmp_path):
-    daemon = start_kvstore(tmp_path)
-    try:
-        _, pool = host_pool(sg, "page_first")
-        backend = backend_over(sg, daemon, pool, store_retry_s=0.2, store_timeout_s=0.5)
-        keys = ["s0", "s1"]
-        src, dst = fill_pages(pool, 0, 2, seed=9), page_indices(pool, 4, 2)
-        assert all(backend.batch_set_v1(keys, src))
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
-            start = time.monotonic()
+def test_a_store_that_goes_down_gives_misses_and_is_used_again_when_back(sg, kvstore_factory, caplog):
+    daemon = kvstore_factory()
+    _, pool = host_pool(sg, "page_first")
+    backend = backend_over(sg, daemon, pool, store_retry_s=0.2, store_timeout_s=1.0)
+    keys = ["d0", "d1"]
+    src, dst = fill_pages(pool, 0, 2, seed=5), page_indices(pool, 4, 2)
+    assert all(backend.batch_set_v1(keys, src))
+    daemon.stop(signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        for _ in range(3):
             assert backend.batch_exists(keys) == 0
-            assert backend.batch_set_v1(["s2"], src[:PAGE]) == [False]          # skipped: the store is down
-            assert time.monotonic() - start < 3.0
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
-        time.sleep(0.25)
-        assert backend.batch_exists(keys) == 2
-        assert backend.batch_get_v1(keys, dst) == [True, True] and same_pages(pool, src, dst)
-        backend.close()
+            assert backend.batch_get_v1(keys, dst) == [False, False]
+            assert backend.batch_set_v1(keys, src) == [False, False]
+            assert backend.get("d0", torch.empty(4)) is None and backend.set("d0", torch.zeros(4)) is False
+            time.sleep(0.25)
+    unreachable = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert len(unreachable) == 1 and f"{daemon.host}:{daemon.port}" in unreachable[0].getMessage()
+    kvstore_factory.restart(daemon)
+    time.sleep(0.25)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        assert backend.batch_set_v1(keys, src) == [True, True]              # the restarted node is empty
+    assert any("answers again" in r.getMessage() for r in caplog.records)
+    assert backend.batch_exists(keys) == 2
+    assert backend.batch_get_v1(keys, dst) == [True, True] and same_pages(pool, src, dst)
+    backend.close()
+
+
+def test_a_stopped_store_costs_a_timeout_not_an_exception(sg, kvstore_factory):
+    daemon = kvstore_factory()
+    _, pool = host_pool(sg, "page_first")
+    backend = backend_over(sg, daemon, pool, store_retry_s=0.2, store_timeout_s=0.5)
+    keys = ["s0", "s1"]
+    src, dst = fill_pages(pool, 0, 2, seed=9), page_indices(pool, 4, 2)
+    assert all(backend.batch_set_v1(keys, src))
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(["s2"], src[:PAGE]) == [False]          # skipped: the store is down
+        assert time.monotonic() - start < 3.0
     finally:
-        daemon.stop()
+        daemon.proc.send_signal(signal.SIGCONT)
+    time.sleep(0.25)
+    assert backend.batch_exists(keys) == 2
+    assert backend.batch_get_v1(keys, dst) == [True, True] and same_pages(pool, src, dst)
+    backend.close()
 
 
 @pytest.mark.parametrize("extra, names", [

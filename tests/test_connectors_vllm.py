@@ -12,7 +12,6 @@ import torch
 
 from client import BlockHasher, KVClient
 from client.connectors.vllm_v1 import KVLayout, StoreKVConnector
-from conftest import start_kvstore
 from workers.kvio import EngineRequest
 
 LAYOUT = KVLayout(n_layers=3, kv_heads=2, head_dim=4, block_tokens=8)
@@ -20,10 +19,8 @@ NAMES = [f"layer.{i}" for i in range(LAYOUT.n_layers)]
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield daemon
-    daemon.stop()
+def store(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 @pytest.fixture

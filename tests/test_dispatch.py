@@ -7,7 +7,6 @@ import socket
 
 import redis
 
-from conftest import start_kvstore
 from test_plain_path import command, read_until
 
 
@@ -15,25 +14,22 @@ def _read_until(sock: socket.socket, tail: bytes, timeout: float = 20.0) -> byte
     return read_until(sock, lambda data: data.endswith(tail), timeout)
 
 
-def test_exec_keeps_reply_order_when_queued_writes_wait_for_room(tmp_path):
+def test_exec_keeps_reply_order_when_queued_writes_wait_for_room(kvstore_factory, tmp_path):
     """DRAM full of values that exist only there: each queued SET waits for demotion.
     The transaction's replies stay in order and nothing after EXEC overtakes them."""
-    daemon = start_kvstore(tmp_path, "--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"),
+    daemon = kvstore_factory("--dram-size", "8mb", "--ssd-dir", str(tmp_path / "ssd"),
                            "--ssd-size", "256mb")
-    try:
-        big = os.urandom(1 << 20)
-        payload = b"".join(command("SET", f"fill{i}", big) for i in range(12))
-        payload += command("SET", "small", "x") + command("MULTI")
-        payload += command("SET", "t1", big[:900_000]) + command("SET", "t2", big[:800_000])
-        payload += command("GET", "small") + command("EXEC") + command("PING")
-        with socket.create_connection((daemon.host, daemon.port)) as sock:
-            sock.sendall(payload)
-            replies = _read_until(sock, b"+PONG\r\n")
-        assert replies == b"+OK\r\n" * 14 + b"+QUEUED\r\n" * 3 + b"*3\r\n+OK\r\n+OK\r\n$1\r\nx\r\n+PONG\r\n"
-        client = redis.Redis(daemon.host, daemon.port)
-        assert client.get("t1") == big[:900_000] and client.get("t2") == big[:800_000]
-    finally:
-        daemon.stop()
+    big = os.urandom(1 << 20)
+    payload = b"".join(command("SET", f"fill{i}", big) for i in range(12))
+    payload += command("SET", "small", "x") + command("MULTI")
+    payload += command("SET", "t1", big[:900_000]) + command("SET", "t2", big[:800_000])
+    payload += command("GET", "small") + command("EXEC") + command("PING")
+    with socket.create_connection((daemon.host, daemon.port)) as sock:
+        sock.sendall(payload)
+        replies = _read_until(sock, b"+PONG\r\n")
+    assert replies == b"+OK\r\n" * 14 + b"+QUEUED\r\n" * 3 + b"*3\r\n+OK\r\n+OK\r\n$1\r\nx\r\n+PONG\r\n"
+    client = redis.Redis(daemon.host, daemon.port)
+    assert client.get("t1") == big[:900_000] and client.get("t2") == big[:800_000]
 
 
 def test_client_list_counts_queued_commands(server):

@@ -9,8 +9,6 @@ import pytest
 
 from client import AsyncKVClient, BufferTooSmall, KVClient, ResponseError
 from client.errors import FastPathUnavailable
-from conftest import start_kvstore
-from test_client_sync import restart
 from proto import fastpath as fp
 
 MIB = 1 << 20
@@ -84,19 +82,16 @@ def test_modes_and_a_node_without_a_fast_path(server, redis_server):
             kv.get("k")
 
 
-def test_a_node_restart_is_noticed_and_the_arena_mapped_again(tmp_path):
-    daemons = [start_kvstore(tmp_path)]
-    try:
-        with KVClient(port=daemons[0].port, fast_path="required") as kv:
-            kv.put("k", pattern(4, MIB))
-            old_mapping = kv.fast_path.arena()
-            daemons.append(restart(daemons[0]))
-            assert kv.get("k") is None                   # not the dead node's bytes
-            kv.put("k", pattern(5, MIB))
-            assert kv.get("k") == pattern(5, MIB).tobytes()
-            assert kv.fast_path.arena() is not old_mapping
-    finally:
-        daemons[-1].stop()
+def test_a_node_restart_is_noticed_and_the_arena_mapped_again(kvstore_factory):
+    daemon = kvstore_factory()
+    with KVClient(port=daemon.port, fast_path="required") as kv:
+        kv.put("k", pattern(4, MIB))
+        old_mapping = kv.fast_path.arena()
+        kvstore_factory.restart(daemon)
+        assert kv.get("k") is None                   # not the dead node's bytes
+        kv.put("k", pattern(5, MIB))
+        assert kv.get("k") == pattern(5, MIB).tobytes()
+        assert kv.fast_path.arena() is not old_mapping
 
 
 def test_bad_fast_path_input_gets_clear_errors(server):

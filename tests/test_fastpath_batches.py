@@ -12,7 +12,7 @@ import pytest
 
 from client import AsyncKVClient, KVClient, ResponseError
 from client.errors import TimeoutError
-from conftest import eventually, start_kvstore
+from conftest import eventually
 from test_fastpath_faults import counters
 
 MIB = 1 << 20
@@ -52,19 +52,16 @@ def test_every_value_of_a_batch_lands_whole_and_put_once_answers_per_value(serve
         assert kv.fast_path.stats.wire_calls == 0
 
 
-def test_a_batch_the_node_has_no_room_for_stores_nothing(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "24mb", "--maxmemory-policy", "noeviction")
-    try:
-        with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
-            keys = [f"k{n}" for n in range(COUNT)]
-            with pytest.raises(ResponseError, match="OOM|room|memory"):
-                kv.batch_put({key: value(n) for n, key in enumerate(keys)})
-            assert stored(kv, keys) == [None] * COUNT
-            assert eventually(lambda: no_reservations_left(kv))
-            kv.delete(*keys)
-            assert kv.put("after", value(7)) is True and stored(kv, ["after"]) == [7]
-    finally:
-        daemon.stop()
+def test_a_batch_the_node_has_no_room_for_stores_nothing(kvstore_factory):
+    daemon = kvstore_factory("--dram-size", "24mb", "--maxmemory-policy", "noeviction")
+    with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
+        keys = [f"k{n}" for n in range(COUNT)]
+        with pytest.raises(ResponseError, match="OOM|room|memory"):
+            kv.batch_put({key: value(n) for n, key in enumerate(keys)})
+        assert stored(kv, keys) == [None] * COUNT
+        assert eventually(lambda: no_reservations_left(kv))
+        kv.delete(*keys)
+        assert kv.put("after", value(7)) is True and stored(kv, ["after"]) == [7]
 
 
 def test_a_copy_that_fails_half_way_gives_its_reservations_back_at_once(server):

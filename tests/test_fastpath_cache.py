@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from client import KVClient
-from conftest import eventually, start_kvstore
+from conftest import eventually
 from test_fastpath_faults import ROOT, counters
 
 MIB = 1 << 20
@@ -85,36 +85,30 @@ def test_a_key_with_an_expiry_is_never_read_past_it_from_a_held_lease(server):
         assert read_version(kv, "k") is None
 
 
-def test_eviction_pressure_leaves_held_values_whole_and_current(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "16mb")
-    try:
-        with leasing(KVClient(unix_socket=daemon.unix_socket, fast_path="required")) as reader, \
-                KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
-            writer.put("held", version(9))
-            assert read_version(reader, "held") == 9
-            for n in range(40):                                    # 40 MiB through a 16 MiB arena
-                writer.put(f"fill{n}", version(n), overwrite=True)
-            on_node = writer.get("held")
-            got = read_version(reader, "held")
-            assert got == (None if on_node is None else on_node[0])
-    finally:
-        daemon.stop()
+def test_eviction_pressure_leaves_held_values_whole_and_current(kvstore_factory):
+    daemon = kvstore_factory("--dram-size", "16mb")
+    with leasing(KVClient(unix_socket=daemon.unix_socket, fast_path="required")) as reader, \
+            KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
+        writer.put("held", version(9))
+        assert read_version(reader, "held") == 9
+        for n in range(40):                                    # 40 MiB through a 16 MiB arena
+            writer.put(f"fill{n}", version(n), overwrite=True)
+        on_node = writer.get("held")
+        got = read_version(reader, "held")
+        assert got == (None if on_node is None else on_node[0])
 
 
-def test_values_demoted_to_ssd_read_back_current_through_held_leases(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"))
-    try:
-        with leasing(KVClient(unix_socket=daemon.unix_socket, fast_path="required", lease_ttl_ms=20)) as reader, \
-                KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
-            for n in range(40):
-                writer.put(f"v{n}", version(n), overwrite=True)
-                assert read_version(reader, f"v{n}") == n % 251
-            for n in range(40):                                   # the early ones went to SSD and come back
-                assert read_version(reader, f"v{n}") == n % 251
-                writer.put(f"v{n}", version(n + 100), overwrite=True)
-                assert read_version(reader, f"v{n}") == (n + 100) % 251
-    finally:
-        daemon.stop()
+def test_values_demoted_to_ssd_read_back_current_through_held_leases(kvstore_factory, tmp_path):
+    daemon = kvstore_factory("--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"))
+    with leasing(KVClient(unix_socket=daemon.unix_socket, fast_path="required", lease_ttl_ms=20)) as reader, \
+            KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
+        for n in range(40):
+            writer.put(f"v{n}", version(n), overwrite=True)
+            assert read_version(reader, f"v{n}") == n % 251
+        for n in range(40):                                   # the early ones went to SSD and come back
+            assert read_version(reader, f"v{n}") == n % 251
+            writer.put(f"v{n}", version(n + 100), overwrite=True)
+            assert read_version(reader, f"v{n}") == (n + 100) % 251
 
 
 def test_puts_reuse_spares_reserved_by_the_previous_put(server):

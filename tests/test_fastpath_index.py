@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 
 from client import AsyncKVClient, KVClient, LeaseExpired
-from conftest import eventually, start_kvstore, wait_until
-from test_client_sync import restart
+from conftest import eventually, wait_until
 from test_fastpath_faults import ROOT, counters
 
 MIB = 1 << 20
@@ -110,64 +109,55 @@ def test_a_value_changed_during_the_copy_is_never_returned(pair, case):
     assert ran and reader.fast_path.stats.index_races == 1
 
 
-def test_a_value_evicted_during_the_copy_is_never_returned(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "16mb")
-    try:
-        with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as reader, \
-                KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
-            reader.fast_path.arena()
-            writer.put("k", version(1))
+def test_a_value_evicted_during_the_copy_is_never_returned(kvstore_factory):
+    daemon = kvstore_factory("--dram-size", "16mb")
+    with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as reader, \
+            KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
+        reader.fast_path.arena()
+        writer.put("k", version(1))
 
-            def evict() -> None:
-                for n in range(24):                                  # 24 MiB through a 16 MiB arena
-                    writer.put(f"fill{n}", version(100 + n), overwrite=True)
-                assert writer.exists("k") == 0
-            ran = during_the_copy(reader, evict)
-            assert read_version(reader, "k") is None
-            assert ran and reader.fast_path.stats.index_races == 1
-    finally:
-        daemon.stop()
+        def evict() -> None:
+            for n in range(24):                                  # 24 MiB through a 16 MiB arena
+                writer.put(f"fill{n}", version(100 + n), overwrite=True)
+            assert writer.exists("k") == 0
+        ran = during_the_copy(reader, evict)
+        assert read_version(reader, "k") is None
+        assert ran and reader.fast_path.stats.index_races == 1
 
 
-def test_a_value_demoted_during_the_copy_is_read_from_its_new_tier(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"))
-    try:
-        with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as reader, \
-                KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
-            reader.fast_path.arena()
-            writer.put("k", version(1))
+def test_a_value_demoted_during_the_copy_is_read_from_its_new_tier(kvstore_factory, tmp_path):
+    daemon = kvstore_factory("--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"))
+    with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as reader, \
+            KVClient(unix_socket=daemon.unix_socket, fast_path="off") as writer:
+        reader.fast_path.arena()
+        writer.put("k", version(1))
 
-            def demote() -> None:
-                for n in range(24):
-                    writer.put(f"fill{n}", version(100 + n), overwrite=True)
-                wait_until(lambda: writer.locate(["k"])[0].tier == "ssd", what="k to reach SSD")
-            ran = during_the_copy(reader, demote)
-            assert read_version(reader, "k") == 1                   # the same value, read from SSD
-            assert ran and reader.fast_path.stats.index_races == 1
-    finally:
-        daemon.stop()
+        def demote() -> None:
+            for n in range(24):
+                writer.put(f"fill{n}", version(100 + n), overwrite=True)
+            wait_until(lambda: writer.locate(["k"])[0].tier == "ssd", what="k to reach SSD")
+        ran = during_the_copy(reader, demote)
+        assert read_version(reader, "k") == 1                   # the same value, read from SSD
+        assert ran and reader.fast_path.stats.index_races == 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
-def test_a_node_restarted_during_the_copy_gives_the_new_nodes_answer(tmp_path, sig):
-    daemons = [start_kvstore(tmp_path)]
-    try:
-        with KVClient(unix_socket=daemons[0].unix_socket, fast_path="required") as reader:
-            reader.fast_path.arena()
-            with KVClient(unix_socket=daemons[0].unix_socket, fast_path="off") as writer:
-                writer.put("k", version(1))
-                writer.put("gone", version(1))
+def test_a_node_restarted_during_the_copy_gives_the_new_nodes_answer(kvstore_factory, sig):
+    daemons = [kvstore_factory()]
+    with KVClient(unix_socket=daemons[0].unix_socket, fast_path="required") as reader:
+        reader.fast_path.arena()
+        with KVClient(unix_socket=daemons[0].unix_socket, fast_path="off") as writer:
+            writer.put("k", version(1))
+            writer.put("gone", version(1))
 
-            def restart_node() -> None:
-                daemons.append(restart(daemons[0], sig))
-                with KVClient(unix_socket=daemons[-1].unix_socket, fast_path="off") as fresh:
-                    fresh.put("k", version(2))
-            ran = during_the_copy(reader, restart_node)
-            assert read_version(reader, "k") == 2
-            assert read_version(reader, "gone") is None
-            assert ran and reader.fast_path.stats.remaps == 1
-    finally:
-        daemons[-1].stop()
+        def restart_node() -> None:
+            daemons.append(kvstore_factory.restart(daemons[0], sig))
+            with KVClient(unix_socket=daemons[-1].unix_socket, fast_path="off") as fresh:
+                fresh.put("k", version(2))
+        ran = during_the_copy(reader, restart_node)
+        assert read_version(reader, "k") == 2
+        assert read_version(reader, "gone") is None
+        assert ran and reader.fast_path.stats.remaps == 1
 
 
 def test_copies_racing_a_writer_are_whole_and_never_older_than_acknowledged(server):

@@ -14,8 +14,6 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import pytest
 import torch
-from conftest import start_kvstore
-from test_client_sync import restart
 
 from client import AsyncKVClient, KVClient
 
@@ -164,7 +162,7 @@ OPERATIONS = [get, get_into, batch_get, batch_get_into, put, batch_put, put_laye
               get_tensor, get_tensor_into, batch_put_tensors, batch_get_tensors_into]
 
 
-async def scenario(daemons: list, sig: int, connect: Callable[[], Any]) -> None:
+async def scenario(kvstore_factory, daemons: list, sig: int, connect: Callable[[], Any]) -> None:
     clients = {op.__name__: connect() for op in OPERATIONS}
     try:
         with KVClient(unix_socket=daemons[0].unix_socket, fast_path="off") as wire:
@@ -173,7 +171,7 @@ async def scenario(daemons: list, sig: int, connect: Callable[[], Any]) -> None:
             for name, kv in clients.items():
                 await prime(kv, name)
         old_mappings = {name: kv.fast_path.mapping for name, kv in clients.items()}
-        daemons.append(restart(daemons[0], sig))
+        daemons.append(kvstore_factory.restart(daemons[0], sig))
         with KVClient(unix_socket=daemons[-1].unix_socket, fast_path="off") as wire:
             write_values(wire, NEW)
             for op in OPERATIONS:
@@ -188,40 +186,31 @@ async def scenario(daemons: list, sig: int, connect: Callable[[], Any]) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
-def test_kvclient_maps_the_new_arena_after_a_restart(tmp_path, sig):
-    daemons = [start_kvstore(tmp_path)]
+def test_kvclient_maps_the_new_arena_after_a_restart(kvstore_factory, sig):
+    daemons = [kvstore_factory()]
 
     def connect() -> Blocking:
         return Blocking(KVClient(unix_socket=daemons[0].unix_socket, fast_path="required", **HOLD_LEASES))
-    try:
-        asyncio.run(scenario(daemons, sig, connect))
-    finally:
-        daemons[-1].stop()
+    asyncio.run(scenario(kvstore_factory, daemons, sig, connect))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
-def test_async_client_maps_the_new_arena_after_a_restart(tmp_path, sig):
-    daemons = [start_kvstore(tmp_path)]
-    try:
-        asyncio.run(scenario(daemons, sig,
-                             lambda: AsyncKVClient(unix_socket=daemons[0].unix_socket, fast_path="required",
-                                                   **HOLD_LEASES)))
-    finally:
-        daemons[-1].stop()
+def test_async_client_maps_the_new_arena_after_a_restart(kvstore_factory, sig):
+    daemons = [kvstore_factory()]
+    asyncio.run(scenario(kvstore_factory, daemons, sig,
+                         lambda: AsyncKVClient(unix_socket=daemons[0].unix_socket, fast_path="required",
+                                               **HOLD_LEASES)))
 
 
-def test_a_block_half_written_before_a_restart_is_written_again_whole(tmp_path):
+def test_a_block_half_written_before_a_restart_is_written_again_whole(kvstore_factory):
     """Layers written to the dead node are gone with it: the block on the new node is
     visible only once every layer is written to it, with the bytes written to it."""
-    daemons = [start_kvstore(tmp_path)]
-    try:
-        with KVClient(unix_socket=daemons[0].unix_socket, fast_path="required") as kv:
-            kv.put_layer("half", 0, layer(OLD, 0), n_layers=2)
-            daemons.append(restart(daemons[0], signal.SIGKILL))
-            assert kv.put_layer("half", 1, layer(NEW, 1), n_layers=2) is True
-            assert kv.match_prefix(["half"]) == 0                       # layer 0 is not on this node
-            assert kv.put_layer("half", 0, layer(NEW, 0), n_layers=2) is True
-            stored = kv.get_layers("half", framework="torch")
-            assert torch.equal(stored[0], layer(NEW, 0)) and torch.equal(stored[1], layer(NEW, 1))
-    finally:
-        daemons[-1].stop()
+    daemon = kvstore_factory()
+    with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
+        kv.put_layer("half", 0, layer(OLD, 0), n_layers=2)
+        kvstore_factory.restart(daemon, signal.SIGKILL)
+        assert kv.put_layer("half", 1, layer(NEW, 1), n_layers=2) is True
+        assert kv.match_prefix(["half"]) == 0                       # layer 0 is not on this node
+        assert kv.put_layer("half", 0, layer(NEW, 0), n_layers=2) is True
+        stored = kv.get_layers("half", framework="torch")
+        assert torch.equal(stored[0], layer(NEW, 0)) and torch.equal(stored[1], layer(NEW, 1))

@@ -31,11 +31,10 @@ NO_PROMOTION = ("--promote-hits", "1000000")     # reads reported to the node le
 
 
 @pytest.fixture
-def node(tmp_path):
+def node(kvstore_factory):
     """A node with an SSD tier under a small arena (values spill to SSD), and a redis-py client."""
-    daemon = start_tiered(tmp_path, *NO_PROMOTION)
-    yield daemon, redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-    daemon.stop()
+    daemon = start_tiered(kvstore_factory, *NO_PROMOTION)
+    return daemon, redis.Redis(daemon.host, daemon.port, socket_timeout=10)
 
 
 def fast_client(daemon) -> KVClient:
@@ -91,29 +90,22 @@ def test_a_value_changed_after_its_demotion_is_never_read_from_an_old_record(nod
 
 
 
-def written_through(tmp_path, count: int):
+def written_through(kvstore_factory, count: int):
     """A node that wrote ``count`` values through to SSD, restarted (every value on SSD alone):
     the node, and key -> digest."""
-    daemon = start_tiered(tmp_path, "--ssd-write-policy", "write-through", *NO_PROMOTION, dram="64mb")
-    try:
-        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        written = write_values(r, range(count))
-        wait_until(lambda: r.info("ssd")["ssd_records"] == count, what="every value written through")
-    except BaseException:
-        daemon.stop()
-        raise
-    return restart(daemon, tmp_path), written
+    daemon = start_tiered(kvstore_factory, "--ssd-write-policy", "write-through", *NO_PROMOTION, dram="64mb")
+    r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+    written = write_values(r, range(count))
+    wait_until(lambda: r.info("ssd")["ssd_records"] == count, what="every value written through")
+    return restart(kvstore_factory, daemon), written
 
 
-def test_after_a_restart_a_whole_prefix_is_read_here(tmp_path):
-    daemon, written = written_through(tmp_path, 24)
-    try:
-        keys = list(written)
-        with fast_client(daemon) as kv:
-            assert read_batch(kv, keys) == list(written.values())
-            assert kv.fast_path.stats.ssd_reads == len(keys)
-    finally:
-        daemon.stop()
+def test_after_a_restart_a_whole_prefix_is_read_here(kvstore_factory):
+    daemon, written = written_through(kvstore_factory, 24)
+    keys = list(written)
+    with fast_client(daemon) as kv:
+        assert read_batch(kv, keys) == list(written.values())
+        assert kv.fast_path.stats.ssd_reads == len(keys)
 
 
 def test_compressed_records_are_read_through_the_node(node):
@@ -182,20 +174,17 @@ def test_readers_racing_overwrites_and_demotions_see_whole_current_versions(node
 
 
 
-def test_a_node_killed_and_restarted_is_followed_anew(tmp_path):
-    daemon, written = written_through(tmp_path, 8)
-    try:
-        keys = list(written)
-        with fast_client(daemon) as kv:
-            assert read_all(kv, keys) == written
-            r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-            r.set(keys[0], value_of(500))
-            wait_until(lambda: r.info("ssd")["ssd_records"] == 8, what="the overwrite written through")
-            daemon = restart(daemon, tmp_path, signal.SIGKILL)
-            assert read_all(kv, keys) == {**written, keys[0]: digest(value_of(500))}
-            assert kv.fast_path.stats.remaps >= 1 and kv.fast_path.stats.ssd_reads >= 2 * len(keys) - 1
-    finally:
-        daemon.stop()
+def test_a_node_killed_and_restarted_is_followed_anew(kvstore_factory):
+    daemon, written = written_through(kvstore_factory, 8)
+    keys = list(written)
+    with fast_client(daemon) as kv:
+        assert read_all(kv, keys) == written
+        r = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+        r.set(keys[0], value_of(500))
+        wait_until(lambda: r.info("ssd")["ssd_records"] == 8, what="the overwrite written through")
+        daemon = restart(kvstore_factory, daemon, signal.SIGKILL)
+        assert read_all(kv, keys) == {**written, keys[0]: digest(value_of(500))}
+        assert kv.fast_path.stats.remaps >= 1 and kv.fast_path.stats.ssd_reads >= 2 * len(keys) - 1
 
 
 def test_an_asyncio_client_reads_ssd_off_its_loop(node, monkeypatch):

@@ -11,7 +11,7 @@ import sys
 import grpc
 import pytest
 
-from conftest import free_port, start_kvstore
+from conftest import free_port
 from llm_procs import LlmUp, get, post
 from proto import grpc_codegen
 from workers.catalog import TINY, TINY_CONTEXT, ByteTokenizer
@@ -103,10 +103,10 @@ def test_models_health_and_unknown_routes(deployment):
 
 
 @pytest.fixture
-def bare_conductor(tmp_path, request):
+def bare_conductor(kvstore_factory, request):
     """A conductor (admission from the test's parameter) with two prefill and one decode instance whose
     addresses nothing listens on, and an in-process gateway in front of it."""
-    store = start_kvstore(tmp_path)
+    store = kvstore_factory()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "conductor", "--port", str(port), "--store",
                              f"127.0.0.1:{store.port}", *request.param], stdout=subprocess.PIPE, text=True)
@@ -120,7 +120,6 @@ def bare_conductor(tmp_path, request):
     server.stop()
     proc.send_signal(signal.SIGTERM)
     proc.wait(10)
-    store.stop()
 
 
 @pytest.mark.parametrize("bare_conductor", [["--rejection", "baseline", "--ttft-slo", "0.000000001"]],

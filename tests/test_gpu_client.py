@@ -28,16 +28,13 @@ from client import AsyncKVClient, KVClient, TensorMismatch, connection
 from conftest import wait_until
 from gpu_fakes import NODE_BUS_ID, fake_cupy, start_fake_gpu_node  # noqa: F401  (a fixture)
 from proto import fastpath as fp
-from test_client_sync import restart
 
 SHAPE = (64, 256)
 
 
 @pytest.fixture
-def node(tmp_path, monkeypatch):
-    daemon = start_fake_gpu_node(tmp_path, monkeypatch, "--promote-hits", "1")
-    yield daemon
-    daemon.stop()
+def node(kvstore_factory, monkeypatch):
+    return start_fake_gpu_node(kvstore_factory, monkeypatch, "--promote-hits", "1")
 
 
 @pytest.fixture
@@ -243,23 +240,20 @@ def test_a_mismatch_or_a_cuda_error_releases_its_lease(kv, fake_cupy, monkeypatc
     assert active_leases(kv) <= before
 
 
-def test_a_node_restart_under_a_live_client_opens_the_new_nodes_gpu_arena(node, kv, fake_cupy):
+def test_a_node_restart_under_a_live_client_opens_the_new_nodes_gpu_arena(kvstore_factory, node, kv, fake_cupy):
     put_on_gpu(kv, "t", tensor_of(11))
     into = fake_cupy.zeros(SHAPE, np.float32)
     assert kv.get_tensor_into("t", into) is True
-    fresh = restart(node, signal.SIGKILL)
-    try:
-        assert kv.get_tensor_into("t", into) is False                   # the new node is empty
-        assert kv.fast_path.stats.remaps == 1
-        put_on_gpu(kv, "t", tensor_of(12))
-        into.fill(0)
-        assert kv.get_tensor_into("t", into) is True
-        assert np.array_equal(fake_cupy.asnumpy(into), tensor_of(12))
-        assert kv.fast_path.stats.gpu_ipc_reads == 2
-        assert [call[0] for call in calls_named(fake_cupy, "ipcOpenMemHandle", "ipcCloseMemHandle")] == [
-            "ipcOpenMemHandle", "ipcCloseMemHandle", "ipcOpenMemHandle"]
-    finally:
-        fresh.stop()
+    kvstore_factory.restart(node, signal.SIGKILL)
+    assert kv.get_tensor_into("t", into) is False                   # the new node is empty
+    assert kv.fast_path.stats.remaps == 1
+    put_on_gpu(kv, "t", tensor_of(12))
+    into.fill(0)
+    assert kv.get_tensor_into("t", into) is True
+    assert np.array_equal(fake_cupy.asnumpy(into), tensor_of(12))
+    assert kv.fast_path.stats.gpu_ipc_reads == 2
+    assert [call[0] for call in calls_named(fake_cupy, "ipcOpenMemHandle", "ipcCloseMemHandle")] == [
+        "ipcOpenMemHandle", "ipcCloseMemHandle", "ipcOpenMemHandle"]
 
 
 def test_a_reader_racing_deletes_overwrites_and_promotions_gets_whole_versions(node, kv, fake_cupy):

@@ -31,12 +31,11 @@ def plain_node(server):
 
 
 @pytest.fixture
-def gpu_node(tmp_path, monkeypatch):
-    daemon = start_fake_gpu_node(tmp_path, monkeypatch, "--promote-hits", "1")
+def gpu_node(kvstore_factory, monkeypatch):
+    daemon = start_fake_gpu_node(kvstore_factory, monkeypatch, "--promote-hits", "1")
     client = redis.Redis(daemon.host, daemon.port)
     yield client, client.execute_command("KV.ARENA")[4]
     client.close()
-    daemon.stop()
 
 
 def lease_gpu(client: redis.Redis, token: bytes, generation: bytes, *keys: str):

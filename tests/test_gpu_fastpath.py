@@ -25,10 +25,9 @@ import numpy as np
 import pytest
 
 from client import AsyncKVClient, KVClient, TensorMismatch
-from conftest import free_port, start_kvstore
+from conftest import free_port
 from kvstore.tiers.gpu import gpu_available
 from proto import fastpath as fp
-from test_client_sync import restart
 
 GPU_USABLE, GPU_REASON = gpu_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU_USABLE, reason=f"no usable GPU: {GPU_REASON}")]
@@ -36,10 +35,8 @@ MIB = 1 << 20
 
 
 @pytest.fixture
-def gpu_node(tmp_path):
-    daemon = start_kvstore(tmp_path, "--gpu-size", "64mb", "--promote-hits", "1")
-    yield daemon
-    daemon.stop()
+def gpu_node(kvstore_factory):
+    return kvstore_factory("--gpu-size", "64mb", "--promote-hits", "1")
 
 
 def promote_to_gpu(kv: KVClient, key: str) -> None:
@@ -104,41 +101,38 @@ def test_a_value_at_a_nonzero_arena_offset(gpu_node):
         assert_read_over_ipc(kv, 3)
 
 
-def test_a_reader_racing_deletes_overwrites_and_promotions_of_a_256_mib_value(tmp_path):
+def test_a_reader_racing_deletes_overwrites_and_promotions_of_a_256_mib_value(kvstore_factory):
     """Each version is a constant fill: a torn copy would mix two versions (or the -1 the
     destination holds before each read)."""
     import torch
-    daemon = start_kvstore(tmp_path, "--dram-size", "1536mb", "--gpu-size", "1gb", "--promote-hits", "1")
+    daemon = kvstore_factory("--dram-size", "1536mb", "--gpu-size", "1gb", "--promote-hits", "1")
     elements, versions = (256 * MIB - fp.HEADER_SIZE) // 4, 6
-    try:
-        with KVClient(unix_socket=daemon.unix_socket, fast_path="required", timeout=60) as kv:
-            kv.put_tensor("t", torch.full((elements,), 1, dtype=torch.int32))
-            promote_to_gpu(kv, "t")
-            done, seen = threading.Event(), set()
+    with KVClient(unix_socket=daemon.unix_socket, fast_path="required", timeout=60) as kv:
+        kv.put_tensor("t", torch.full((elements,), 1, dtype=torch.int32))
+        promote_to_gpu(kv, "t")
+        done, seen = threading.Event(), set()
 
-            def rewrite() -> None:
-                with KVClient(unix_socket=daemon.unix_socket, timeout=60) as writer:
-                    for version in range(2, versions + 1):
-                        writer.delete("t")
-                        writer.put_tensor("t", torch.full((elements,), version, dtype=torch.int32))
-                        promote_to_gpu(writer, "t")
-                done.set()
+        def rewrite() -> None:
+            with KVClient(unix_socket=daemon.unix_socket, timeout=60) as writer:
+                for version in range(2, versions + 1):
+                    writer.delete("t")
+                    writer.put_tensor("t", torch.full((elements,), version, dtype=torch.int32))
+                    promote_to_gpu(writer, "t")
+            done.set()
 
-            writer = threading.Thread(target=rewrite)
-            writer.start()
-            into = torch.empty(elements, dtype=torch.int32, device="cuda")
-            deadline = time.monotonic() + 240
-            while not done.is_set() and time.monotonic() < deadline:
-                into.fill_(-1)
-                if kv.get_tensor_into("t", into):
-                    low, high = int(into.min()), int(into.max())
-                    assert low == high and 1 <= low <= versions, f"a torn read: {low}..{high}"
-                    seen.add(low)
-            writer.join(60)
-            assert done.is_set() and len(seen) > 1, seen
-            assert kv.fast_path.stats.gpu_ipc_reads > 0 and kv.fast_path.stats.gpu_fallbacks == 0
-    finally:
-        daemon.stop()
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        into = torch.empty(elements, dtype=torch.int32, device="cuda")
+        deadline = time.monotonic() + 240
+        while not done.is_set() and time.monotonic() < deadline:
+            into.fill_(-1)
+            if kv.get_tensor_into("t", into):
+                low, high = int(into.min()), int(into.max())
+                assert low == high and 1 <= low <= versions, f"a torn read: {low}..{high}"
+                seen.add(low)
+        writer.join(60)
+        assert done.is_set() and len(seen) > 1, seen
+        assert kv.fast_path.stats.gpu_ipc_reads > 0 and kv.fast_path.stats.gpu_fallbacks == 0
 
 
 def test_a_destination_on_a_side_stream_is_ready_there_right_after_the_call(gpu_node):
@@ -185,27 +179,24 @@ def test_the_asyncio_client_copies_on_the_callers_stream_too(gpu_node):
     asyncio.run(scenario())
 
 
-def test_a_node_restart_under_a_live_client_opens_the_new_nodes_gpu_arena(tmp_path):
+def test_a_node_restart_under_a_live_client_opens_the_new_nodes_gpu_arena(kvstore_factory):
     import cupy
-    daemons = [start_kvstore(tmp_path, "--gpu-size", "64mb", "--promote-hits", "1")]
-    try:
-        with KVClient(unix_socket=daemons[0].unix_socket, fast_path="required") as kv:
-            host = np.random.default_rng(1).random((64, 1024), dtype=np.float32)
-            kv.put_tensor("t", host)
-            promote_to_gpu(kv, "t")
-            into = cupy.empty((64, 1024), cupy.float32)
-            assert kv.get_tensor_into("t", into) is True
-            daemons.append(restart(daemons[0], signal.SIGKILL))
-            assert kv.get_tensor_into("t", into) is False                  # the new node is empty
-            assert kv.fast_path.stats.remaps == 1
-            kv.put_tensor("t", host * 2)
-            promote_to_gpu(kv, "t")
-            into.fill(0)
-            assert kv.get_tensor_into("t", into) is True
-            assert np.array_equal(cupy.asnumpy(into), host * 2)
-            assert_read_over_ipc(kv, 2)
-    finally:
-        daemons[-1].stop()
+    daemon = kvstore_factory("--gpu-size", "64mb", "--promote-hits", "1")
+    with KVClient(unix_socket=daemon.unix_socket, fast_path="required") as kv:
+        host = np.random.default_rng(1).random((64, 1024), dtype=np.float32)
+        kv.put_tensor("t", host)
+        promote_to_gpu(kv, "t")
+        into = cupy.empty((64, 1024), cupy.float32)
+        assert kv.get_tensor_into("t", into) is True
+        kvstore_factory.restart(daemon, signal.SIGKILL)
+        assert kv.get_tensor_into("t", into) is False                  # the new node is empty
+        assert kv.fast_path.stats.remaps == 1
+        kv.put_tensor("t", host * 2)
+        promote_to_gpu(kv, "t")
+        into.fill(0)
+        assert kv.get_tensor_into("t", into) is True
+        assert np.array_equal(cupy.asnumpy(into), host * 2)
+        assert_read_over_ipc(kv, 2)
 
 
 def test_a_device_this_host_does_not_have_fails_cleanly():

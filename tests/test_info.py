@@ -10,14 +10,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from conftest import eventually, start_kvstore
-
-
-@pytest.fixture
-def kv(tmp_path):
-    daemon = start_kvstore(tmp_path)
-    yield daemon
-    daemon.stop()
+from conftest import eventually
 
 
 def avg_ttl(client: redis.Redis) -> int:
@@ -26,7 +19,7 @@ def avg_ttl(client: redis.Redis) -> int:
 
 @pytest.mark.parametrize("name", ["redis", "kvstore"])
 def test_avg_ttl_is_the_mean_ttl_in_ms_of_keys_with_an_expiry(request, name):
-    daemon = request.getfixturevalue("redis_server" if name == "redis" else "kv")
+    daemon = request.getfixturevalue("redis_server" if name == "redis" else "server")
     client = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
     client.set("forever", "x")
     assert avg_ttl(client) == 0

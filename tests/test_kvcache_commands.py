@@ -16,7 +16,7 @@ import time
 import pytest
 import redis
 
-from conftest import Daemon, start_kvstore
+from conftest import Daemon
 from proto.wire import KV_LOCATE, KV_MATCH, KV_PUT, KV_STATS, TIER_DRAM
 from test_redis_compat import RespConnection, decode, encode_command
 
@@ -27,10 +27,8 @@ STATS_FIELDS = ["hits", "misses", "keys", "evictions", "bytes_gpu", "bytes_dram"
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvcache"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory) -> Daemon:
+    return kvstore_module_factory()
 
 
 @pytest.fixture
@@ -258,14 +256,11 @@ def test_info_metadata_bytes_per_key_under_200(client):
 # ----------------------------------------------------------------- a small arena
 
 @pytest.fixture
-def small_client(tmp_path) -> redis.Redis:
+def small_client(kvstore_factory) -> redis.Redis:
     """A fresh daemon per test: eviction depends on the whole history of the arena."""
-    daemon = start_kvstore(tmp_path, "--dram-size", "4mb")
-    try:
-        with redis.Redis(host=daemon.host, port=daemon.port) as client:
-            yield client
-    finally:
-        daemon.stop()
+    daemon = kvstore_factory("--dram-size", "4mb")
+    with redis.Redis(host=daemon.host, port=daemon.port) as client:
+        yield client
 
 
 def cached_blocks(client: redis.Redis, keys: list[str]) -> int:
@@ -325,27 +320,25 @@ def test_memory_stays_bounded_under_many_small_chains(small_client):
 # ----------------------------------------------------------------- noeviction
 
 @pytest.mark.parametrize("size", [4000, BLOCK])
-def test_noeviction_answers_oom_and_keeps_serving(tmp_path, size):
-    daemon = start_kvstore(tmp_path, "--dram-size", "4mb", "--maxmemory-policy", "noeviction")
-    try:
-        with RespConnection(daemon) as conn:
-            stored, reply = 0, b""
-            while reply != OOM_REPLY:
-                reply = conn.call(KV_PUT, f"k{stored}", block(stored, size))
-                assert reply in (b":1\r\n", OOM_REPLY)
-                stored += reply == b":1\r\n"
-            assert stored * buddy_block(size) >= 3 * MiB
-            assert conn.call("PING") == b"+PONG\r\n"
-            assert conn.call("GET", "k0") == b"$%d\r\n" % size + block(0, size) + b"\r\n"
-            assert conn.call(KV_MATCH, "k0", "k1") == b":2\r\n"
-            assert conn.call("SET", "another", block(9, size)) == OOM_REPLY
-            assert conn.call("DEL", "k0") == b":1\r\n"
-            assert conn.call(KV_PUT, "after-delete", block(1, size)) == b":1\r\n"
-        with redis.Redis(port=daemon.port) as client:
-            assert client.info("stats")["evicted_keys"] == 0
-            assert client.info("kvcache")["dram_used"] <= 4 * MiB
-    finally:
-        assert daemon.stop() == 0
+def test_noeviction_answers_oom_and_keeps_serving(kvstore_factory, size):
+    daemon = kvstore_factory("--dram-size", "4mb", "--maxmemory-policy", "noeviction")
+    with RespConnection(daemon) as conn:
+        stored, reply = 0, b""
+        while reply != OOM_REPLY:
+            reply = conn.call(KV_PUT, f"k{stored}", block(stored, size))
+            assert reply in (b":1\r\n", OOM_REPLY)
+            stored += reply == b":1\r\n"
+        assert stored * buddy_block(size) >= 3 * MiB
+        assert conn.call("PING") == b"+PONG\r\n"
+        assert conn.call("GET", "k0") == b"$%d\r\n" % size + block(0, size) + b"\r\n"
+        assert conn.call(KV_MATCH, "k0", "k1") == b":2\r\n"
+        assert conn.call("SET", "another", block(9, size)) == OOM_REPLY
+        assert conn.call("DEL", "k0") == b":1\r\n"
+        assert conn.call(KV_PUT, "after-delete", block(1, size)) == b":1\r\n"
+    with redis.Redis(port=daemon.port) as client:
+        assert client.info("stats")["evicted_keys"] == 0
+        assert client.info("kvcache")["dram_used"] <= 4 * MiB
+    assert daemon.stop() == 0
 
 
 def buddy_block(size: int) -> int:

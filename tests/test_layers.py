@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import start_kvstore
 
 from client import KVClient, ResponseError, tensors
 
@@ -22,10 +21,8 @@ def layer_value(layer: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("layers"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 @pytest.fixture(params=["auto", "off"])

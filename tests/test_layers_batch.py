@@ -12,7 +12,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import start_kvstore
 
 from client import AsyncKVClient, KVClient, ResponseError, TensorMismatch
 
@@ -25,10 +24,8 @@ def slot(block: int, layer: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("layers-batch"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 @pytest.fixture(params=["required", "off"])

@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from conftest import eventually, start_kvstore
+from conftest import eventually
 from test_redis_compat import RespConnection, assert_same_replies, encode_command, run_steps
 
 VALUE = b"v" * (256 * 1024)
@@ -27,13 +27,12 @@ def info_stat(daemon, name: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("limits"), "--client-output-buffer-limit", "normal 1mb 0 0",
-                           "--client-query-buffer-limit", "1mb")
+def limited(kvstore_module_factory):
+    daemon = kvstore_module_factory("--client-output-buffer-limit", "normal 1mb 0 0",
+                                    "--client-query-buffer-limit", "1mb")
     with RespConnection(daemon) as conn:
         conn.call("SET", "big", VALUE)
-    yield daemon
-    daemon.stop()
+    return daemon
 
 
 def slow_reader(daemon) -> socket.socket:
@@ -77,17 +76,14 @@ def test_a_client_that_reads_is_never_closed(limited):
     assert info_stat(limited, "client_output_buffer_limit_disconnections") == before
 
 
-def test_soft_limit_closes_after_its_seconds(tmp_path):
-    daemon = start_kvstore(tmp_path, "--client-output-buffer-limit", "normal 0 512kb 1")
-    try:
-        with RespConnection(daemon) as conn:
-            conn.call("SET", "big", VALUE)
-        with slow_reader(daemon) as sock:
-            sock.sendall(encode_command("GET", "big") * 16)
-            assert eventually(lambda: info_stat(daemon, "client_output_buffer_limit_disconnections") == 1)
-            assert is_closed_by_peer(sock)
-    finally:
-        daemon.stop()
+def test_soft_limit_closes_after_its_seconds(kvstore_factory):
+    daemon = kvstore_factory("--client-output-buffer-limit", "normal 0 512kb 1")
+    with RespConnection(daemon) as conn:
+        conn.call("SET", "big", VALUE)
+    with slow_reader(daemon) as sock:
+        sock.sendall(encode_command("GET", "big") * 16)
+        assert eventually(lambda: info_stat(daemon, "client_output_buffer_limit_disconnections") == 1)
+        assert is_closed_by_peer(sock)
 
 
 def test_a_huge_bulk_in_progress_closes_the_client(limited):

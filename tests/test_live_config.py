@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import start_kvstore, wait_until
+from conftest import wait_until
 from test_redis_compat import RespConnection
 from test_tiering import client, digest, on_ssd, spill, start_tiered, tiers, write_values
 
@@ -27,10 +27,8 @@ FIXED = {"bind": "127.0.0.2", "port": "7777", "unixsocket": "/tmp/elsewhere.sock
 
 
 @pytest.fixture(scope="module")
-def kv(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("live-config"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 def config_get(conn: RespConnection, name: str) -> bytes:
@@ -43,15 +41,15 @@ def immutable(name: str) -> bytes:
 
 
 @pytest.mark.parametrize("name", sorted(FIXED))
-def test_settings_fixed_at_start_are_refused_as_immutable(kv, name):
-    with RespConnection(kv) as conn:
+def test_settings_fixed_at_start_are_refused_as_immutable(node, name):
+    with RespConnection(node) as conn:
         before = config_get(conn, name)
         assert conn.call("CONFIG", "SET", name, FIXED[name]) == immutable(name)
         assert config_get(conn, name) == before
 
 
-def test_one_refused_setting_leaves_the_others_unchanged(kv):
-    with RespConnection(kv) as conn:
+def test_one_refused_setting_leaves_the_others_unchanged(node):
+    with RespConnection(node) as conn:
         before = [config_get(conn, name) for name in ("maxclients", "high-watermark", "loglevel")]
         assert conn.call("CONFIG", "SET", "maxclients", "7", "high-watermark", "0.95", "gpu-size", "1gb") \
             == immutable("gpu-size")
@@ -62,8 +60,8 @@ def test_one_refused_setting_leaves_the_others_unchanged(kv):
         assert [config_get(conn, name) for name in ("maxclients", "high-watermark", "loglevel")] == before
 
 
-def test_watermarks_set_together_are_checked_together(kv):
-    with RespConnection(kv) as conn:
+def test_watermarks_set_together_are_checked_together(node):
+    with RespConnection(node) as conn:
         assert conn.call("CONFIG", "SET", "low-watermark", "0.95", "high-watermark", "0.98") == b"+OK\r\n"
         assert config_get(conn, "*-watermark") == \
             b"*4\r\n$14\r\nhigh-watermark\r\n$4\r\n0.98\r\n$13\r\nlow-watermark\r\n$4\r\n0.95\r\n"
@@ -87,9 +85,9 @@ SAME_AS_REDIS = [
 ]
 
 
-def test_errors_and_all_or_nothing_as_redis(redis_server, kv):
+def test_errors_and_all_or_nothing_as_redis(redis_server, node):
     transcripts = []
-    for daemon in (redis_server, kv):
+    for daemon in (redis_server, node):
         with RespConnection(daemon) as conn:
             transcript = []
             for request in SAME_AS_REDIS:
@@ -103,14 +101,14 @@ def test_errors_and_all_or_nothing_as_redis(redis_server, kv):
 
 # ----------------------------------------------------------------- applied while running
 
-def test_loglevel_changes_what_the_running_node_logs(tmp_path):
-    quiet = start_kvstore(tmp_path, "--loglevel", "warning")
+def test_loglevel_changes_what_the_running_node_logs(kvstore_factory):
+    quiet = kvstore_factory("--loglevel", "warning")
     with RespConnection(quiet) as conn:
         assert conn.call("CONFIG", "SET", "loglevel", "notice") == b"+OK\r\n"
         conn.send(b"SHUTDOWN\r\n")                # no reply: the node closes the connection
     assert quiet.proc.wait(10) == 0
     assert "shutting down" in quiet.log()
-    chatty = start_kvstore(tmp_path, "--loglevel", "notice")
+    chatty = kvstore_factory("--loglevel", "notice")
     with RespConnection(chatty) as conn:
         assert conn.call("CONFIG", "SET", "loglevel", "warning") == b"+OK\r\n"
         conn.send(b"SHUTDOWN\r\n")                # no reply: the node closes the connection
@@ -118,46 +116,37 @@ def test_loglevel_changes_what_the_running_node_logs(tmp_path):
     assert "Ready to accept connections" in chatty.log() and "shutting down" not in chatty.log()
 
 
-def test_watermarks_set_at_run_time_drive_demotion(tmp_path):
-    daemon = start_tiered(tmp_path)                   # 8 MiB of DRAM, default watermarks 0.90 / 0.85
-    try:
-        r = client(daemon)
-        written = write_values(r, range(20))          # 5 MiB: under the high watermark, all in DRAM
-        assert set(tiers(r, list(written))) == {"dram"}
-        assert r.execute_command("CONFIG", "SET", "high-watermark", 0.5, "low-watermark", 0.25) == b"OK"
-        assert r.config_get("*-watermark") == {"high-watermark": "0.5", "low-watermark": "0.25"}
-        wait_until(lambda: r.info("dram")["dram_used"] <= 2 * MIB, what="DRAM down to the low watermark")
-        assert {k: digest(r.get(k)) for k in written} == written
-    finally:
-        daemon.stop()
+def test_watermarks_set_at_run_time_drive_demotion(kvstore_factory):
+    daemon = start_tiered(kvstore_factory)            # 8 MiB of DRAM, default watermarks 0.90 / 0.85
+    r = client(daemon)
+    written = write_values(r, range(20))          # 5 MiB: under the high watermark, all in DRAM
+    assert set(tiers(r, list(written))) == {"dram"}
+    assert r.execute_command("CONFIG", "SET", "high-watermark", 0.5, "low-watermark", 0.25) == b"OK"
+    assert r.config_get("*-watermark") == {"high-watermark": "0.5", "low-watermark": "0.25"}
+    wait_until(lambda: r.info("dram")["dram_used"] <= 2 * MIB, what="DRAM down to the low watermark")
+    assert {k: digest(r.get(k)) for k in written} == written
 
 
-def test_promote_hits_and_window_set_at_run_time(tmp_path):
-    daemon = start_tiered(tmp_path)                   # promote-hits 2 within 10 s by default
-    try:
-        r = client(daemon)
-        written = spill(r)
-        slow, hot = on_ssd(r, list(written))[:2]
-        assert r.config_set("promote-window-ms", 1) is True
-        for _ in range(2):
-            assert digest(r.get(slow)) == written[slow]
-            time.sleep(0.05)                          # further apart than the 1 ms window
-        assert tiers(r, [slow]) == ["ssd"]
-        assert r.config_set("promote-hits", 1) is True
-        assert digest(r.get(hot)) == written[hot]
-        assert tiers(r, [hot]) == ["dram"]
-        assert r.config_get("promote-*") == {"promote-hits": "1", "promote-window-ms": "1"}
-    finally:
-        daemon.stop()
+def test_promote_hits_and_window_set_at_run_time(kvstore_factory):
+    daemon = start_tiered(kvstore_factory)            # promote-hits 2 within 10 s by default
+    r = client(daemon)
+    written = spill(r)
+    slow, hot = on_ssd(r, list(written))[:2]
+    assert r.config_set("promote-window-ms", 1) is True
+    for _ in range(2):
+        assert digest(r.get(slow)) == written[slow]
+        time.sleep(0.05)                          # further apart than the 1 ms window
+    assert tiers(r, [slow]) == ["ssd"]
+    assert r.config_set("promote-hits", 1) is True
+    assert digest(r.get(hot)) == written[hot]
+    assert tiers(r, [hot]) == ["dram"]
+    assert r.config_get("promote-*") == {"promote-hits": "1", "promote-window-ms": "1"}
 
 
-def test_ssd_write_policy_set_at_run_time(tmp_path):
-    daemon = start_tiered(tmp_path, dram="64mb")      # write-back: nothing reaches SSD until demoted
-    try:
-        r = client(daemon)
-        assert r.config_set("ssd-write-policy", "WRITE-THROUGH") is True
-        assert r.config_get("ssd-write-policy") == {"ssd-write-policy": "write-through"}
-        write_values(r, range(4))
-        wait_until(lambda: r.info("ssd")["ssd_records"] == 4, what="4 records written through")
-    finally:
-        daemon.stop()
+def test_ssd_write_policy_set_at_run_time(kvstore_factory):
+    daemon = start_tiered(kvstore_factory, dram="64mb")       # write-back: nothing reaches SSD until demoted
+    r = client(daemon)
+    assert r.config_set("ssd-write-policy", "WRITE-THROUGH") is True
+    assert r.config_get("ssd-write-policy") == {"ssd-write-policy": "write-through"}
+    write_values(r, range(4))
+    wait_until(lambda: r.info("ssd")["ssd_records"] == 4, what="4 records written through")

@@ -9,13 +9,12 @@ import asyncio
 import logging
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
+from conftest import free_port, wait_until
 from client import KVClient
 from client.connectors.lmcache_kvstore import KVStoreConnector
 from loadtest.bench_lmcache import kvstore_plugin_config
@@ -112,74 +111,66 @@ def test_every_byte_round_trips_full_and_partial_chunks(rig, server, class_name)
     release(*got, *batch, *prefix)
 
 
-def test_under_eviction_reads_a_miss_never_wrong_bytes(rig, tmp_path):
-    node = start_kvstore(tmp_path, "--dram-size", "16mb")              # ~30 chunks of 512 KiB
-    try:
-        connector, local = plugin(rig, node)
-        for start in range(0, 80, 8):                                    # 40 MiB put
-            chunks = [rig.chunk(local, i) for i in range(start, start + 8)]
-            rig.run(connector.batched_put([rig.key(i) for i in range(start, start + 8)], chunks))
-        tally = {"hits": 0, "misses": 0, "wrong": 0}
-        rng = random.Random(5)
+def test_under_eviction_reads_a_miss_never_wrong_bytes(rig, kvstore_factory):
+    node = kvstore_factory("--dram-size", "16mb")              # ~30 chunks of 512 KiB
+    connector, local = plugin(rig, node)
+    for start in range(0, 80, 8):                                    # 40 MiB put
+        chunks = [rig.chunk(local, i) for i in range(start, start + 8)]
+        rig.run(connector.batched_put([rig.key(i) for i in range(start, start + 8)], chunks))
+    tally = {"hits": 0, "misses": 0, "wrong": 0}
+    rng = random.Random(5)
 
-        async def read(i: int) -> None:
-            got = await connector.get(rig.key(i))
-            tally["misses" if got is None else "hits" if rig.right(i, got) else "wrong"] += 1
-            release(got)
+    async def read(i: int) -> None:
+        got = await connector.get(rig.key(i))
+        tally["misses" if got is None else "hits" if rig.right(i, got) else "wrong"] += 1
+        release(got)
 
-        async def write(i: int) -> None:
-            chunk = rig.chunk(local, i)
-            await connector.put(rig.key(i), chunk)
+    async def write(i: int) -> None:
+        chunk = rig.chunk(local, i)
+        await connector.put(rig.key(i), chunk)
 
-        async def waves() -> None:
-            new = 80
-            for _ in range(8):
-                await asyncio.gather(*(read(rng.randrange(new)) for _ in range(6)),
-                                     *(write(new + j) for j in range(3)))
-                new += 3
-        rig.run(waves())
-        assert tally["wrong"] == 0, tally
-        assert tally["hits"] > 0 and tally["misses"] > 0, f"no eviction or no hit: the test proves nothing {tally}"
-
-    finally:
-        node.stop()
+    async def waves() -> None:
+        new = 80
+        for _ in range(8):
+            await asyncio.gather(*(read(rng.randrange(new)) for _ in range(6)),
+                                 *(write(new + j) for j in range(3)))
+            new += 3
+    rig.run(waves())
+    assert tally["wrong"] == 0, tally
+    assert tally["hits"] > 0 and tally["misses"] > 0, f"no eviction or no hit: the test proves nothing {tally}"
 
 
-def test_a_node_down_is_misses_and_one_log_line_then_the_node_is_used_again(rig, tmp_path, caplog):
-    node = start_kvstore(tmp_path)
+
+def test_a_node_down_is_misses_and_one_log_line_then_the_node_is_used_again(rig, kvstore_factory, caplog):
+    node = kvstore_factory()
     connector, local = plugin(rig, node, timeout=2.0, retry_interval=0.2)
     rig.run(connector.put(rig.key(0), rig.chunk(local, 0)))
     node.stop()
     caplog.set_level(logging.INFO, logger=LOGGER)
-    try:
-        for _ in range(2):
-            assert rig.run(connector.get(rig.key(0))) is None
-            assert not rig.run(connector.exists(rig.key(0))) and not connector.exists_sync(rig.key(0))
-            assert connector.batched_contains([rig.key(0)]) == 0
-            assert rig.run(connector.batched_async_contains("l", [rig.key(0)])) == 0
-            assert rig.run(connector.batched_get([rig.key(0), rig.key(1)])) == [None, None]
-            rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))       # dropped, no exception
-            rig.run(connector.batched_put([rig.key(2)], [rig.chunk(local, 2)]))
-            rig.run(asyncio.sleep(0.25))
-        down = [r for r in caplog.records if r.name == LOGGER and "cannot be used" in r.getMessage()]
-        assert len(down) == 1, [r.getMessage() for r in caplog.records]
-        assert f"{node.host}:{node.port}" in down[0].getMessage() and down[0].levelno == logging.WARNING
-
-        # the same node comes back on its port (a restart: empty, with a new arena)
-        proc = subprocess.Popen(node.args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        node = Daemon(proc, node.host, node.port, node.unix_socket, args=node.args)
-        wait_ready(node.host, node.port, proc)
+    for _ in range(2):
+        assert rig.run(connector.get(rig.key(0))) is None
+        assert not rig.run(connector.exists(rig.key(0))) and not connector.exists_sync(rig.key(0))
+        assert connector.batched_contains([rig.key(0)]) == 0
+        assert rig.run(connector.batched_async_contains("l", [rig.key(0)])) == 0
+        assert rig.run(connector.batched_get([rig.key(0), rig.key(1)])) == [None, None]
+        rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))       # dropped, no exception
+        rig.run(connector.batched_put([rig.key(2)], [rig.chunk(local, 2)]))
         rig.run(asyncio.sleep(0.25))
-        assert rig.run(connector.get(rig.key(0))) is None                 # lost with the old process
-        rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))
-        got = rig.run(connector.get(rig.key(1)))
-        assert rig.right(1, got)
-        assert connector.batched_contains([rig.key(1)]) == 1
-        back = [r for r in caplog.records if r.name == LOGGER and "answers again" in r.getMessage()]
-        assert len(back) == 1
-        release(got)
-    finally:
-        node.stop()
+    down = [r for r in caplog.records if r.name == LOGGER and "cannot be used" in r.getMessage()]
+    assert len(down) == 1, [r.getMessage() for r in caplog.records]
+    assert f"{node.host}:{node.port}" in down[0].getMessage() and down[0].levelno == logging.WARNING
+
+    # the same node comes back on its port (a restart: empty, with a new arena)
+    node = kvstore_factory.restart(node)
+    rig.run(asyncio.sleep(0.25))
+    assert rig.run(connector.get(rig.key(0))) is None                 # lost with the old process
+    rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))
+    got = rig.run(connector.get(rig.key(1)))
+    assert rig.right(1, got)
+    assert connector.batched_contains([rig.key(1)]) == 1
+    back = [r for r in caplog.records if r.name == LOGGER and "answers again" in r.getMessage()]
+    assert len(back) == 1
+    release(got)
 
 
 def test_a_node_down_from_the_start_does_not_stop_lmcache(rig):
@@ -214,26 +205,23 @@ def test_remote_url_with_the_kvstore_scheme_once_the_plugin_is_listed(rig, serve
     release(got)
 
 
-def test_an_acl_password_in_the_address_and_a_wrong_one_logged_once(rig, tmp_path, caplog):
-    node = start_kvstore(tmp_path, password="s3cret")
-    try:
-        extra = kvstore_plugin_config(f"kvstore://:s3cret@{node.host}:{node.port}")
-        connector, local = rig.connector("plugin://kvstore", extra, ["kvstore"], "kvstore")
-        rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))
-        got = rig.run(connector.get(rig.key(1)))
-        assert rig.right(1, got)
-        release(got)
+def test_an_acl_password_in_the_address_and_a_wrong_one_logged_once(rig, kvstore_factory, caplog):
+    node = kvstore_factory(password="s3cret")
+    extra = kvstore_plugin_config(f"kvstore://:s3cret@{node.host}:{node.port}")
+    connector, local = rig.connector("plugin://kvstore", extra, ["kvstore"], "kvstore")
+    rig.run(connector.put(rig.key(1), rig.chunk(local, 1)))
+    got = rig.run(connector.get(rig.key(1)))
+    assert rig.right(1, got)
+    release(got)
 
-        caplog.set_level(logging.INFO, logger=LOGGER)
-        extra = kvstore_plugin_config(f"kvstore://{node.host}:{node.port}", password="wrong")
-        connector, local = rig.connector("plugin://kvstore", extra, ["kvstore"], "kvstore")
-        for _ in range(3):
-            assert rig.run(connector.get(rig.key(1))) is None
-            assert connector.batched_contains([rig.key(1)]) == 0
-        lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
-        assert len(lines) == 1 and "AuthenticationError" in lines[0], lines
-    finally:
-        node.stop()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    extra = kvstore_plugin_config(f"kvstore://{node.host}:{node.port}", password="wrong")
+    connector, local = rig.connector("plugin://kvstore", extra, ["kvstore"], "kvstore")
+    for _ in range(3):
+        assert rig.run(connector.get(rig.key(1))) is None
+        assert connector.batched_contains([rig.key(1)]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "AuthenticationError" in lines[0], lines
 
 
 def test_the_documented_yaml_configures_the_plugin(rig, server, tmp_path):
@@ -257,10 +245,10 @@ def test_the_documented_yaml_configures_the_plugin(rig, server, tmp_path):
     release(got)
 
 
-def test_a_hung_node_costs_one_timeout_then_misses_at_once(rig, tmp_path, caplog):
+def test_a_hung_node_costs_one_timeout_then_misses_at_once(rig, kvstore_factory, caplog):
     """A node that stops answering (SIGSTOP) holds one call for `timeout`; the calls after it miss at
     once until the next probe, and the node is used again once it answers."""
-    node = start_kvstore(tmp_path)
+    node = kvstore_factory()
     connector, local = plugin(rig, node, timeout=0.5, retry_interval=2.0)
     rig.run(connector.put(rig.key(900), rig.chunk(local, 900)))
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -277,10 +265,7 @@ def test_a_hung_node_costs_one_timeout_then_misses_at_once(rig, tmp_path, caplog
         assert len([r for r in caplog.records if "cannot be used" in r.getMessage()]) == 1
     finally:
         node.proc.send_signal(signal.SIGCONT)
-    try:
-        wait_until(lambda: connector.batched_contains([rig.key(900)]) == 1, what="the node used again")
-        got = rig.run(connector.get(rig.key(900)))
-        assert rig.right(900, got)
-        release(got)
-    finally:
-        node.stop()
+    wait_until(lambda: connector.batched_contains([rig.key(900)]) == 1, what="the node used again")
+    got = rig.run(connector.get(rig.key(900)))
+    assert rig.right(900, got)
+    release(got)

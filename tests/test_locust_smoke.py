@@ -14,7 +14,6 @@ from client import KVClient
 from loadtest.cluster_up import ClusterUp
 from loadtest.kv_workload import FIXTURE_TRACE, KVCacheEngine, load_trace
 from loadtest.sealed import PayloadPool
-from conftest import start_kvstore
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_OPS = {("kv", "match_prefix"), ("kv", "batch_get"), ("kv", "batch_put")}
@@ -35,44 +34,35 @@ def run_locust(tmp_path: Path, *args: str, seconds: int = 4, users: int = 6) -> 
     return done.returncode, counts, done.stdout + done.stderr
 
 
-def test_both_users_run_every_operation_without_failure(tmp_path):
-    node = start_kvstore(tmp_path)
-    try:
-        code, counts, output = run_locust(tmp_path, "--host", f"{node.host}:{node.port}")
-    finally:
-        node.stop()
+def test_both_users_run_every_operation_without_failure(kvstore_factory, tmp_path):
+    node = kvstore_factory()
+    code, counts, output = run_locust(tmp_path, "--host", f"{node.host}:{node.port}")
     assert code == 0, output
     assert set(counts) == KV_OPS | REDIS_OPS, output
     assert all(requests > 0 and failures == 0 for requests, failures in counts.values()), counts
     assert "p50/p99 per operation" in output and "| kv batch_get |" in output
 
 
-def test_a_value_that_does_not_verify_fails_the_kv_user(tmp_path):
-    node = start_kvstore(tmp_path)
-    try:
-        engine = KVCacheEngine(None, PayloadPool(16), 16)
-        with KVClient(node.host, node.port) as kv:
-            for hash_ids in load_trace(FIXTURE_TRACE):
-                kv.batch_put([(key, b"not sealed by the load test") for key in engine.keys(hash_ids)],
-                             overwrite=True)
-        code, counts, output = run_locust(tmp_path, "--host", f"{node.host}:{node.port}", "KVCacheUser",
-                                          seconds=2, users=2)
-    finally:
-        node.stop()
+def test_a_value_that_does_not_verify_fails_the_kv_user(kvstore_factory, tmp_path):
+    node = kvstore_factory()
+    engine = KVCacheEngine(None, PayloadPool(16), 16)
+    with KVClient(node.host, node.port) as kv:
+        for hash_ids in load_trace(FIXTURE_TRACE):
+            kv.batch_put([(key, b"not sealed by the load test") for key in engine.keys(hash_ids)],
+                         overwrite=True)
+    code, counts, output = run_locust(tmp_path, "--host", f"{node.host}:{node.port}", "KVCacheUser",
+                                      seconds=2, users=2)
     assert code == 1, output
     assert counts[("kv", "batch_get")][1] > 0
     assert "failed verification" in output
 
 
-def test_a_value_that_does_not_verify_fails_the_redis_user(tmp_path):
-    node = start_kvstore(tmp_path)
-    try:
-        with KVClient(node.host, node.port) as kv:
-            kv.batch_put([(b"locust:redis:%d" % i, b"x" * 100) for i in range(32)], overwrite=True)
-        code, counts, output = run_locust(tmp_path, "--host", f"{node.host}:{node.port}", "RedisUser",
-                                          "--redis-get-share", "1", seconds=2, users=2)
-    finally:
-        node.stop()
+def test_a_value_that_does_not_verify_fails_the_redis_user(kvstore_factory, tmp_path):
+    node = kvstore_factory()
+    with KVClient(node.host, node.port) as kv:
+        kv.batch_put([(b"locust:redis:%d" % i, b"x" * 100) for i in range(32)], overwrite=True)
+    code, counts, output = run_locust(tmp_path, "--host", f"{node.host}:{node.port}", "RedisUser",
+                                      "--redis-get-share", "1", seconds=2, users=2)
     assert code == 1, output
     assert counts[("redis", "GET")][1] > 0
 

@@ -13,15 +13,13 @@ import urllib.request
 import pytest
 import redis
 
-from conftest import free_port, start_kvstore
+from conftest import free_port
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node(kvstore_module_factory):
     port = free_port()
-    daemon = start_kvstore(tmp_path_factory.mktemp("metrics"), "--metrics-port", str(port))
-    yield daemon, port
-    daemon.stop()
+    return kvstore_module_factory("--metrics-port", str(port)), port
 
 
 def scrape_text(port: int) -> str:
@@ -74,27 +72,24 @@ def test_endless_headers_still_get_an_answer(node):
     assert reply.startswith(b"HTTP/1.0 200 OK\r\n")
 
 
-def test_fragmentation_and_evictions_by_cause_are_in_info_and_exported(tmp_path):
+def test_fragmentation_and_evictions_by_cause_are_in_info_and_exported(kvstore_factory):
     port = free_port()
-    daemon = start_kvstore(tmp_path, "--dram-size", "4mb", "--metrics-port", str(port))
-    try:
-        client = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
-        pipe = client.pipeline(transaction=False)
-        for i in range(4000):
-            pipe.set(b"s%d" % i, b"x" * 100)
-        pipe.execute()
-        for i in range(8):
-            client.set(b"big%d" % i, b"y" * (1 << 20))
-        memory = client.info("memory")
-        assert memory["mem_allocator"] == "slabs+buddy" and memory["mem_largest_class"] == 1 << 20
-        assert memory["evicted_keys_for_big"] > 0 and memory["eviction_regions"] > 0
-        assert memory["mem_fragmented_bytes"] >= memory["mem_slab_slack_bytes"] >= 0
-        assert float(memory["eviction_seconds"]) > 0 and float(memory["eviction_turn_budget_ms"]) == 2.0
-        metrics = families(scrape_text(port))
-        assert metrics["kvstore_evicted_keys_for_big_total"] == ("counter", float(memory["evicted_keys_for_big"]))
-        assert metrics["kvstore_eviction_seconds_total"][0] == "counter"
-        for gauge in ("kvstore_mem_fragmented_bytes", "kvstore_mem_largest_free_extent",
-                      "kvstore_eviction_max_turn_ms"):
-            assert metrics[gauge][0] == "gauge", gauge
-    finally:
-        daemon.stop()
+    daemon = kvstore_factory("--dram-size", "4mb", "--metrics-port", str(port))
+    client = redis.Redis(daemon.host, daemon.port, socket_timeout=10)
+    pipe = client.pipeline(transaction=False)
+    for i in range(4000):
+        pipe.set(b"s%d" % i, b"x" * 100)
+    pipe.execute()
+    for i in range(8):
+        client.set(b"big%d" % i, b"y" * (1 << 20))
+    memory = client.info("memory")
+    assert memory["mem_allocator"] == "slabs+buddy" and memory["mem_largest_class"] == 1 << 20
+    assert memory["evicted_keys_for_big"] > 0 and memory["eviction_regions"] > 0
+    assert memory["mem_fragmented_bytes"] >= memory["mem_slab_slack_bytes"] >= 0
+    assert float(memory["eviction_seconds"]) > 0 and float(memory["eviction_turn_budget_ms"]) == 2.0
+    metrics = families(scrape_text(port))
+    assert metrics["kvstore_evicted_keys_for_big_total"] == ("counter", float(memory["evicted_keys_for_big"]))
+    assert metrics["kvstore_eviction_seconds_total"][0] == "counter"
+    for gauge in ("kvstore_mem_fragmented_bytes", "kvstore_mem_largest_free_extent",
+                  "kvstore_eviction_max_turn_ms"):
+        assert metrics[gauge][0] == "gauge", gauge

@@ -20,7 +20,7 @@ import time
 
 import redis
 
-from conftest import start_kvstore, start_redis
+from conftest import Daemon
 
 
 def command(*args) -> bytes:
@@ -85,72 +85,63 @@ def skip_reply(data: bytes, pos: int) -> int | None:
     return nl + 2
 
 
-def same_as_redis(tmp_path, payload: bytes, replies: int, *setup: tuple) -> bytes:
-    """The replies of kvstore and of redis-server to ``payload`` (after ``setup`` commands): equal."""
+def same_as_redis(servers: tuple[Daemon, Daemon], payload: bytes, replies: int, *setup: tuple) -> bytes:
+    """The replies of kvstore and of redis-server (``servers``, in that order) to ``payload``
+    (after ``setup`` commands): equal."""
     got = {}
-    for name, start in (("kvstore", start_kvstore), ("redis", start_redis)):
-        daemon = start(tmp_path)
-        try:
-            client = redis.Redis(daemon.host, daemon.port)
-            for args in setup:
-                client.execute_command(*args)
-            got[name] = exchange(daemon, payload, replies)
-        finally:
-            daemon.stop()
+    for name, daemon in zip(("kvstore", "redis"), servers):
+        client = redis.Redis(daemon.host, daemon.port)
+        for args in setup:
+            client.execute_command(*args)
+        got[name] = exchange(daemon, payload, replies)
     assert got["kvstore"] == got["redis"]
     return got["kvstore"]
 
 
-def test_transactions_between_plain_commands_answer_as_redis(tmp_path):
+def test_transactions_between_plain_commands_answer_as_redis(server, redis_server):
     payload = (command("SET", "a", "1") + command("GET", "a") + command("MULTI") + command("SET", "a", "2")
                + command("GET", "a") + command("EXEC") + command("get", "a") + command("MULTI")
                + command("set", "a", "3") + command("DISCARD") + command("GET", "a")
                + command("WATCH", "a") + command("SET", "a", "4") + command("MULTI") + command("GET", "a")
                + command("EXEC") + command("GET", "a"))
-    replies = same_as_redis(tmp_path, payload, 17)
+    replies = same_as_redis((server, redis_server), payload, 17)
     assert replies.endswith(b"*-1\r\n$1\r\n4\r\n")
 
 
-def test_auth_and_a_restricted_user_in_the_middle_of_a_batch_answer_as_redis(tmp_path):
+def test_auth_and_a_restricted_user_in_the_middle_of_a_batch_answer_as_redis(server, redis_server):
     setup = (("ACL", "SETUSER", "reader", "on", ">pw", "~a*", "+get", "+auth"),
              ("SET", "a", "1"), ("SET", "b", "2"))
     payload = (command("GET", "a") + command("AUTH", "reader", "pw") + command("GET", "a")
                + command("GET", "b") + command("SET", "a", "x") + command("GET", "a")
                + command("AUTH", "default", "nopass-is-ignored") + command("GET", "b"))
-    replies = same_as_redis(tmp_path, payload, 8, *setup)
+    replies = same_as_redis((server, redis_server), payload, 8, *setup)
     assert replies.count(b"-NOPERM") == 2        # the key b, then SET; back as default, b is readable
 
 
-def test_noauth_until_auth_in_the_same_batch(tmp_path):
-    daemon = start_kvstore(tmp_path, password="secret")
-    try:
-        payload = (command("SET", "a", "1") + command("GET", "a") + command("AUTH", "secret")
-                   + command("SET", "a", "1") + command("GET", "a"))
-        assert exchange(daemon, payload, 5) == (b"-NOAUTH Authentication required.\r\n" * 2
-                                                + b"+OK\r\n+OK\r\n$1\r\n1\r\n")
-    finally:
-        daemon.stop()
+def test_noauth_until_auth_in_the_same_batch(kvstore_factory):
+    daemon = kvstore_factory(password="secret")
+    payload = (command("SET", "a", "1") + command("GET", "a") + command("AUTH", "secret")
+               + command("SET", "a", "1") + command("GET", "a"))
+    assert exchange(daemon, payload, 5) == (b"-NOAUTH Authentication required.\r\n" * 2
+                                            + b"+OK\r\n+OK\r\n$1\r\n1\r\n")
 
 
-def test_names_in_any_case_options_and_wrong_counts_answer_as_redis(tmp_path):
+def test_names_in_any_case_options_and_wrong_counts_answer_as_redis(server, redis_server):
     payload = (command("Set", "k", "v") + command("gEt", "k") + command("SET", "k", "w", "NX")
                + command("SET", "k", "w", "XX", "GET") + command("GET", "k", "extra") + command("SET", "k")
                + command("GET", "missing") + command("set", "k", "") + command("get", "k"))
-    same_as_redis(tmp_path, payload, 9)
+    same_as_redis((server, redis_server), payload, 9)
 
 
-def test_an_oom_error_is_answered_in_order_and_the_batch_goes_on(tmp_path):
-    daemon = start_kvstore(tmp_path, "--dram-size", "1mb", "--maxmemory-policy", "noeviction")
-    try:
-        value = b"v" * 30_000           # below the reader's big-bulk size: a plain SET
-        payload = b"".join(command("SET", f"k{i}", value) for i in range(60)) + command("GET", "k0")
-        replies = exchange(daemon, payload, 61)
-        oom = b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"
-        assert replies.startswith(b"+OK\r\n") and oom in replies
-        assert replies.endswith(b"$30000\r\n" + value + b"\r\n")
-        assert replies.count(b"+OK\r\n") + replies.count(oom) == 60
-    finally:
-        daemon.stop()
+def test_an_oom_error_is_answered_in_order_and_the_batch_goes_on(kvstore_factory):
+    daemon = kvstore_factory("--dram-size", "1mb", "--maxmemory-policy", "noeviction")
+    value = b"v" * 30_000           # below the reader's big-bulk size: a plain SET
+    payload = b"".join(command("SET", f"k{i}", value) for i in range(60)) + command("GET", "k0")
+    replies = exchange(daemon, payload, 61)
+    oom = b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"
+    assert replies.startswith(b"+OK\r\n") and oom in replies
+    assert replies.endswith(b"$30000\r\n" + value + b"\r\n")
+    assert replies.count(b"+OK\r\n") + replies.count(oom) == 60
 
 
 def test_client_pause_write_holds_a_plain_set(server):

@@ -26,7 +26,7 @@ import redis.asyncio
 from redis._parsers import _HiredisParser, _RESP2Parser, _RESP3Parser
 
 from conftest import Daemon
-from test_redis_compat import RespConnection, encode_command, kv, target  # noqa: F401  (shared fixtures)
+from test_redis_compat import RespConnection, encode_command, node, target  # noqa: F401  (shared fixtures)
 
 MiB = 1 << 20
 
@@ -110,8 +110,8 @@ def test_redis_py_large_values(client, size_mib):
     assert client.mget(["large-b", "large-a"]) == [other, value]
 
 
-def test_redis_py_unix_socket(kv):
-    conn = redis.Redis(unix_socket_path=kv.unix_socket)
+def test_redis_py_unix_socket(node):
+    conn = redis.Redis(unix_socket_path=node.unix_socket)
     try:
         assert conn.set("via-unix", b"\x00" * MiB) is True
         assert conn.get("via-unix") == b"\x00" * MiB

@@ -29,7 +29,7 @@ from typing import Union
 
 import pytest
 
-from conftest import Daemon, start_kvstore
+from conftest import Daemon
 
 CRLF = b"\r\n"
 _BLOB_KINDS = b"$=!"
@@ -490,16 +490,14 @@ SCENARIOS: dict[str, list[Step]] = {
 
 
 @pytest.fixture(scope="module")
-def kv(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory) -> Daemon:
+    return kvstore_module_factory()
 
 
 @pytest.fixture(params=["redis", "kvstore"])
-def target(request, kv) -> Daemon:
+def target(request, node) -> Daemon:
     """Each server in turn, with an empty keyspace."""
-    daemon = request.getfixturevalue("redis_server") if request.param == "redis" else kv
+    daemon = request.getfixturevalue("redis_server") if request.param == "redis" else node
     with RespConnection(daemon) as conn:
         conn.call("FLUSHALL")
     return daemon
@@ -516,10 +514,8 @@ AUTH_STEPS: list[Step] = [
 
 
 @pytest.fixture(scope="module")
-def kv_with_password(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-auth"), password=PASSWORD)
-    yield daemon
-    daemon.stop()
+def node_with_password(kvstore_module_factory) -> Daemon:
+    return kvstore_module_factory(password=PASSWORD)
 
 
 @pytest.fixture
@@ -532,13 +528,13 @@ def redis_with_password(redis_server) -> Daemon:
 
 @pytest.fixture(params=["redis", "kvstore"])
 def target_with_password(request) -> Daemon:
-    name = "redis_with_password" if request.param == "redis" else "kv_with_password"
+    name = "redis_with_password" if request.param == "redis" else "node_with_password"
     return request.getfixturevalue(name)
 
 
-def test_auth_replies_match_redis(redis_with_password, kv_with_password):
+def test_auth_replies_match_redis(redis_with_password, node_with_password):
     expected = run_steps(redis_with_password, AUTH_STEPS, flush=False)
-    assert_same_replies(expected, run_steps(kv_with_password, AUTH_STEPS, flush=False))
+    assert_same_replies(expected, run_steps(node_with_password, AUTH_STEPS, flush=False))
 
 
 def test_hello_auth_authenticates(target_with_password):
@@ -550,9 +546,9 @@ def test_hello_auth_authenticates(target_with_password):
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_replies_match_redis(scenario, redis_server, kv):
+def test_replies_match_redis(scenario, redis_server, node):
     expected = normalize(run_steps(redis_server, SCENARIOS[scenario]))
-    got = normalize(run_steps(kv, SCENARIOS[scenario]))
+    got = normalize(run_steps(node, SCENARIOS[scenario]))
     assert_same_replies(expected, got)
 
 
@@ -581,13 +577,13 @@ def fill_keys(daemon: Daemon, count: int) -> None:
 @pytest.mark.parametrize("options", [(), ("COUNT", "7"), ("MATCH", "user:1*"),
                                      ("MATCH", "other:*", "COUNT", "3"), ("MATCH", "none*"),
                                      ("COUNT", "1000")])
-def test_scan_collects_the_same_keys(options, redis_server, kv):
-    for daemon in (redis_server, kv):
+def test_scan_collects_the_same_keys(options, redis_server, node):
+    for daemon in (redis_server, node):
         with RespConnection(daemon) as conn:
             conn.call("FLUSHALL")
         fill_keys(daemon, 300)
     expected, _ = scan_all(redis_server, *options)
-    got, _ = scan_all(kv, *options)
+    got, _ = scan_all(node, *options)
     assert got == expected
 
 
@@ -702,9 +698,9 @@ def test_client_id_and_list(target):
         assert entries[str(second_id)]["name"] == ""
 
 
-def test_config_get_maxmemory_reports_the_limit(target, kv):
+def test_config_get_maxmemory_reports_the_limit(target, node):
     with RespConnection(target) as conn:
-        if target is not kv:  # kvstore's limit is its --dram-size of 64mb
+        if target is not node:  # kvstore's limit is its --dram-size of 64mb
             assert conn.call("CONFIG", "SET", "maxmemory", "64mb") == b"+OK\r\n"
         assert conn.call("CONFIG", "GET", "maxmemory") == b"*2\r\n$9\r\nmaxmemory\r\n$8\r\n67108864\r\n"
 
@@ -749,8 +745,8 @@ def test_info_keyspace_line(target):
         assert conn.call("INFO", "keyspace") == b"$44\r\n# Keyspace\r\ndb0:keys=2,expires=0,avg_ttl=0\r\n\r\n"
 
 
-def test_info_kvcache_section(kv):
-    with RespConnection(kv) as conn:
+def test_info_kvcache_section(node):
+    with RespConnection(node) as conn:
         sections = info_sections(conn.call("INFO", "kvcache"))
         assert list(sections) == ["kvcache"]
         assert sections["kvcache"], "the kvcache section has no fields"
@@ -796,26 +792,26 @@ def test_memory_usage_counts_the_value(target):
 
 
 @pytest.mark.parametrize("db", ["1", "15", "16", "-1"])
-def test_select_other_db_is_refused_as_in_cluster_mode(kv, db):
-    with RespConnection(kv) as conn:
+def test_select_other_db_is_refused_as_in_cluster_mode(node, db):
+    with RespConnection(node) as conn:
         assert conn.call("SELECT", db) == b"-ERR SELECT is not allowed in cluster mode\r\n"
         assert conn.call("SELECT", "0") == b"+OK\r\n"
 
 
-def test_client_setinfo_is_accepted(kv):
+def test_client_setinfo_is_accepted(node):
     """Redis 7.2 answers +OK; redis-py sends these on every connect."""
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         assert conn.call("CLIENT", "SETINFO", "LIB-NAME", "redis-py") == b"+OK\r\n"
         assert conn.call("CLIENT", "SETINFO", "LIB-VER", "8.1.0") == b"+OK\r\n"
         assert conn.call("PING") == b"+PONG\r\n"
 
 
-def test_unix_socket_serves_the_same_keyspace(kv):
-    with RespConnection(kv) as tcp:
+def test_unix_socket_serves_the_same_keyspace(node):
+    with RespConnection(node) as tcp:
         tcp.call("SET", "shared", "via-tcp")
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(5)
-        sock.connect(kv.unix_socket)
+        sock.connect(node.unix_socket)
         sock.sendall(encode_command("GET", "shared") + b"PING\r\n")
         data = b""
         while len(data) < len(b"$7\r\nvia-tcp\r\n+PONG\r\n"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Daemon, start_kvstore, start_redis
+from conftest import Daemon
 from test_redis_compat import RespConnection, Step, assert_same_replies, decode, normalize, run_steps
 
 BIG = b"\x5a" * 5000
@@ -195,23 +195,14 @@ SCENARIOS: dict[str, list[Step]] = {
 
 
 @pytest.fixture(scope="module")
-def kv(tmp_path_factory) -> Daemon:
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore-more"))
-    yield daemon
-    daemon.stop()
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory) -> Daemon:
-    daemon = start_redis(tmp_path_factory.mktemp("redis-more"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory) -> Daemon:
+    return kvstore_module_factory()
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_replies_match_redis(scenario, redis, kv):
-    expected = normalize(run_steps(redis, SCENARIOS[scenario]))
-    assert_same_replies(expected, normalize(run_steps(kv, SCENARIOS[scenario])))
+def test_replies_match_redis(scenario, redis_module_server, node):
+    expected = normalize(run_steps(redis_module_server, SCENARIOS[scenario]))
+    assert_same_replies(expected, normalize(run_steps(node, SCENARIOS[scenario])))
 
 
 def test_a_write_from_another_client_aborts_exec(target):
@@ -225,17 +216,17 @@ def test_a_write_from_another_client_aborts_exec(target):
 
 
 @pytest.fixture(params=["redis", "kvstore"])
-def target(request, redis, kv) -> Daemon:
+def target(request, redis_module_server, node) -> Daemon:
     """Each server in turn, with an empty keyspace."""
-    daemon = redis if request.param == "redis" else kv
+    daemon = redis_module_server if request.param == "redis" else node
     with RespConnection(daemon) as conn:
         conn.call("FLUSHALL")
     return daemon
 
 
-def test_object_idletime_says_it_is_not_tracked(kv):
+def test_object_idletime_says_it_is_not_tracked(node):
     """A deliberate departure: eviction keeps an access order, not access times."""
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         conn.call("SET", "k", "v")
         assert conn.call("OBJECT", "IDLETIME", "k").startswith(b"-ERR kvstore keeps the order of accesses")
         assert conn.call("OBJECT", "IDLETIME", "missing") == b"$-1\r\n"
@@ -268,9 +259,9 @@ def test_client_kill_old_form_by_address(target):
         assert victim.closed_by_peer()
 
 
-def test_client_tracking_is_refused_as_an_unknown_subcommand(kv):
+def test_client_tracking_is_refused_as_an_unknown_subcommand(node):
     """A deliberate departure: no client-side caching invalidations; Redis's error for a subcommand it lacks."""
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         assert conn.call("CLIENT", "TRACKING", "on") == b"-ERR unknown subcommand 'TRACKING'. Try CLIENT HELP.\r\n"
 
 
@@ -279,7 +270,7 @@ NEW_COMMANDS = ["setex", "psetex", "setnx", "getset", "msetnx", "getex", "append
                 "randomkey", "expireat", "pexpireat", "expiretime", "pexpiretime", "object", "latency", "slowlog", "lcs"]
 
 
-def test_command_info_of_the_new_commands_matches_redis(redis, kv):
+def test_command_info_of_the_new_commands_matches_redis(redis_module_server, node):
     """Name, arity and key positions (what cluster clients route by) as Redis reports them;
     OBJECT names its key (2, 2, 1) where Redis's container says (0, 0, 0), so that
     cluster routing and ACL key checks see it."""
@@ -287,11 +278,11 @@ def test_command_info_of_the_new_commands_matches_redis(redis, kv):
         with RespConnection(daemon) as conn:
             return [None if e is None else (e[0], e[1], e[3], e[4], e[5])
                     for e in decode(conn.call("COMMAND", "INFO", *NEW_COMMANDS)) if e[0] != b"object"]
-    assert shape(kv) == shape(redis)
+    assert shape(node) == shape(redis_module_server)
 
 
-def test_command_docs_describe_the_new_commands(kv):
-    with RespConnection(kv) as conn:
+def test_command_docs_describe_the_new_commands(node):
+    with RespConnection(node) as conn:
         flat = decode(conn.call("COMMAND", "DOCS", *NEW_COMMANDS))
         docs = dict(zip(flat[::2], flat[1::2]))
         count = decode(conn.call("COMMAND", "COUNT"))
@@ -370,10 +361,10 @@ def test_client_pause_all_holds_every_command_until_its_deadline(target):
 
 
 @pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
-def test_redis_py_sends_these_commands_on_its_own(kv):
+def test_redis_py_sends_these_commands_on_its_own(node):
     """redis-py's setex/setnx/getex/incrbyfloat and an optimistic transaction (WATCH, MULTI, EXEC)."""
     import redis as redis_py
-    client = redis_py.Redis(host=kv.host, port=kv.port)
+    client = redis_py.Redis(host=node.host, port=node.port)
     try:
         client.flushall()
         assert client.setex("k", 100, "v") and 0 < client.ttl("k") <= 100
@@ -399,9 +390,9 @@ def test_redis_py_sends_these_commands_on_its_own(kv):
         client.close()
 
 
-def test_lcs_of_long_values_answers_len_but_refuses_the_walk(kv):
+def test_lcs_of_long_values_answers_len_but_refuses_the_walk(node):
     """A deliberate limit: the string and IDX replies walk back over both values in Python."""
-    with RespConnection(kv) as conn:
+    with RespConnection(node) as conn:
         conn.call("SET", "a", "x")
         conn.call("SET", "b", b"yx" * 200_000)
         assert conn.call("LCS", "a", "b", "LEN") == b":1\r\n"

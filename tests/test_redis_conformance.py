@@ -19,7 +19,7 @@ from test_redis_compat import (RespConnection, Step, assert_same_replies, decode
                                run_steps)
 # The fixtures: a kvstore node and a redis-server for the module, and each of them in turn
 # with an empty keyspace (``target``).
-from test_redis_compat_more import kv, redis, target  # noqa: F401
+from test_redis_compat_more import node, target  # noqa: F401
 
 SCENARIOS: dict[str, list[Step]] = {
     "client-list-filters": [
@@ -107,9 +107,9 @@ SCENARIOS: dict[str, list[Step]] = {
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_replies_match_redis(scenario, redis, kv):
-    expected = normalize(run_steps(redis, SCENARIOS[scenario]))
-    assert_same_replies(expected, normalize(run_steps(kv, SCENARIOS[scenario])))
+def test_replies_match_redis(scenario, redis_module_server, node):
+    expected = normalize(run_steps(redis_module_server, SCENARIOS[scenario]))
+    assert_same_replies(expected, normalize(run_steps(node, SCENARIOS[scenario])))
 
 
 def _raw_transcript(daemon: Daemon, requests: list[tuple]) -> bytes:
@@ -125,24 +125,24 @@ def _raw_transcript(daemon: Daemon, requests: list[tuple]) -> bytes:
         return data
 
 
-def test_client_reply_off_skip_on(redis, kv):
+def test_client_reply_off_skip_on(redis_module_server, node):
     requests = [("CLIENT", "REPLY", "SKIP"), ("PING", "a"), ("PING", "b"), ("CLIENT", "REPLY", "OFF"),
                 ("PING",), ("SET", "k", "v"), ("GET", "k"), ("CLIENT", "REPLY", "ON"), ("GET", "k"),
                 ("CLIENT", "REPLY", "SKIP"), ("CLIENT", "REPLY", "ON"), ("PING",),
                 ("CLIENT", "REPLY", "OFF"), ("MULTI",), ("SET", "k", "w"), ("EXEC",), ("CLIENT", "REPLY", "ON"),
                 ("GET", "k"), ("DEL", "k")]
-    assert _raw_transcript(kv, requests) == _raw_transcript(redis, requests)
+    assert _raw_transcript(node, requests) == _raw_transcript(redis_module_server, requests)
 
 
 def _fields(line: str) -> list[str]:
     return [f.split("=", 1)[0] for f in line.split(" ")]
 
 
-def test_client_info_and_list_fields(redis, kv):
+def test_client_info_and_list_fields(redis_module_server, node):
     """Redis 7's fields in Redis's order (lib-name and lib-ver, from Redis 7.2, last); the
     caller's line counts its own request in qbuf and names the subcommand."""
     lines = {}
-    for name, daemon in (("redis", redis), ("kvstore", kv)):
+    for name, daemon in (("redis", redis_module_server), ("kvstore", node)):
         with RespConnection(daemon) as conn:
             info = decode(conn.call("CLIENT", "INFO")).decode().strip()
             mine = decode(conn.call("CLIENT", "ID"))
@@ -162,12 +162,12 @@ def _info_fields(daemon: Daemon, *sections: str) -> dict[str, str]:
     return dict(line.split(":", 1) for line in text.splitlines() if line and not line.startswith("#"))
 
 
-def test_info_cpu_and_sections(redis, kv):
-    cpu, ref = _info_fields(kv, "cpu"), _info_fields(redis, "cpu")
+def test_info_cpu_and_sections(redis_module_server, node):
+    cpu, ref = _info_fields(node, "cpu"), _info_fields(redis_module_server, "cpu")
     assert list(cpu) == list(ref)
     assert all(re.fullmatch(r"\d+\.\d{6}", v) for v in cpu.values())
     for sections in ((), ("default",), ("all",), ("everything",), ("cpu", "all"), ("cpu", "default")):
-        kv_fields, redis_fields = _info_fields(kv, *sections), _info_fields(redis, *sections)
+        kv_fields, redis_fields = _info_fields(node, *sections), _info_fields(redis_module_server, *sections)
         for name in ("used_cpu_user", "used_cpu_sys_children", "master_repl_offset", "role"):
             assert (name in kv_fields) == (name in redis_fields), (sections, name)
         assert any(k.startswith("cmdstat_") for k in kv_fields) == \

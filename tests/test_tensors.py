@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import start_kvstore
 from test_fastpath_faults import counters
 
 from client import KVClient, ResponseError, TensorMismatch
@@ -14,10 +13,8 @@ PATHS = ["auto", "off"]
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("tensors"))
-    yield daemon
-    daemon.stop()
+def node(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 @pytest.fixture(params=PATHS)

@@ -81,7 +81,7 @@ def test_corrupted_value_on_disk_is_dropped_counted_and_logged(tmp_path, tiered,
     wait_until(lambda: r.info("ssd")["ssd_records"] == 5, what="5 records on SSD")
     daemon.stop()
     flip_byte(str(tmp_path / "ssd"), VALUE_CF, key_of(2), 1000)
-    daemon = kvstore_factory.adopt(restart(daemon, tmp_path, signal.SIGTERM))
+    daemon = restart(kvstore_factory, daemon, signal.SIGTERM)
     r = client(daemon)
     assert r.get(key_of(2)) is None                  # never the damaged bytes
     assert r.info("ssd")["ssd_checksum_failures"] == 1
@@ -130,7 +130,7 @@ def test_full_disk_is_logged_and_values_stay_readable(tmp_path, kvstore_factory)
 # ------------------------------------------------------------------ crashes and restarts
 
 
-def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path, tiered, kvstore_factory):
+def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tiered, kvstore_factory):
     daemon = tiered("--ssd-write-policy", "write-through", dram="16mb")
     size, stop, acknowledged = 64 * KIB, threading.Event(), []
 
@@ -152,7 +152,7 @@ def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path, ti
         daemon.stop(signal.SIGKILL)
         stop.set()
         thread.join(10)
-        daemon = kvstore_factory.adopt(restart(daemon, tmp_path, signal.SIGKILL))
+        daemon = restart(kvstore_factory, daemon, signal.SIGKILL)
         r = client(daemon)
         keys = [key_of(n) for n in range(len(acknowledged) + 1)]
         found = 0
@@ -166,12 +166,12 @@ def test_kill_9_during_heavy_writes_restarts_with_only_whole_values(tmp_path, ti
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["clean-stop", "kill-9"])
-def test_warm_restart_logs_how_many_values_and_how_long(tmp_path, sig, tiered, kvstore_factory):
+def test_warm_restart_logs_how_many_values_and_how_long(sig, tiered, kvstore_factory):
     daemon = tiered("--ssd-write-policy", "write-through", dram="64mb")
     r = client(daemon)
     written = write_values(r, range(30), 32 * KIB)
     wait_until(lambda: r.info("ssd")["ssd_records"] == 30, what="30 records on SSD")
-    daemon = kvstore_factory.adopt(restart(daemon, tmp_path, sig))
+    daemon = restart(kvstore_factory, daemon, sig)
     match = RECOVERED.search(daemon.log())
     assert match, daemon.log()
     assert int(match.group(1)) == 30 and float(match.group(2)) >= 0

@@ -8,6 +8,7 @@ reuse the same flags and `--ssd-dir`, as an operator would.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import signal
 import socket
@@ -16,13 +17,12 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 
-from conftest import Daemon, free_port, start_kvstore, wait_ready, wait_until
+from conftest import Daemon, free_port, wait_ready, wait_until
 from kvstore.net.connection import COPIED_REPLIES
 from kvstore.tiers.ssd import SSDTier
 from proto import wire
@@ -47,31 +47,23 @@ def key_of(number: int) -> bytes:
     return b"v%05d" % number
 
 
-def start_tiered(tmp_path: Path, *flags: str, dram: str = "8mb", ssd_size: str = "1gb") -> Daemon:
-    """A node with an SSD tier in ``tmp_path/ssd`` and a small DRAM arena."""
-    return start_kvstore(tmp_path, "--dram-size", dram, "--ssd-dir", str(tmp_path / "ssd"),
-                         "--ssd-size", ssd_size, *flags)
+def start_tiered(kvstore_factory, *flags: str, dram: str = "8mb", ssd_size: str = "1gb") -> Daemon:
+    """A node with an SSD tier in the factory's folder (``ssd``) and a small DRAM arena."""
+    return kvstore_factory("--dram-size", dram, "--ssd-dir", str(kvstore_factory.tmp_path / "ssd"),
+                           "--ssd-size", ssd_size, *flags)
 
 
 @pytest.fixture
-def tiered(tmp_path, kvstore_factory):
+def tiered(kvstore_factory):
     """`start_tiered` in the test's folder; the node is stopped at teardown."""
-    return lambda *flags, **kwargs: kvstore_factory.adopt(start_tiered(tmp_path, *flags, **kwargs))
+    return functools.partial(start_tiered, kvstore_factory)
 
 
-def restart(daemon: Daemon, tmp_path: Path, sig: int = signal.SIGTERM) -> Daemon:
-    """Stop ``daemon`` with ``sig`` and start the same command line again (a new log file)."""
-    daemon.stop(sig)
-    log_path = str(tmp_path / f"restart-{time.monotonic_ns()}.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
-    again = Daemon(proc, daemon.host, daemon.port, daemon.unix_socket, daemon.password, log_path, daemon.args)
-    try:
-        wait_ready(again.host, again.port, proc)
-        wait_until(lambda: RECOVERED_LINE in again.log(), what="the recovery log line")
-    except Exception:
-        again.stop(signal.SIGKILL)
-        raise RuntimeError("kvstore did not restart:\n" + again.log())
+def restart(kvstore_factory, daemon: Daemon, sig: int = signal.SIGTERM) -> Daemon:
+    """Stop ``daemon`` with ``sig``, start the same command line again (a new log file) and
+    wait until it has logged its recovery of the SSD tier."""
+    again = kvstore_factory.restart(daemon, sig)
+    wait_until(lambda: RECOVERED_LINE in again.log(), what="the recovery log line")
     return again
 
 
@@ -181,13 +173,13 @@ def test_promotion_after_promote_hits_within_the_window(tiered):
         time.sleep(0.6)
 
 
-def test_write_through_puts_land_on_ssd_and_survive_kill_9(tmp_path, tiered, kvstore_factory):
+def test_write_through_puts_land_on_ssd_and_survive_kill_9(tiered, kvstore_factory):
     daemon = tiered("--ssd-write-policy", "write-through", dram="64mb")
     r = client(daemon)
     written = write_values(r, range(10))
     wait_until(lambda: r.info("ssd")["ssd_records"] == 10, what="10 records on SSD")
     assert tiers(r, list(written)) == ["dram"] * 10       # the DRAM copy stays: a clean backup below it
-    daemon = kvstore_factory.adopt(restart(daemon, tmp_path, signal.SIGKILL))
+    daemon = restart(kvstore_factory, daemon, signal.SIGKILL)
     r = client(daemon)
     assert tiers(r, list(written)) == ["ssd"] * 10
     assert {k: digest(r.get(k)) for k in written} == written
@@ -203,7 +195,7 @@ def test_write_back_puts_stay_in_dram_until_demoted(tiered):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["clean-stop", "kill-9"])
-def test_delete_and_overwrite_of_ssd_values_never_resurrect(tmp_path, sig, tiered, kvstore_factory):
+def test_delete_and_overwrite_of_ssd_values_never_resurrect(sig, tiered, kvstore_factory):
     daemon = tiered()
     r = client(daemon)
     written = spill(r, 48)
@@ -214,7 +206,7 @@ def test_delete_and_overwrite_of_ssd_values_never_resurrect(tmp_path, sig, tiere
     r.execute_command(wire.KV_PUT, renewed, value_of(10_000))
     write_values(r, range(100, 180))      # enough that approximate LRU surely demotes it
     wait_until(lambda: tiers(r, [renewed]) == ["ssd"], what="the renewed value on SSD")
-    daemon = kvstore_factory.adopt(restart(daemon, tmp_path, sig))
+    daemon = restart(kvstore_factory, daemon, sig)
     r = client(daemon)
     assert r.get(deleted) is None
     assert r.get(overwritten) in (None, b"small new value")     # never the old value
@@ -268,7 +260,7 @@ def test_get_during_demotion_returns_the_whole_value(tiered):
 
 
 def test_sdk_reads_of_ssd_values_are_leased_from_the_arena_and_redis_reads_are_sent_from_rocksdb_bytes(
-        tmp_path, tiered, kvstore_factory):
+        tiered, kvstore_factory):
     """A lease command's values are read into arena extents (the SDK copies them out of
     shared memory, no wire fallback); a GET's are RocksDB's own bytes, taking no extent."""
     from client import KVClient
@@ -277,7 +269,7 @@ def test_sdk_reads_of_ssd_values_are_leased_from_the_arena_and_redis_reads_are_s
     r = client(daemon)
     written = write_values(r, range(6))
     wait_until(lambda: r.info("ssd")["ssd_records"] == 6, what="6 records on SSD")
-    daemon = kvstore_factory.adopt(restart(daemon, tmp_path))   # every value on SSD only
+    daemon = restart(kvstore_factory, daemon)   # every value on SSD only
     r = client(daemon)
     keys = list(written)
     assert set(tiers(r, keys)) == {"ssd"}

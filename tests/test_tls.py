@@ -21,7 +21,7 @@ import redis
 
 from client import AsyncKVClient, KVClient
 from client.errors import ConnectionError, TimeoutError
-from conftest import free_port, start_kvstore
+from conftest import free_port
 from loadtest.certs import make_certificates
 from test_redis_compat import RespConnection
 
@@ -32,12 +32,11 @@ def certs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tls_node(tmp_path_factory, certs):
+def tls_node(kvstore_module_factory, certs):
     port = free_port()
-    daemon = start_kvstore(tmp_path_factory.mktemp("tls"), "--tls-port", str(port), *certs.server_flags("yes"))
+    daemon = kvstore_module_factory("--tls-port", str(port), *certs.server_flags("yes"))
     daemon.tls_port = port
-    yield daemon
-    daemon.stop()
+    return daemon
 
 
 def tls_client(node, certs, **extra) -> redis.Redis:
@@ -117,18 +116,15 @@ def test_plain_resp_and_a_stalled_handshake_on_the_tls_port(tls_node, certs):
         stalled.close()
 
 
-def test_optional_client_certificates(tmp_path, certs):
+def test_optional_client_certificates(kvstore_factory, certs):
     port = free_port()
-    daemon = start_kvstore(tmp_path, "--tls-port", str(port), *certs.server_flags("optional"))
+    daemon = kvstore_factory("--tls-port", str(port), *certs.server_flags("optional"))
     daemon.tls_port = port
-    try:
-        with tls_client(daemon, certs, ssl_certfile=None, ssl_keyfile=None) as anonymous:
-            assert anonymous.set("k", "v") and anonymous.get("k") == b"v"
-        with tls_client(daemon, certs) as named:
-            assert named.get("k") == b"v"
-        assert refused(daemon, context(certs, trust=certs.client_cert))
-    finally:
-        daemon.stop()
+    with tls_client(daemon, certs, ssl_certfile=None, ssl_keyfile=None) as anonymous:
+        assert anonymous.set("k", "v") and anonymous.get("k") == b"v"
+    with tls_client(daemon, certs) as named:
+        assert named.get("k") == b"v"
+    assert refused(daemon, context(certs, trust=certs.client_cert))
 
 
 def test_bad_tls_settings_stop_the_node_with_a_message(tmp_path, certs):

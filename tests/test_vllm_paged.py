@@ -11,7 +11,6 @@ writes deterministic KV for the scheduled tokens into their slots.
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa
 
 from client import KVClient  # noqa: E402
 from client.connectors.vllm_paged import VllmStoreConnector  # noqa: E402
-from conftest import start_kvstore, wait_ready  # noqa: E402
 from loadtest.bench_vllm import BLOCK, Engine, make_request, prompt, vllm_config, write_model_dir  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -34,10 +32,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"))
-    yield daemon
-    daemon.stop()
+def store(kvstore_module_factory):
+    return kvstore_module_factory()
 
 
 def address(daemon) -> dict:
@@ -128,29 +124,23 @@ def test_a_block_gone_between_lookup_and_load_is_reported_and_never_written(engi
     assert reader.num_computed_tokens < 3 * BLOCK                  # vLLM recomputes from the gap
 
 
-def test_a_store_restart_between_requests_gives_no_tokens_and_no_error(engines, tmp_path, caplog):
-    daemon = start_kvstore(tmp_path)
-    try:
-        first, second = engines(address(daemon)), engines(address(daemon))
-        shared = prompt(4, 2 * BLOCK)
-        first.run(make_request(shared + [1]))
-        first.flush()
-        daemon.stop()
-        request = make_request(shared + [2])
-        assert second.connector.get_num_new_matched_tokens(request, 0) == (0, False)      # down: no tokens
-        log_path = tmp_path / "restarted.log"
-        with open(log_path, "wb") as log:
-            daemon.proc = subprocess.Popen(daemon.args, stdout=log, stderr=subprocess.STDOUT)
-        wait_ready(daemon.host, daemon.port, daemon.proc)
-        second.connector.health._next_try = 0.0     # skip the back-off wait
-        (out, kv_output), *_ = second.run(request)
-        assert out.scheduled_new_reqs[0].num_computed_tokens == 0
-        second.flush()
-        again = make_request(shared + [3])            # the store is used again once it is back
-        assert second.connector.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, False)
-        assert sum("cannot be used" in r.getMessage() for r in caplog.records) <= 2
-    finally:
-        daemon.stop()
+def test_a_store_restart_between_requests_gives_no_tokens_and_no_error(kvstore_factory, engines, caplog):
+    daemon = kvstore_factory()
+    first, second = engines(address(daemon)), engines(address(daemon))
+    shared = prompt(4, 2 * BLOCK)
+    first.run(make_request(shared + [1]))
+    first.flush()
+    daemon.stop()
+    request = make_request(shared + [2])
+    assert second.connector.get_num_new_matched_tokens(request, 0) == (0, False)      # down: no tokens
+    kvstore_factory.restart(daemon)
+    second.connector.health._next_try = 0.0     # skip the back-off wait
+    (out, kv_output), *_ = second.run(request)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
+    second.flush()
+    again = make_request(shared + [3])            # the store is used again once it is back
+    assert second.connector.get_num_new_matched_tokens(again, 0) == (2 * BLOCK, False)
+    assert sum("cannot be used" in r.getMessage() for r in caplog.records) <= 2
 
 
 def test_a_store_that_is_down_costs_one_log_line_and_no_tokens(engines, caplog):

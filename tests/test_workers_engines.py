@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from client import KVClient
-from conftest import start_kvstore
 from workers.catalog import SMOLLM2, TINY
 from workers.decode import DecodeEngine
 from workers.kvio import make_connector
@@ -19,10 +18,8 @@ BLOCK_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    daemon = start_kvstore(tmp_path_factory.mktemp("kvstore"), "--dram-size", "256mb")
-    yield daemon
-    daemon.stop()
+def store(kvstore_module_factory):
+    return kvstore_module_factory("--dram-size", "256mb")
 
 
 @pytest.fixture(scope="module")
