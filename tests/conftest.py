@@ -9,10 +9,19 @@ that stops a daemon itself (to restart it, or with a signal) may: stopping
 twice is harmless. `kvstore_module_factory` is the same for a module's shared
 daemons (a start costs a second on a busy host), stopped after the module's
 last test. `server` is one daemon from the factory and `kv` a KVClient of it.
-`redis_server` does the same for a real redis-server (the reference), and
-`redis_module_server` is one shared by a module.
+`redis_factory` and `redis_module_factory` do the same for real redis-servers
+(the reference), `redis_server` is one of them and `redis_module_server` one
+shared by a module.
 
-Names: `kv` is always a client; a daemon is `server` or `node`.
+Clusters: `cluster_factory(nodes, dram_size, extra)` starts `kvstore cluster
+up` (a throwaway etcd and N nodes), `.join(up, *flags)` a `kvstore serve
+--cluster` node that joins one; at teardown the joined nodes stop first (while
+their etcd runs, so they leave cleanly), then the clusters, whose logs are
+kept when a test failed. `cluster_module_factory` is the same for a module's
+shared cluster. `etcd` is a throwaway etcd of the test's own.
+
+Names: `kv` is always a client; a daemon is `server` or `node`; a running
+cluster is `cluster` (shared) or `up`.
 """
 from __future__ import annotations
 
@@ -28,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+
+from loadtest.cluster_up import ClusterUp
 
 
 def free_port() -> int:
@@ -202,30 +213,123 @@ def kv(server):
         yield client
 
 
+class RedisFactory:
+    """Starts redis-servers (the reference), each in a folder of its own; `stop_all` stops them."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.started: list[Daemon] = []
+
+    def __call__(self, *extra: str) -> Daemon:
+        folder = self.tmp_path / f"redis-{len(self.started)}"
+        folder.mkdir()
+        self.started.append(start_redis(folder, *extra))
+        return self.started[-1]
+
+    def cluster_node(self) -> tuple[Daemon, int]:
+        """A redis-server with --cluster-enabled (no slots yet), and its cluster bus port."""
+        bus_port = free_port()
+        return self("--cluster-enabled", "yes", "--cluster-port", str(bus_port)), bus_port
+
+    def stop_all(self) -> None:
+        for daemon in reversed(self.started):
+            daemon.stop()
+
+
 @pytest.fixture
-def redis_server(tmp_path):
-    daemon = start_redis(tmp_path)
-    yield daemon
-    daemon.stop()
+def redis_factory(tmp_path):
+    factory = RedisFactory(tmp_path)
+    yield factory
+    factory.stop_all()
 
 
 @pytest.fixture(scope="module")
-def redis_module_server(tmp_path_factory):
+def redis_module_factory(tmp_path_factory):
+    factory = RedisFactory(tmp_path_factory.mktemp("redis"))
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture
+def redis_server(redis_factory):
+    return redis_factory()
+
+
+@pytest.fixture(scope="module")
+def redis_module_server(redis_module_factory):
     """One redis-server for a module's tests (each empties what it uses)."""
-    daemon = start_redis(tmp_path_factory.mktemp("redis"))
-    yield daemon
-    daemon.stop()
+    return redis_module_factory()
 
 
-def start_redis(tmp_path) -> Daemon:
-    """A real redis-server (the reference) on a free local port."""
+def start_redis(folder, *extra: str) -> Daemon:
+    """A real redis-server (the reference) on a free local port, its files in ``folder``."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed (make test installs it)")
     port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
+                             "--appendonly", "no", "--dir", str(folder), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     daemon = Daemon(proc, "127.0.0.1", port)
     wait_ready("127.0.0.1", port, proc)
     return daemon
+
+
+class ClusterFactory:
+    """Starts `kvstore cluster up` clusters and nodes that join one; `stop_all` stops all of them."""
+
+    def __init__(self, tmp_path):
+        self.joined = KVStoreFactory(tmp_path)
+        self.clusters: list[ClusterUp] = []
+
+    def __call__(self, nodes: int = 3, dram_size: str = "64mb", extra: tuple[str, ...] = ()) -> ClusterUp:
+        up = ClusterUp(nodes, dram_size, tuple(extra)).__enter__()
+        self.clusters.append(up)
+        return up
+
+    def join(self, up: ClusterUp, *flags: str) -> Daemon:
+        """A `kvstore serve --cluster` node joining ``up``'s etcd; ``flags`` go to `start_kvstore`."""
+        return self.joined("--cluster", up.etcd_url, *flags)
+
+    @staticmethod
+    def stop(up: ClusterUp, failed: bool = False) -> None:
+        """Stop ``up`` (stopping it again is harmless); its logs are removed unless ``failed``."""
+        up.__exit__(*((AssertionError, None, None) if failed else (None, None, None)))
+
+    def stop_all(self, failed: bool) -> None:
+        self.joined.stop_all()
+        for up in reversed(self.clusters):
+            self.stop(up, failed)
+
+
+@pytest.fixture
+def cluster_factory(request, tmp_path):
+    """Starts clusters for one test; stops them (and the nodes joined to them) at teardown."""
+    factory = ClusterFactory(tmp_path)
+    failed_before = request.session.testsfailed
+    yield factory
+    factory.stop_all(failed=request.session.testsfailed > failed_before)
+
+
+@pytest.fixture(scope="module")
+def cluster_module_factory(request, tmp_path_factory):
+    """Starts clusters shared by a module's tests; stops them after its last test."""
+    factory = ClusterFactory(tmp_path_factory.mktemp("cluster"))
+    failed_before = request.session.testsfailed
+    yield factory
+    factory.stop_all(failed=request.session.testsfailed > failed_before)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A throwaway etcd (Debian's etcd-server) on free loopback ports, its data in ``tmp_path``; a
+    test may `stop` and `start` it again (same ports, same data). A test that starts nodes on it
+    names `etcd` before their factory: fixtures stop in the reverse order of a test's arguments,
+    so the nodes leave while etcd still runs."""
+    from kvstore.cluster.etcd_server import EtcdError, ThrowawayEtcd
+    try:
+        server = ThrowawayEtcd(str(tmp_path / "etcd")).start()
+    except EtcdError as e:
+        pytest.fail(str(e))
+    yield server
+    server.close()

@@ -23,8 +23,7 @@ from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.store.engine import Engine
 from loadtest.bench_cluster import cascades_settled
 from proto.wire import KV_LINK_MAX
-from tests.cluster_procs import ClusterUp
-from tests.conftest import WAIT_S, start_kvstore, wait_until
+from tests.conftest import WAIT_S, wait_until
 
 A, B = "a" * 40, "b" * 40
 NODES = {A: "10.0.0.1:7000", B: "10.0.0.2:7000"}
@@ -283,9 +282,8 @@ def test_a_batch_a_peer_does_not_take_is_counted_and_lost():
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ClusterUp(nodes=3, dram_size="64mb") as up:
-        yield up
+def cluster(cluster_module_factory):
+    return cluster_module_factory(nodes=3, dram_size="64mb")
 
 
 @pytest.fixture
@@ -400,10 +398,10 @@ def test_link_bad_input_gets_clear_errors(kv, cluster):
     assert tenant.execute_command("KV.LINK", parent, b"bad-child") == 1
 
 
-def test_chains_written_past_memory_stay_prefixes():
+def test_chains_written_past_memory_stay_prefixes(cluster_factory):
     """Each node evicts its own oldest at its own pressure; the cascade drops what that leaves unreachable."""
-    with ClusterUp(nodes=3, dram_size="4mb") as up, \
-            KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
+    up = cluster_factory(nodes=3, dram_size="4mb")
+    with KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
         chains = [_chain(kv, f"full{c:03d}", 16, size=64 * 1024) for c in range(40)]     # ~3.3 x memory
         assert cascades_settled([redis.Redis(*addr) for addr in up.addrs], WAIT_S) < WAIT_S
         broken = 0
@@ -415,15 +413,11 @@ def test_chains_written_past_memory_stay_prefixes():
         assert sum(_info(up, "cluster_cascade_dropped")) > 0
 
 
-def test_a_standalone_node_has_no_cascade(tmp_path):
-    daemon = start_kvstore(tmp_path)
-    try:
-        conn = redis.Redis(daemon.host, daemon.port)
-        conn.execute_command("KV.PUT", "p", "v")
-        with pytest.raises(redis.ResponseError, match="cluster support disabled"):
-            conn.execute_command("KV.LINK", "p", "c")
-        with pytest.raises(redis.ResponseError, match="cluster support disabled"):
-            conn.execute_command("KV.CASCADE", now_us(), "p")
-        assert conn.get("p") == b"v"
-    finally:
-        daemon.stop()
+def test_a_standalone_node_has_no_cascade(server):
+    conn = redis.Redis(server.host, server.port)
+    conn.execute_command("KV.PUT", "p", "v")
+    with pytest.raises(redis.ResponseError, match="cluster support disabled"):
+        conn.execute_command("KV.LINK", "p", "c")
+    with pytest.raises(redis.ResponseError, match="cluster support disabled"):
+        conn.execute_command("KV.CASCADE", now_us(), "p")
+    assert conn.get("p") == b"v"

@@ -19,7 +19,6 @@ from kvstore.cluster.membership import ClusterError
 from kvstore.cluster.runner import ClusterURL
 
 from tests.conftest import WAIT_S
-from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 from tests.test_cluster_etcd import member, wait_converged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,13 +13,11 @@ import pytest
 import redis
 
 from client import BlockHasher, KVClusterClient
-from tests.cluster_procs import ClusterUp
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ClusterUp(nodes=3, dram_size="128mb") as up:
-        yield up
+def cluster(cluster_module_factory):
+    return cluster_module_factory(nodes=3, dram_size="128mb")
 
 
 @pytest.fixture
@@ -133,12 +131,12 @@ def test_stats_and_ping_cover_every_node(client, cluster):
     assert client.stats()["keys"] == sum(per_node)     # every node's count, added up
 
 
-def test_reads_of_a_hot_block_spread_over_its_copies():
+def test_reads_of_a_hot_block_spread_over_its_copies(cluster_factory):
     """Over the wire (a local client's repeated get is a memcpy under a held lease, no request)."""
     # A low threshold: a block cools after a heat window with less than half of it in reads, and a busy
     # host may read slowly; 2 a second keeps the copies while the test reads.
-    with ClusterUp(nodes=3, extra=("--", "--hot-reads", "2")) as up, \
-            KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
+    up = cluster_factory(nodes=3, extra=("--", "--hot-reads", "2"))
+    with KVClusterClient([f"{h}:{p}" for h, p in up.addrs], fast_path="off") as kv:
         value = os.urandom(100_000)
         kv.put("hot", value, overwrite=True)
         owner = kv.node_of("hot")

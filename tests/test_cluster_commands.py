@@ -8,9 +8,7 @@ knows (ping times, per-node config epochs, bus ports, message counters).
 """
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 import time
 from types import SimpleNamespace
 
@@ -24,7 +22,6 @@ from kvstore.commands.families import build_table
 from kvstore.commands.table import CommandError
 from kvstore.net.client_state import RedirectFlags
 from kvstore.net.protocol import writer
-from tests.conftest import Daemon, free_port, wait_ready
 
 COMMANDS = build_table()
 
@@ -64,48 +61,30 @@ def test_standalone_node_answers_as_redis_without_cluster_support(server, redis_
 # ------------------------------------------------------------------ cluster mode, against Redis Cluster
 
 
-def start_redis_cluster_node(folder) -> tuple[Daemon, int]:
-    """A redis-server with --cluster-enabled, and its cluster bus port."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (make test installs it)")
-    port, bus_port = free_port(), free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--cluster-enabled", "yes", "--cluster-port", str(bus_port), "--dir", str(folder)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    daemon = Daemon(proc, "127.0.0.1", port)
-    wait_ready("127.0.0.1", port, proc)
-    return daemon, bus_port
-
-
 def cluster_ok(port: int) -> bool:
     return (b"cluster_state:ok" in raw(port, b"CLUSTER INFO")[0]
             and raw(port, b"CLUSTER NODES")[0].count(b"connected") == 2)
 
 
 @pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory):
+def redis_cluster(redis_module_factory):
     """Two Redis Cluster nodes: the first owns 0-5000 and is moving slot 100 to the second, which owns the rest.
 
     Tests only read from it, so one serves the whole module.
     """
-    first, _ = start_redis_cluster_node(tmp_path_factory.mktemp("redis-a"))
-    second, second_bus = start_redis_cluster_node(tmp_path_factory.mktemp("redis-b"))
-    try:
-        ids = [raw(d.port, b"CLUSTER MYID")[0].split(b"\r\n")[1].decode() for d in (first, second)]
-        raw(first.port, b"CLUSTER MEET 127.0.0.1 %d %d" % (second.port, second_bus))
-        raw(first.port, b"CLUSTER ADDSLOTSRANGE 0 5000")
-        raw(second.port, b"CLUSTER ADDSLOTSRANGE 5001 16383")
-        deadline = time.monotonic() + 10
-        while not (cluster_ok(first.port) and cluster_ok(second.port)):
-            assert time.monotonic() < deadline, "the Redis cluster did not form"
-            time.sleep(0.05)
-        raw(first.port, f"CLUSTER SETSLOT 100 MIGRATING {ids[1]}".encode())
-        raw(second.port, f"CLUSTER SETSLOT 100 IMPORTING {ids[0]}".encode())
-        yield first, second, ids
-    finally:
-        first.stop()
-        second.stop()
+    first, _ = redis_module_factory.cluster_node()
+    second, second_bus = redis_module_factory.cluster_node()
+    ids = [raw(d.port, b"CLUSTER MYID")[0].split(b"\r\n")[1].decode() for d in (first, second)]
+    raw(first.port, b"CLUSTER MEET 127.0.0.1 %d %d" % (second.port, second_bus))
+    raw(first.port, b"CLUSTER ADDSLOTSRANGE 0 5000")
+    raw(second.port, b"CLUSTER ADDSLOTSRANGE 5001 16383")
+    deadline = time.monotonic() + 10
+    while not (cluster_ok(first.port) and cluster_ok(second.port)):
+        assert time.monotonic() < deadline, "the Redis cluster did not form"
+        time.sleep(0.05)
+    raw(first.port, f"CLUSTER SETSLOT 100 MIGRATING {ids[1]}".encode())
+    raw(second.port, f"CLUSTER SETSLOT 100 IMPORTING {ids[0]}".encode())
+    return first, second, ids
 
 
 def mirror(first, second, ids, me: int) -> ClusterState:

@@ -17,7 +17,6 @@ from kvstore.cluster.node import ClusterState, new_node_id
 from kvstore.cluster.runner import start_cluster
 from kvstore.cluster.slots import SLOTS, SlotMap
 from tests.conftest import WAIT_S, free_port, until
-from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 
 NODE_TIMEOUT = 2
 # What a loaded 2-core CI host may add to a reassignment on top of the lease TTL: etcd's lease sweep,

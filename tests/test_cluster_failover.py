@@ -24,7 +24,6 @@ from kvstore.cluster.slots import keyslot
 from tests.cluster_client import SlotReader, connect
 from tests.cluster_procs import ClusterUp
 from tests.conftest import wait_until
-from tests.etcd_proc import etcd  # noqa: F401  (fixture)
 from tests.test_cluster_replication import kept_hot, make_hot, owner_of
 
 NODE_TIMEOUT = 2.0
@@ -165,7 +164,7 @@ def _not_old(conn: redis.Redis, key: bytes) -> bool:
         return False
 
 
-def test_without_etcd_nodes_keep_serving_and_copying_on_the_map_they_have(etcd):  # noqa: F811
+def test_without_etcd_nodes_keep_serving_and_copying_on_the_map_they_have(etcd):
     with ClusterUp(3, extra=("--etcd", etcd.url, *HOT)) as up:
         addrs = addrs_of(up)
         epoch = connect(addrs[0]).execute_command("CLUSTER INFO")["cluster_current_epoch"]

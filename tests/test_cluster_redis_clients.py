@@ -13,13 +13,11 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
 from kvstore.cluster.slots import keyslot
-from tests.cluster_procs import ClusterUp
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ClusterUp(nodes=3) as up:
-        yield up
+def cluster(cluster_module_factory):
+    return cluster_module_factory(nodes=3)
 
 
 def _raw(addr: tuple[str, int], *args) -> bytes:

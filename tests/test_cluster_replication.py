@@ -28,7 +28,7 @@ from kvstore.commands.cluster_data import _from_a_node
 from kvstore.store.engine import Engine
 from tests.cluster_client import connect
 from tests.cluster_procs import ClusterUp
-from tests.conftest import start_kvstore, wait_until
+from tests.conftest import wait_until
 
 A, B, C, D = "a" * 40, "b" * 40, "c" * 40, "d" * 40
 NODES = {A: "10.0.0.1:7000", B: "10.0.0.2:7000", C: "10.0.0.3:7000", D: "10.0.0.4:7000"}
@@ -375,9 +375,8 @@ def kept_hot(owner: str, key: bytes) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "20")) as up:
-        yield up
+def cluster(cluster_module_factory):
+    return cluster_module_factory(3, extra=("--node-timeout", "2", "--", "--hot-reads", "20"))
 
 
 def addrs_of(up: ClusterUp) -> list[str]:
@@ -435,20 +434,16 @@ def test_copies_are_removed_when_the_block_cools(cluster):
     assert connect(owner).info("cluster")["cluster_copies_cooled"] >= 1
 
 
-def test_without_a_cluster_the_new_commands_answer_as_for_cluster_commands(tmp_path):
-    node = start_kvstore(tmp_path)
-    try:
-        conn = connect(f"127.0.0.1:{node.port}")
-        for command in (("KV.HOTKEYS",), ("KV.COPY", A, "1000", "k", "v"), ("KV.UNCOPY", "k"),
-                        ("KV.IMPORT", "1", "k", "", "v"), ("KV.DRAIN", A)):
-            with pytest.raises(redis.ResponseError, match="This instance has cluster support disabled"):
-                conn.execute_command(*command)
-        assert conn.execute_command("KV.LOCATE", "nothing") == [None]
-        conn.config_set("hot-reads", "50")             # run-time settings, read at each heat window
-        conn.config_set("hot-replicas", "1")
-        conn.config_set("cluster-move-budget", "2.5")
-        assert conn.config_get("hot-*") == {"hot-reads": "50.0", "hot-replicas": "1"}
-        with pytest.raises(redis.ResponseError, match="hot-replicas"):
-            conn.config_set("hot-replicas", "99")
-    finally:
-        node.stop()
+def test_without_a_cluster_the_new_commands_answer_as_for_cluster_commands(server):
+    conn = connect(f"127.0.0.1:{server.port}")
+    for command in (("KV.HOTKEYS",), ("KV.COPY", A, "1000", "k", "v"), ("KV.UNCOPY", "k"),
+                    ("KV.IMPORT", "1", "k", "", "v"), ("KV.DRAIN", A)):
+        with pytest.raises(redis.ResponseError, match="This instance has cluster support disabled"):
+            conn.execute_command(*command)
+    assert conn.execute_command("KV.LOCATE", "nothing") == [None]
+    conn.config_set("hot-reads", "50")             # run-time settings, read at each heat window
+    conn.config_set("hot-replicas", "1")
+    conn.config_set("cluster-move-budget", "2.5")
+    assert conn.config_get("hot-*") == {"hot-reads": "50.0", "hot-replicas": "1"}
+    with pytest.raises(redis.ResponseError, match="hot-replicas"):
+        conn.config_set("hot-replicas", "99")

@@ -3,33 +3,20 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import redis
 
 from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError, keyslot
-from tests.conftest import Daemon, free_port, wait_ready
 
 A, B, C = "a" * 40, "b" * 40, "c" * 40
 
 
 @pytest.fixture
-def redis_cluster_node(tmp_path):
+def redis_cluster_node(redis_factory):
     """A redis-server started with --cluster-enabled yes (it answers CLUSTER KEYSLOT with no slots assigned)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (make test installs it)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--cluster-enabled", "yes", "--cluster-port", str(free_port()), "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    daemon = Daemon(proc, "127.0.0.1", port)
-    wait_ready("127.0.0.1", port, proc)
-    yield daemon
-    daemon.stop()
+    return redis_factory.cluster_node()[0]
 
 
 def tricky_keys(count: int) -> list[bytes]:
