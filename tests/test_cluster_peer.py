@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from kvstore.cluster.peer import PeerError, PeerLink, PeerReplyError, encode
-from tests.conftest import free_port, start_kvstore
+from tests.conftest import free_port
 
 
 def test_requests_are_encoded_with_big_values_passed_as_they_are():
@@ -18,8 +18,8 @@ def test_requests_are_encoded_with_big_values_passed_as_they_are():
         + b"x" * 100_000 + b"\r\n"
 
 
-def test_pipelined_calls_error_replies_and_a_password(tmp_path):
-    node = start_kvstore(tmp_path, password="s3cret")
+def test_pipelined_calls_error_replies_and_a_password(kvstore_factory):
+    node = kvstore_factory(password="s3cret")
 
     async def scenario():
         link = PeerLink(f"127.0.0.1:{node.port}", password="s3cret")
@@ -38,10 +38,7 @@ def test_pipelined_calls_error_replies_and_a_password(tmp_path):
             await wrong.call(b"PING")
         link.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        node.stop()
+    asyncio.run(scenario())
 
 
 def test_a_silent_peer_times_out_and_a_dead_one_fails_fast_then_the_link_reconnects():
