@@ -29,7 +29,7 @@ from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
 from kvstore.store.engine import Engine
 from tests.cluster_client import SlotReader
 from tests.cluster_procs import ClusterUp
-from tests.conftest import start_kvstore, wait_until
+from tests.conftest import wait_until
 
 TTL = 5
 BUDGET = 5.0
@@ -312,102 +312,94 @@ def cluster_client(up: ClusterUp) -> RedisCluster:
     return RedisCluster(host=host, port=port, socket_timeout=10)
 
 
-def test_a_joining_node_receives_the_values_of_its_slots_hottest_first(tmp_path):
-    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
-        rc = cluster_client(up)
-        keys = write_keys(rc, 300)
-        hot = keys[:20]
-        for _ in range(3):
-            for key in hot:
-                rc.get(key)
-        joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2",
-                               "--hot-reads", "0")
-        try:
-            addr = f"127.0.0.1:{joiner.port}"
-            wait_until(lambda: joined(addr, 4), what="the join")
-            mine = [k for k in keys if owner_of(connect(addr), k) == addr]
-            assert len(mine) > 30
-            got = connect(addr).info("cluster")
-            moved = sum(info(f"{h}:{p}")["cluster_moved_bytes"] for h, p in up.addrs)
-            assert got["cluster_imported_keys"] == len(mine) and got["cluster_imported_bytes"] == moved
-            assert sum(info(f"{h}:{p}")["cluster_dropped_bytes"] for h, p in up.addrs) == 0
-            plain = connect(addr)
-            assert all(plain.get(k) == value_of(k) for k in mine)      # every value came along, intact
-            rc2 = cluster_client(up)
-            assert all(rc2.get(k) == value_of(k) for k in keys)
-            everywhere = [addr] + [f"{h}:{p}" for h, p in up.addrs]     # moved values left their sources
-            assert sum(connect(a).dbsize() for a in everywhere) == len(keys)
-        finally:
-            joiner.stop()
+def test_a_joining_node_receives_the_values_of_its_slots_hottest_first(cluster_factory):
+    up = cluster_factory(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0"))
+    rc = cluster_client(up)
+    keys = write_keys(rc, 300)
+    hot = keys[:20]
+    for _ in range(3):
+        for key in hot:
+            rc.get(key)
+    joiner = cluster_factory.join(up, "--cluster-node-timeout", "2", "--hot-reads", "0")
+    addr = f"127.0.0.1:{joiner.port}"
+    wait_until(lambda: joined(addr, 4), what="the join")
+    mine = [k for k in keys if owner_of(connect(addr), k) == addr]
+    assert len(mine) > 30
+    got = connect(addr).info("cluster")
+    moved = sum(info(f"{h}:{p}")["cluster_moved_bytes"] for h, p in up.addrs)
+    assert got["cluster_imported_keys"] == len(mine) and got["cluster_imported_bytes"] == moved
+    assert sum(info(f"{h}:{p}")["cluster_dropped_bytes"] for h, p in up.addrs) == 0
+    plain = connect(addr)
+    assert all(plain.get(k) == value_of(k) for k in mine)      # every value came along, intact
+    rc2 = cluster_client(up)
+    assert all(rc2.get(k) == value_of(k) for k in keys)
+    everywhere = [addr] + [f"{h}:{p}" for h, p in up.addrs]     # moved values left their sources
+    assert sum(connect(a).dbsize() for a in everywhere) == len(keys)
 
 
-def test_readers_during_a_join_and_a_drain_see_right_values_or_misses_never_errors(tmp_path):
-    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
-        keys = write_keys(cluster_client(up), 200)
-        stop, wrong, errors, reads = threading.Event(), [], [], [0]
+def test_readers_during_a_join_and_a_drain_see_right_values_or_misses_never_errors(cluster_factory):
+    up = cluster_factory(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0"))
+    keys = write_keys(cluster_client(up), 200)
+    stop, wrong, errors, reads = threading.Event(), [], [], [0]
 
-        def read_loop():
-            reader = SlotReader([f"{h}:{p}" for h, p in up.addrs])
-            while not stop.is_set():
-                for key in keys:
+    def read_loop():
+        reader = SlotReader([f"{h}:{p}" for h, p in up.addrs])
+        while not stop.is_set():
+            for key in keys:
+                try:
+                    value = reader.get(key)
+                except redis.ConnectionError:
+                    # The node that left: a cluster client forgets what it knew and asks again.
+                    reader.owners.clear()
                     try:
                         value = reader.get(key)
-                    except redis.ConnectionError:
-                        # The node that left: a cluster client forgets what it knew and asks again.
-                        reader.owners.clear()
-                        try:
-                            value = reader.get(key)
-                        except Exception as e:
-                            errors.append(repr(e))
-                            continue
-                    except Exception as e:          # any other failure counts (a dead reader would hide it)
+                    except Exception as e:
                         errors.append(repr(e))
                         continue
-                    reads[0] += 1
-                    if value is not None and value != value_of(key):
-                        wrong.append(key)
+                except Exception as e:          # any other failure counts (a dead reader would hide it)
+                    errors.append(repr(e))
+                    continue
+                reads[0] += 1
+                if value is not None and value != value_of(key):
+                    wrong.append(key)
 
-        reader = threading.Thread(target=read_loop)
-        reader.start()
-        try:
-            joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2")
-            addr = f"127.0.0.1:{joiner.port}"
-            wait_until(lambda: joined(addr, 4), what="the join")
-            time.sleep(0.5)
-            assert joiner.stop(signal.SIGTERM, 20) == 0
-        finally:
-            stop.set()
-            reader.join()
-        assert reads[0] > len(keys) and wrong == [] and errors == []
-        log = joiner.log()
-        moved = re.search(r"Drained in [\d.]+ s: (\d+) bytes moved, (\d+) bytes dropped", log)
-        assert moved and int(moved[1]) > 0 and int(moved[2]) == 0, log[-2000:]
-        assert "Left cluster" in log
-        rc = cluster_client(up)
-        assert all(rc.get(k) == value_of(k) for k in keys)          # all back on the three, intact
+    reader = threading.Thread(target=read_loop)
+    reader.start()
+    try:
+        joiner = cluster_factory.join(up, "--cluster-node-timeout", "2")
+        addr = f"127.0.0.1:{joiner.port}"
+        wait_until(lambda: joined(addr, 4), what="the join")
+        time.sleep(0.5)
+        assert joiner.stop(signal.SIGTERM, 20) == 0
+    finally:
+        stop.set()
+        reader.join()
+    assert reads[0] > len(keys) and wrong == [] and errors == []
+    log = joiner.log()
+    moved = re.search(r"Drained in [\d.]+ s: (\d+) bytes moved, (\d+) bytes dropped", log)
+    assert moved and int(moved[1]) > 0 and int(moved[2]) == 0, log[-2000:]
+    assert "Left cluster" in log
+    rc = cluster_client(up)
+    assert all(rc.get(k) == value_of(k) for k in keys)          # all back on the three, intact
 
 
-def test_a_drained_node_moves_the_values_it_had_demoted_to_ssd(tmp_path):
+def test_a_drained_node_moves_the_values_it_had_demoted_to_ssd(tmp_path, cluster_factory):
     """A node with 2 MB of DRAM and an SSD tier holds values that went down to SSD; drained with
     SIGTERM, it sends them too: each is read back from its new owner, byte for byte."""
-    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
-        write_keys(cluster_client(up), 100)
-        joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2", "--hot-reads", "0",
-                               "--dram-size", "2mb", "--ssd-dir", str(tmp_path / "ssd"))
-        addr = f"127.0.0.1:{joiner.port}"
-        try:
-            wait_until(lambda: joined(addr, 4), what="the join")
-            node = connect(addr)
-            mine = [k for k in (b"ssd:%05d" % i for i in range(400)) if owner_of(node, k) == addr][:60]
-            for key in mine:
-                node.set(key, value_of(key))
-            wait_until(lambda: node.info("ssd")["ssd_values"] >= len(mine) // 2, what="demotion to SSD")
-        except BaseException:
-            joiner.stop()
-            raise
-        assert joiner.stop(signal.SIGTERM, 20) == 0
-        log = joiner.log()
-        moved = re.search(r"Drained in [\d.]+ s: (\d+) bytes moved, (\d+) bytes dropped", log)
-        assert moved and int(moved[1]) >= len(mine) * 64 * 1024 and int(moved[2]) == 0, log[-2000:]
-        rc = cluster_client(up)
-        assert [k for k in mine if rc.get(k) != value_of(k)] == []
+    up = cluster_factory(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0"))
+    write_keys(cluster_client(up), 100)
+    joiner = cluster_factory.join(up, "--cluster-node-timeout", "2", "--hot-reads", "0",
+                                  "--dram-size", "2mb", "--ssd-dir", str(tmp_path / "ssd"))
+    addr = f"127.0.0.1:{joiner.port}"
+    wait_until(lambda: joined(addr, 4), what="the join")
+    node = connect(addr)
+    mine = [k for k in (b"ssd:%05d" % i for i in range(400)) if owner_of(node, k) == addr][:60]
+    for key in mine:
+        node.set(key, value_of(key))
+    wait_until(lambda: node.info("ssd")["ssd_values"] >= len(mine) // 2, what="demotion to SSD")
+    assert joiner.stop(signal.SIGTERM, 20) == 0
+    log = joiner.log()
+    moved = re.search(r"Drained in [\d.]+ s: (\d+) bytes moved, (\d+) bytes dropped", log)
+    assert moved and int(moved[1]) >= len(mine) * 64 * 1024 and int(moved[2]) == 0, log[-2000:]
+    rc = cluster_client(up)
+    assert [k for k in mine if rc.get(k) != value_of(k)] == []

@@ -6,8 +6,7 @@ from __future__ import annotations
 import redis
 
 from client import KVClusterClient
-from tests.cluster_procs import ClusterUp
-from tests.conftest import start_kvstore, wait_until
+from tests.conftest import wait_until
 from tests.test_cluster_migration import joined
 
 
@@ -19,24 +18,21 @@ def _moved_links(addrs: list[str]) -> int:
     return sum(redis.Redis(*addr.rsplit(":", 1)).info("cluster")["cluster_moved_links"] for addr in addrs)
 
 
-def test_after_a_join_dropping_a_chains_first_block_still_drops_the_rest_everywhere(tmp_path):
-    with ClusterUp(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0")) as up:
-        addrs = [f"{h}:{p}" for h, p in up.addrs]
-        chains = [[b"moved-%02d-%03d" % (c, i) for i in range(32)] for c in range(8)]
-        with KVClusterClient(addrs, fast_path="off") as kv:
-            for keys in chains:
-                kv.batch_put([(k, bytes(1000)) for k in keys], parents=[None] + keys[:-1])
-        joiner = start_kvstore(tmp_path, "--cluster", up.etcd_url, "--cluster-node-timeout", "2", "--hot-reads", "0")
-        try:
-            addr = f"127.0.0.1:{joiner.port}"
-            wait_until(lambda: joined(addr, 4), what="the join")
-            wait_until(lambda: _moved_links(addrs) > 0, what="the moved links to reach their new owners")
-            with KVClusterClient([addr, *addrs], fast_path="off") as kv:
-                on_joiner = [k for keys in chains for k in keys if kv.node_of(k) == addr]
-                assert len(on_joiner) > 20 and all(_cached(kv, keys) == [True] * 32 for keys in chains)
-                for keys in chains:
-                    kv.delete(keys[0])
-                wait_until(lambda: not any(any(_cached(kv, keys)) for keys in chains),
-                           what="every chain to go, its moved blocks included")
-        finally:
-            joiner.stop()
+def test_after_a_join_dropping_a_chains_first_block_still_drops_the_rest_everywhere(cluster_factory):
+    up = cluster_factory(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0"))
+    addrs = [f"{h}:{p}" for h, p in up.addrs]
+    chains = [[b"moved-%02d-%03d" % (c, i) for i in range(32)] for c in range(8)]
+    with KVClusterClient(addrs, fast_path="off") as kv:
+        for keys in chains:
+            kv.batch_put([(k, bytes(1000)) for k in keys], parents=[None] + keys[:-1])
+    joiner = cluster_factory.join(up, "--cluster-node-timeout", "2", "--hot-reads", "0")
+    addr = f"127.0.0.1:{joiner.port}"
+    wait_until(lambda: joined(addr, 4), what="the join")
+    wait_until(lambda: _moved_links(addrs) > 0, what="the moved links to reach their new owners")
+    with KVClusterClient([addr, *addrs], fast_path="off") as kv:
+        on_joiner = [k for keys in chains for k in keys if kv.node_of(k) == addr]
+        assert len(on_joiner) > 20 and all(_cached(kv, keys) == [True] * 32 for keys in chains)
+        for keys in chains:
+            kv.delete(keys[0])
+        wait_until(lambda: not any(any(_cached(kv, keys)) for keys in chains),
+                   what="every chain to go, its moved blocks included")

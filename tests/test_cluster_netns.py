@@ -8,23 +8,23 @@ import pytest
 import redis
 
 from kvstore.cluster.netns import netns_available
-from tests.cluster_procs import ClusterUp
 
 AVAILABLE, WHY_NOT = netns_available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=f"network namespaces unavailable here: {WHY_NOT}")
 
 
-def test_nodes_live_in_their_own_namespaces_behind_capped_links():
-    with ClusterUp(nodes=2, extra=("--netns", "--nic-rate", "200mbit")) as up:
-        namespaces = up.info["netns"]
-        assert len(namespaces) == 2 and up.info["nic_rate"] == "200mbit"
-        assert all(not host.startswith("127.") for host, _ in up.addrs)
-        for (host, port), ns in zip(up.addrs, namespaces):
-            client = redis.Redis(host, port)
-            assert client.ping()
-            assert client.info("cluster")["cluster_enabled"] == 1
-            qdiscs = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show"],
-                                    capture_output=True, text=True).stdout
-            assert "tbf" in qdiscs and "rate 200Mbit" in qdiscs
+def test_nodes_live_in_their_own_namespaces_behind_capped_links(cluster_factory):
+    up = cluster_factory(nodes=2, extra=("--netns", "--nic-rate", "200mbit"))
+    namespaces = up.info["netns"]
+    assert len(namespaces) == 2 and up.info["nic_rate"] == "200mbit"
+    assert all(not host.startswith("127.") for host, _ in up.addrs)
+    for (host, port), ns in zip(up.addrs, namespaces):
+        client = redis.Redis(host, port)
+        assert client.ping()
+        assert client.info("cluster")["cluster_enabled"] == 1
+        qdiscs = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show"],
+                                capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "rate 200Mbit" in qdiscs
+    cluster_factory.stop(up)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in listed for ns in namespaces), "namespaces are removed when the cluster stops"
