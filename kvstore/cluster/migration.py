@@ -410,6 +410,7 @@ class Migrator:
                 "cluster_dropped_keys": s.dropped_keys, "cluster_dropped_bytes": s.dropped_bytes,
                 "cluster_imported_keys": s.imported_keys, "cluster_imported_bytes": s.imported_bytes,
                 "cluster_moved_links": self.links.sent, "cluster_moved_links_lost": self.links.lost,
+                "cluster_moved_links_pending": self.links.pending,
                 "cluster_last_move_seconds": f"{s.last_move_seconds:.3f}"}
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ class MovedLinks:
         self.noted: list[tuple[bytes, bytes]] = []      # (parent, child) for the parent's new owner
         self.sent = 0
         self.lost = 0
+        self.sending = 0                                # links handed to `deliver`, not yet sent or lost
 
     def capture(self, key: bytes, entry: int) -> None:
         """``key`` (at ``entry``) is about to leave the index for a move: note its children, and
@@ -69,6 +70,18 @@ class MovedLinks:
     async def deliver(self) -> None:
         """Send the noted links to their parents' owners (this node's own cascade for its own)."""
         noted, self.noted = self.noted, []
+        self.sending += len(noted)
+        try:
+            await self._deliver(noted)
+        finally:
+            self.sending -= len(noted)
+
+    @property
+    def pending(self) -> int:
+        """Links noted or on their way: INFO's cluster_moved_links_pending."""
+        return len(self.noted) + self.sending
+
+    async def _deliver(self, noted: list[tuple[bytes, bytes]]) -> None:
         by_owner: dict[str, list[bytes]] = {}
         for parent, child in noted:
             owner = self.cluster.owner(keyslot(parent))
