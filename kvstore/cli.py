@@ -69,7 +69,9 @@ def serve_parser(sub) -> argparse.ArgumentParser:
                          help="seconds without a keep-alive before a node counts as gone (default 5)")
     cluster.add_argument("--cluster-move-budget", type=float, metavar="S",
                          help="seconds a clean join or leave spends moving the moving slots' values, hottest "
-                         "first; the rest are dropped (default 5; 0: none move)")
+                         "first; the rest are dropped (default 5; 0: none move); at least 1.5 x DRAM / NIC")
+    cluster.add_argument("--cluster-nic-gbps", type=float, metavar="GBPS",
+                         help="this node's NIC in Gbit/s, what a clean move's budget is derived from (default 100)")
     cluster.add_argument("--hot-reads", type=float, metavar="N",
                          help="reads per second above which a block is copied to other nodes (default 100; "
                          "0: never)")

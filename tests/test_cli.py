@@ -129,6 +129,7 @@ BAD_TOML = [
     ("announce = 1", "announce must be a string"),
     ("cluster-node-timeout = 0.1", "cluster-node-timeout must be between 0.5 and 3600 seconds"),
     ("cluster-move-budget = -1", "cluster-move-budget must be between 0 and 600 seconds"),
+    ("cluster-nic-gbps = 0", "cluster-nic-gbps must be between 0.1 and 10000 Gbit/s"),
     ("hot-reads = -5", "hot-reads must be 0 (no copies) or more"),
     ("hot-replicas = 17", "hot-replicas must be between 0 and 16"),
     ("aclfile = 1", "aclfile must be a string"),

@@ -12,13 +12,13 @@ import re
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from kvstore.admin.config import Config
 from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.membership import InMemoryMembership
@@ -203,7 +203,7 @@ def source(budget: float = 5.0, heat=None):
     cluster = ClusterState(A, ADDRS[A])
     cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
     links = ImportLinks()
-    moves = Migrator(engine, cluster, links, lambda: SimpleNamespace(cluster_move_budget=budget),
+    moves = Migrator(engine, cluster, links, lambda: Config(cluster_move_budget=budget),
                      lambda: heat or {})
     moves.attach()
     return engine, cluster, moves, links
@@ -247,7 +247,7 @@ def test_a_target_takes_pushed_values_only_where_nothing_newer_was_written():
         engine = Engine(8 * 1024 * 1024, prefault=False)
         cluster = ClusterState(B, ADDRS[B])
         cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
-        moves = Migrator(engine, cluster, ImportLinks(), lambda: SimpleNamespace(cluster_move_budget=5), dict)
+        moves = Migrator(engine, cluster, ImportLinks(), lambda: Config(cluster_move_budget=5), dict)
         moves.attach()
         assert not moves.accepts(b"k")                                   # nothing is coming in yet
         step_to(cluster, B)
@@ -403,3 +403,16 @@ def test_a_drained_node_moves_the_values_it_had_demoted_to_ssd(tmp_path, cluster
     assert moved and int(moved[1]) >= len(mine) * 64 * 1024 and int(moved[2]) == 0, log[-2000:]
     rc = cluster_client(up)
     assert [k for k in mine if rc.get(k) != value_of(k)] == []
+
+
+def test_a_moves_budget_is_a_dram_over_the_configured_nic_and_at_least_the_setting():
+    """1.5 x DRAM / NIC (--cluster-nic-gbps, read live as CONFIG SET changes it), at least
+    --cluster-move-budget, and nothing moves with a budget of 0."""
+    config = Config(cluster_move_budget=5.0, cluster_nic_gbps=100.0)
+    engine = Engine(64 * 1024 * 1024, prefault=False)
+    moves = Migrator(engine, ClusterState(A, ADDRS[A]), ImportLinks(), lambda: config, dict)
+    assert moves.budget == 5.0                              # 64 MiB over 100 Gbit/s: far under 5 s
+    config.cluster_nic_gbps = 0.1                           # 64 MiB at 12.5 MB/s: 5.4 s, times 1.5
+    assert moves.budget == pytest.approx(1.5 * 64 * 1024 * 1024 / 12.5e6)
+    config.cluster_move_budget = 0
+    assert moves.budget == 0.0

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import pytest
 
+from kvstore.admin.config import Config
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.slots import SLOTS, SlotMap
@@ -40,7 +40,7 @@ def migrator(engine: Engine, tiers: TierManager, heat=None) -> tuple[ClusterStat
     cluster = ClusterState(A, ADDRS[A])
     cluster.apply(SlotMap.build(1, ADDRS, [A] * SLOTS))
     links = ImportLinks()
-    moves = Migrator(engine, cluster, links, lambda: SimpleNamespace(cluster_move_budget=5.0), lambda: heat or {}, tiers)
+    moves = Migrator(engine, cluster, links, lambda: Config(cluster_move_budget=5.0), lambda: heat or {}, tiers)
     moves.attach()
     return cluster, moves, links
 

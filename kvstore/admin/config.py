@@ -101,6 +101,7 @@ class Config:
     announce: str | None = None       # host:port other nodes and clients reach this node at
     cluster_node_timeout: float = 5.0  # seconds without a keep-alive before a node is gone
     cluster_move_budget: float = 5.0   # seconds a clean join or leave spends moving values (0: none move)
+    cluster_nic_gbps: float = 100.0   # this node's NIC: a clean move may push 1.5 x DRAM / NIC seconds
     hot_reads: float = 100.0          # reads per second above which a block is copied to other nodes (0: never)
     hot_replicas: int = 2             # nodes a hot block is copied to at least (more as its load needs)
     aclfile: str | None = None        # users, one "user NAME rules..." line each (ACL LOAD/SAVE)
@@ -119,7 +120,8 @@ class Config:
     SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size", "client_query_buffer_limit")
     INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port",
                   "tls_port", "hot_replicas", "slowlog_log_slower_than", "slowlog_max_len")
-    FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout", "cluster_move_budget", "hot_reads")
+    FLOAT_FIELDS = ("high_watermark", "low_watermark", "cluster_node_timeout", "cluster_move_budget", "cluster_nic_gbps",
+                    "hot_reads")
     LOWERCASE_FIELDS = ("maxmemory_policy", "ssd_write_policy", "ssd_compression", "loglevel", "protected_mode",
                         "tls_auth_clients", "tls_cluster")
 
@@ -159,6 +161,8 @@ class Config:
                "cluster-node-timeout must be between 0.5 and 3600 seconds")
         _check(0 <= self.cluster_move_budget <= 600, "cluster-move-budget",
                "cluster-move-budget must be between 0 and 600 seconds")
+        _check(0.1 <= self.cluster_nic_gbps <= 10000, "cluster-nic-gbps",
+               "cluster-nic-gbps must be between 0.1 and 10000 Gbit/s")
         _check(self.hot_reads >= 0, "hot-reads", "hot-reads must be 0 (no copies) or more")
         _check(0 <= self.hot_replicas <= 16, "hot-replicas", "hot-replicas must be between 0 and 16")
         _one_of("protected-mode", self.protected_mode, YES_NO)

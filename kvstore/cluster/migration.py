@@ -68,7 +68,6 @@ MAX_TOUCHED = 1_000_000             # keys remembered as written while slots com
 FOREVER = float("inf")
 DRAIN_POLL = 0.2
 MAP_WAIT = 2.0                      # how long a push waits for its target to apply the sender's map
-NIC_BYTES_PER_S = 12.5e9            # 100 Gbit/s, docs/scale.md's assumption: a node has no setting for its NIC
 MOVE_MARGIN = 1.5                   # the NIC also carries reads, copies and other moves
 KV_IMPORT, KV_MIGRATED, KV_DRAIN = "KV.IMPORT", "KV.MIGRATED", "KV.DRAIN"
 
@@ -158,13 +157,13 @@ class Migrator:
     """This node's part in slot moves: source (push, drop, report), target (guarded imports), sweeps, drain."""
 
     def __init__(self, engine, cluster: ClusterState, peers: Peers, config: Callable[[], object],
-                 heat: Callable[[], dict[bytes, float]], tiers=None, nic_bytes_per_s: float = NIC_BYTES_PER_S):
+                 heat: Callable[[], dict[bytes, float]], tiers=None, nic_bytes_per_s: float | None = None):
         self.engine = engine
         self.tiers = tiers              # the node's TierManager: values on SSD or GPU are read through it
         self.cluster = cluster
         self.peers = peers
-        self.config = config            # the node's live Config (cluster-move-budget)
-        self.nic_bytes_per_s = nic_bytes_per_s
+        self.config = config            # the node's live Config (cluster-move-budget, cluster-nic-gbps)
+        self.nic_bytes_per_s = nic_bytes_per_s      # a simulation's modelled NIC; else the config's
         self.heat = heat                # recent reads per key: what moves first
         self.guard = ImportGuard()
         self.links = MovedLinks(engine, cluster, peers)
@@ -175,7 +174,9 @@ class Migrator:
 
     @property
     def budget(self) -> float:
-        return move_seconds(self.config().cluster_move_budget, self.engine.allocator.capacity, self.nic_bytes_per_s)
+        config = self.config()
+        nic = self.nic_bytes_per_s or config.cluster_nic_gbps * 1e9 / 8
+        return move_seconds(config.cluster_move_budget, self.engine.allocator.capacity, nic)
 
     def attach(self) -> None:
         engine = self.engine

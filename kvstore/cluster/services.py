@@ -17,7 +17,7 @@ import math
 import time
 
 from kvstore.cluster.cascade import Cascade
-from kvstore.cluster.migration import NIC_BYTES_PER_S, Migrator
+from kvstore.cluster.migration import Migrator
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import Peers
 from kvstore.cluster.heat import WINDOW
@@ -33,7 +33,7 @@ class ClusterServices:
     """Peers, hot copies and slot moves of one node, wired to its engine and its ClusterState."""
 
     def __init__(self, server, cluster: ClusterState, peers: Peers | None = None,
-                 nic_bytes_per_s: float = NIC_BYTES_PER_S):
+                 nic_bytes_per_s: float | None = None):
         def config():
             return server.config            # CONFIG SET replaces it: always read the one in force
 
