@@ -62,6 +62,7 @@ from client.buffers import Key, key_bytes
 from client.errors import ConnectionError, KVError, ResponseError
 from client.hashing import BlockHasher
 from client.operations import Items, Location, Value, with_parents
+from client.put_pipeline import PutsFailed
 from client.cluster_links import LinkSender
 from client.sync_client import KVClient
 from proto.slots import SLOTS, keyslot
@@ -408,6 +409,42 @@ class KVClusterClient:
 
     def batch_get(self, keys: Sequence[Key]) -> list[bytearray | None]:
         return self._scatter(keys, lambda t, ix: t.batch_read([keys[i] for i in ix]))
+
+    # ------------------------------------------------------------ puts that overlap
+
+    def put_nowait(self, key: Key, value: Value, *, parent: Key | None = None, overwrite: bool = False) -> None:
+        """put() without waiting for the commit: the owner's client takes the bytes
+        (KVClient.put_nowait) and `flush` waits for every node's commits. A commit its node
+        refused, the slot having moved meanwhile (MOVED) included, is one `flush` names."""
+        self._client(self.node_of(key)).put_nowait(key, value, parent=parent, overwrite=overwrite)
+        self._linked(None, parent, key)
+
+    def batch_put_nowait(self, items: Items, *, parents: Sequence[Key | None] | None = None,
+                         overwrite: bool = False) -> None:
+        """put_nowait() for many pairs: each node's part to its client, each block under its
+        nearest ancestor on its node, the links between nodes sent as batch_put sends them."""
+        pairs, links = with_parents(items, parents)
+        keys = [k for k, _ in pairs]
+        local, remote = self._chain_links(keys, links)
+        for addr, ix in self._by_node(keys).items():
+            self._client(addr).batch_put_nowait([pairs[i] for i in ix], parents=[local[i] for i in ix],
+                                                overwrite=overwrite)
+        for addr, chain in remote.items():
+            for parent, child in chain:
+                self._links.add(addr, parent, child)
+
+    def flush(self) -> int:
+        """Wait for every put_nowait commit on every node: how many were acknowledged since the
+        last flush. Raises PutsFailed naming the keys, of all nodes, whose commit failed."""
+        done, failures = 0, {}
+        for transport in list(self._transports.values()):
+            try:
+                done += transport.client.flush()
+            except PutsFailed as exc:
+                failures.update(exc.failures)
+        if failures:
+            raise PutsFailed(failures)
+        return done
 
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[int | None]:
         return self._scatter(keys, lambda t, ix: t.batch_read_into([keys[i] for i in ix], [buffers[i] for i in ix]))

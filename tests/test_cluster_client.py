@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import redis
 
-from client import BlockHasher, KVClusterClient
+from client import BlockHasher, KVClusterClient, PutsFailed
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,25 @@ def test_single_key_methods_and_tensors(client):
     assert client.put_tensor("tensor", tensor)
     assert np.array_equal(client.get_tensor("tensor"), tensor)
     assert client.get("absent") is None
+
+
+def test_puts_that_do_not_wait_land_on_every_node_and_flush_names_what_failed(client):
+    """put_nowait and batch_put_nowait across the nodes: each node's commits are waited for by one
+    flush, a chain spread over the nodes is matched whole, and a refused commit is named."""
+    chain = [(f"nowait:{i}", os.urandom(4096 + i)) for i in range(48)]
+    client.batch_put_nowait(chain[:40], parents=[None] + [k for k, _ in chain[:39]])
+    for (key, value), (parent, _) in zip(chain[40:], chain[39:]):
+        client.put_nowait(key, value, parent=parent)
+    assert len({client.node_of(k) for k, _ in chain}) == 3           # the chain spans every node
+    assert client.flush() == 48
+    assert client.batch_get([k for k, _ in chain]) == [v for _, v in chain]
+    assert client.match_prefix([k for k, _ in chain]) == 48
+    client.put_nowait("nowait:fits", b"x" * 100)
+    client.put_nowait("nowait:too-big", bytes(200 * 1024 * 1024))   # larger than a node's DRAM
+    with pytest.raises(PutsFailed) as failed:
+        client.flush()
+    assert failed.value.keys == [b"nowait:too-big"] and client.get("nowait:fits") == b"x" * 100
+    assert client.flush() == 0                                        # reported once
 
 
 def test_batches_come_back_in_the_callers_order(client):
