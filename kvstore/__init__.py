@@ -31,8 +31,9 @@ SET (a big value):
   straight into it (recv_into, in the same loop turn when it is already there);
   dispatch.dispatch looks the command up once in commands/table, checks arity, auth
   and ACL (admin/acl), the cluster's slot map (cluster/routing), queues it inside
-  MULTI, and runs commands/strings.set_ (a plain ``SET key value`` skips those
-  checks when none can matter: dispatch.run_plain), which commits the extent
+  MULTI, and runs commands/strings.set_ through dispatch._execute, where every
+  command runs (a plain ``SET key value`` skips those checks when none can matter:
+  dispatch.run_plain), which commits the extent
   (commands/args.store -> engine.commit): the index entry, its columns
   (store/entries), the eviction policy's lists (store/eviction) and the tier
   manager's listener (tiers/manager) learn of it; "+OK" goes to the connection's
