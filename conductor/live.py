@@ -124,7 +124,7 @@ class LiveAudit:
         for shadow in self.shadows.values():
             shadow.out.ensure(rid + 1)
             shadow._drain(at_s)
-        mode = self.audit.decided()
+        mode = self.audit.decided(now_s)
         self.audit.arrived((self.restarts, rid))
         for shadow in self.shadows.values():
             shadow._arrive(rid, request, at_s)

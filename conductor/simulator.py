@@ -123,7 +123,7 @@ class Simulator:
             if audit is not None:
                 for shadow in shadows:
                     shadow._drain(now)
-                mode = audit.decided()
+                mode = audit.decided(now)
                 if live is self.shadows[audit.start] and mode != audit.start:
                     live = self._fork(live)
                 audit.arrived(rid)

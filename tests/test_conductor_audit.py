@@ -12,14 +12,16 @@ from conductor.trace import TraceRequest
 MODES = ("baseline", "early", "predictive")
 
 
-def feed(audit: Audit, rid: int, outcomes: dict[str, bool]) -> None:
+def feed(audit: Audit, rid: int, outcomes: dict[str, bool], at_s: float) -> None:
+    """One arrival at ``at_s``: the audit's look before its decision, then its outcomes."""
+    audit.decided(at_s)
     audit.arrived(rid)
     for mode, served in outcomes.items():
         audit.resolve(mode, rid, served)
 
 
 def test_an_arrival_enters_the_windows_once_every_mode_resolved_it():
-    a = Audit(MODES, "predictive", window=4, recent=4, margin=0, z=0, min_audited=0)
+    a = Audit(MODES, "predictive", window_s=100, recent_s=100, margin=0, z=0, min_audited=0)
     a.arrived(0)
     a.arrived(1)
     a.resolve("baseline", 0, False)
@@ -34,81 +36,118 @@ def test_an_arrival_enters_the_windows_once_every_mode_resolved_it():
     assert a.scores == [1, 1, 2]
 
 
-def test_the_window_slides():
-    a = Audit(MODES, "predictive", window=4, recent=2, margin=0, z=100, min_audited=0)
-    for rid in range(4):
-        feed(a, rid, {"baseline": True, "early": False, "predictive": False})
+def test_the_windows_slide_in_time():
+    # one arrival a second; the long window keeps 3.5 s of audited arrivals, the recent 1.5 s
+    a = Audit(MODES, "predictive", window_s=3.5, recent_s=1.5, margin=0, z=100, min_audited=0)
+    for t in range(4):
+        feed(a, t, {"baseline": True, "early": False, "predictive": False}, float(t))
     assert a.scores == [4, 0, 0] and a.recent.scores == [2, 0, 0]
-    for rid in range(4, 7):
-        feed(a, rid, {"baseline": False, "early": True, "predictive": False})
+    for t in range(4, 7):
+        feed(a, t, {"baseline": False, "early": True, "predictive": False}, float(t))
     assert a.scores == [1, 3, 0] and a.recent.scores == [0, 2, 0] and a.audited == 7
+
+
+@pytest.mark.parametrize("rate", [10.0, 100.0])
+def test_a_window_spans_the_same_seconds_at_any_arrival_rate(rate):
+    # a count of arrivals would be 4 s of a trace at 128 requests a second and the whole
+    # run at 16: a window in seconds holds what came in its span, whatever the rate
+    a = Audit(MODES, "predictive", window_s=30, recent_s=15, margin=0, z=100, min_audited=0)
+    for rid in range(int(90 * rate)):
+        feed(a, rid, {m: True for m in MODES}, rid / rate)
+    assert len(a.long) == pytest.approx(30 * rate, abs=2)
+    assert len(a.recent) == pytest.approx(15 * rate, abs=2)
 
 
 def test_no_switch_on_a_lead_within_chance_nor_on_ties():
     # 64 arrivals split: predictive served the first 28, the baseline the last 36. A lead
     # of 8 on 64 split arrivals is 1 standard deviation: no switch at z = 3.
-    a = Audit(MODES, "predictive", window=256, recent=64, margin=0.0, z=3.0, min_audited=0)
+    a = Audit(MODES, "predictive", window_s=1e6, recent_s=1e6, margin=0.0, z=3.0,
+              min_audited=0)
     for rid in range(64):
-        feed(a, rid, {"baseline": rid >= 28, "early": rid < 32, "predictive": rid < 28})
+        feed(a, rid, {"baseline": rid >= 28, "early": rid < 32, "predictive": rid < 28}, rid)
+    a.decided(64)
     assert a.scores == [36, 32, 28]
     assert a.mode == "predictive" and a.switches == []
-    b = Audit(MODES, "early", window=16, recent=8, margin=0.0, z=0.0, min_audited=0)
+    b = Audit(MODES, "early", window_s=16, recent_s=8, margin=0.0, z=0.0, min_audited=0)
     for rid in range(16):
-        feed(b, rid, {m: True for m in MODES})
+        feed(b, rid, {m: True for m in MODES}, rid)
     assert b.mode == "early"            # equal scores never switch
 
 
 def test_a_lead_beyond_chance_switches_once_and_the_modes_do_not_flap():
-    a = Audit(MODES, "predictive", window=1024, recent=256, margin=0.01, z=3.0, min_audited=0)
+    a = Audit(MODES, "predictive", window_s=10.0, recent_s=2.5, margin=0.01, z=3.0,
+              min_audited=0)
     rng = random.Random(1)
     for rid in range(2000):
-        # the baseline serves 10 points more; the others are coin flips at 0.6
+        # 100 arrivals a second; the baseline serves 10 points more, the others are coin
+        # flips at 0.6
         feed(a, rid, {"baseline": rng.random() < 0.7, "early": rng.random() < 0.6,
-                      "predictive": rng.random() < 0.6})
+                      "predictive": rng.random() < 0.6}, rid / 100)
     assert a.mode == "baseline"
     assert [(f, t) for _, f, t in a.switches] == [("predictive", "baseline")]
 
 
-def test_no_switch_before_the_window_holds_min_audited():
-    a = Audit(MODES, "predictive", window=100, recent=10, margin=0.0, z=0.0, min_audited=25)
-    for rid in range(24):
-        feed(a, rid, {"baseline": True, "early": False, "predictive": False})
+def test_no_switch_before_min_audited_arrivals():
+    a = Audit(MODES, "predictive", window_s=100, recent_s=10, margin=0.0, z=0.0,
+              min_audited=25)
+    for rid in range(25):
+        feed(a, rid, {"baseline": True, "early": False, "predictive": False}, rid * 0.1)
     assert a.mode == "predictive" and a.challengers() == ["baseline"]
-    feed(a, 24, {"baseline": True, "early": False, "predictive": False})
-    assert a.mode == "baseline"
+    assert a.decided(2.5) == "baseline"     # the look before the 26th arrival's decision
 
 
 def test_a_long_lead_that_the_recent_window_contradicts_does_not_switch():
     # the baseline served more early on; lately predictive serves more: no switch
-    a = Audit(MODES, "predictive", window=1000, recent=100, margin=0.0, z=2.0, min_audited=400)
+    a = Audit(MODES, "predictive", window_s=100, recent_s=10, margin=0.0, z=2.0,
+              min_audited=400)
     for rid in range(300):
-        feed(a, rid, {"baseline": True, "early": False, "predictive": False})
+        feed(a, rid, {"baseline": True, "early": False, "predictive": False}, rid * 0.1)
     for rid in range(300, 500):
-        feed(a, rid, {"baseline": rid % 2 == 0, "early": False, "predictive": True})
+        feed(a, rid, {"baseline": rid % 2 == 0, "early": False, "predictive": True}, rid * 0.1)
+    a.decided(50.0)
     assert a.scores[0] - a.scores[2] == 200 and a.recent.scores[2] > a.recent.scores[0]
     assert a.mode == "predictive" and a.switches == []
+
+
+def test_a_lead_from_the_first_fill_leaves_the_windows_and_the_mode_it_beat_returns():
+    # the baseline serves more while the cluster first fills (20 s), predictive after it:
+    # the audit follows the baseline, and once its lead is older than the long window it
+    # no longer holds the mode in force (a window of the run so far would keep it)
+    a = Audit(MODES, "predictive", window_s=30, recent_s=15, margin=0.02, z=3.0,
+              min_audited=100)
+    rng = random.Random(3)
+    for rid in range(9000):
+        t = rid / 100
+        odds = (0.8, 0.5, 0.5) if t < 20 else (0.5, 0.5, 0.65)
+        feed(a, rid, {m: rng.random() < p for m, p in zip(MODES, odds)}, t)
+    steps = [(f, to) for _, f, to in a.switches]
+    assert steps == [("predictive", "baseline"), ("baseline", "predictive")]
+    assert a.switches[1][0] < 6000      # back within a window or so of the change at 20 s
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_no_mode_ever_beats_the_one_in_force_beyond_chance_in_both_windows(seed):
     # outcomes whose odds drift between the modes, resolved out of order: after every
-    # resolution, no mode leads the one in force by more than max(margin x n, z sqrt(d))
-    # over both the long and the recent window (the bound)
-    a = Audit(MODES, "predictive", window=512, recent=128, margin=0.01, z=2.0, min_audited=64)
+    # look, no mode leads the one in force by more than max(margin x n, z sqrt(d)) over
+    # both the long and the recent window (the bound)
+    a = Audit(MODES, "predictive", window_s=5.0, recent_s=1.25, margin=0.01, z=2.0,
+              min_audited=64)
     rng = random.Random(seed)
     pending: list[tuple[str, int, bool]] = []
     for rid in range(3000):
         phase = (rid // 700) % 3
         odds = [0.5 + 0.2 * (phase == i) for i in range(3)]
+        a.decided(rid / 100)
+        assert a.audited < 64 or a.challengers() == []
         a.arrived(rid)
         pending += [(m, rid, rng.random() < odds[i]) for i, m in enumerate(MODES)]
         rng.shuffle(pending)
         for _ in range(len(pending) // 2):
             a.resolve(*pending.pop())
-            assert a.audited < 64 or a.challengers() == []
     for item in pending:
         a.resolve(*item)
-        assert a.challengers() == []
+    a.decided(30.0)
+    assert a.challengers() == []
     assert len(a.switches) >= 2         # it followed the drift
 
 
@@ -146,7 +185,8 @@ def test_audited_shadows_are_the_fixed_modes_and_without_a_switch_the_run_is_pre
 def test_on_a_switch_the_live_run_forks_and_follows_the_mode_in_force():
     # a hair trigger: any lead switches, from the first audited arrival
     trace = overloaded_trace()
-    audit = Audit(MODES, "early", window=32, recent=8, margin=0.0, z=0.0, min_audited=0)
+    audit = Audit(MODES, "early", window_s=1.6, recent_s=0.4, margin=0.0, z=0.0,
+                  min_audited=0)
     sim = Simulator(trace, SimConfig(prefill=15, decode=1, admission="audited"), SMALL,
                     audit=audit)
     summary = sim.run()
