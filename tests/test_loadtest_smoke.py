@@ -68,8 +68,11 @@ def test_cli_writes_markdown_and_json(tmp_path, capsys):
 
 
 def test_ctrl_c_stops_every_server(tmp_path):
+    # As from a terminal: a suite started in the background (`make test &`) passes SIGINT on ignored,
+    # and Python then installs no KeyboardInterrupt for it.
     bench = subprocess.Popen([sys.executable, "-m", "loadtest.bench_vs_redis", "--only", "small", "--no-mooncake",
-                              "--memory", "64mb"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                              "--memory", "64mb"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids = []
     try:
         while len(pids) < 2:
