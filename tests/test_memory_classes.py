@@ -221,3 +221,14 @@ def test_a_big_value_takes_a_run_of_free_pages_across_chunk_edges():
     alloc.free(offset, 4 * MiB + 512 * KiB)
     alloc.free(first, 3 * MiB)
     assert alloc.largest_free() == 8 * MiB and alloc.buddy.is_free(0, 23)
+
+
+def test_region_owners_names_each_value_once_in_page_order():
+    from kvstore.store.slabs import SlabAllocator
+    alloc = SlabAllocator(16 * MiB, page=64 * KiB)
+    big = alloc.alloc(3 * MiB)                       # 48 pages
+    small = alloc.alloc(100)                         # a slab page after it
+    alloc.set_owner(big, 3 * MiB, 7)
+    alloc.set_owner(small, 100, 3)
+    assert alloc.region_owners(0, 22).tolist() == [3, 7]          # slab slots first, then extents
+    assert alloc.region_owners(MiB, 20).tolist() == [7]           # a region inside the extent

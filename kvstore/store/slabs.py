@@ -278,8 +278,10 @@ class SlabAllocator:
                 parts.append(owners[owners != FREE])
         big = self.big_owner[first:first + count]
         big = big[big != FREE]
+        if len(big) > 1:        # an extent's pages are adjacent: keep the first of each run
+            big = big[np.concatenate(([True], big[1:] != big[:-1]))]
         if len(big):
-            parts.append(np.unique(big))        # a big extent spans several pages
+            parts.append(big)
         if not parts:
             return big
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
