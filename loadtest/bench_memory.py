@@ -1,6 +1,6 @@
 """Memory that holds any mix of value sizes: kvstore next to redis-server in the same run.
 
-    python -m loadtest.bench_memory [--quick] [--only burst,chain,mixed,tenants]
+    python -m loadtest.bench_memory [--quick] [--repeat 3] [--only burst,chain,mixed,tenants]
 
 Each scenario runs on a fresh kvstore node and a fresh redis-server (maxmemory,
 allkeys-lru), one after the other, while a separate process PINGs the server
@@ -21,7 +21,10 @@ under test every 10 ms (its round trips are the loop's stalls as a client sees t
   without quotas and on kvstore with ``quota-dram`` set (kvstore/store/quotas.py);
   the last must keep at least 95 %.
 
-Prints PING max and p99 per server and kvstore's over redis's.
+Each scenario runs ``--repeat`` times per server, the servers taking turns; every
+figure printed is the median over the repeats (a PING max is one sample of a
+hundred or so: it moves by 2x between runs on a shared host). Prints PING max
+and p99 per server and kvstore's over redis's.
 """
 from __future__ import annotations
 
@@ -80,6 +83,21 @@ class Pinger:
     def summary(self) -> tuple[float, float, int]:
         t = np.array(self.times or [0.0])
         return float(t.max()), float(np.percentile(t, 99)), len(t)
+
+
+def median_result(results: list[Result]) -> Result:
+    """Per figure, the median over repeated runs (flags and texts: the last run's)."""
+    def median(values):
+        return float(np.median(values)) if all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               for v in values) else values[-1]
+    extra = {}
+    for key, last in results[-1].extra.items():
+        if isinstance(last, dict):
+            extra[key] = {k: median([r.extra[key][k] for r in results]) for k in last}
+        else:
+            extra[key] = median([r.extra[key] for r in results])
+    return Result(median([r.ping_max for r in results]), median([r.ping_p99 for r in results]),
+                  sum(r.pings for r in results), extra)
 
 
 def chunk(size: int) -> int:
@@ -258,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer values and operations")
     parser.add_argument("--only", default="burst,chain,mixed,tenants")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per server and scenario (medians printed)")
     args = parser.parse_args(argv)
     settings = Settings(small=50_000, big=40, budget=16 * MIB, ops=1200) if args.quick else Settings()
     print(describe_machine(machine_info()))
@@ -266,9 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessGroup() as group:
         for scenario in args.only.split(","):
             names = ("redis", "kvstore", "kvstore+quotas") if scenario == "tenants" else ("redis", "kvstore")
-            results = {name: run_one(name, scenario, settings, group) for name in names}
+            runs = {name: [] for name in names}
+            for _ in range(args.repeat):
+                for name in names:
+                    runs[name].append(run_one(name, scenario, settings, group))
+            results = {name: median_result(got) for name, got in runs.items()}
             kv, rd = results["kvstore"], results["redis"]
-            print(f"\n[{scenario}] budget {settings.budget // MIB} MiB, load average {os.getloadavg()[0]:.2f}")
+            print(f"\n[{scenario}] budget {settings.budget // MIB} MiB, load average {os.getloadavg()[0]:.2f}, "
+                  f"medians of {args.repeat} runs")
             for name, r in results.items():
                 print(f"  {name:14s} PING max {r.ping_max:8.2f} ms  p99 {r.ping_p99:7.2f} ms  ({r.pings} pings)  {r.extra}")
             print(f"  kvstore/redis  PING max {kv.ping_max / max(rd.ping_max, 1e-9):.2f}x  "

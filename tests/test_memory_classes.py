@@ -184,11 +184,11 @@ def test_a_waiting_write_gets_the_extent_made_for_it(make_engine):
         await engine.room.wait(MiB)
 
     asyncio.run(wait())
-    assert engine.room.parked[20]
+    assert engine.room.parked[MiB]
     engine.put(b"big", b"y" * MiB)                   # takes the parked extent, evicts nothing more
-    assert not engine.room.parked[20] and engine.stats.evictions == 8192
+    assert not engine.room.parked[MiB] and engine.stats.evictions == 8192
     asyncio.run(wait())                              # one no write comes back for goes at FLUSHALL
-    assert engine.room.parked[20]
+    assert engine.room.parked[MiB]
     engine.flush()
     assert not engine.room.parked and engine.allocator.used == 0
 
@@ -230,5 +230,28 @@ def test_region_owners_names_each_value_once_in_page_order():
     small = alloc.alloc(100)                         # a slab page after it
     alloc.set_owner(big, 3 * MiB, 7)
     alloc.set_owner(small, 100, 3)
-    assert alloc.region_owners(0, 22).tolist() == [3, 7]          # slab slots first, then extents
-    assert alloc.region_owners(MiB, 20).tolist() == [7]           # a region inside the extent
+    assert alloc.region_owners(0, 4 * MiB).tolist() == [3, 7]          # slab slots first, then extents
+    assert alloc.region_owners(MiB, 2 * MiB).tolist() == [7]           # a region inside the extent
+
+
+def test_a_big_write_clears_a_window_of_its_own_pages_not_an_aligned_chunk(make_engine):
+    engine = make_engine(16 * MiB)
+    for i in range(16):
+        engine.put(b"m%d" % i, b"m" * MiB)           # the arena full of 1 MiB values
+    engine.put(b"big", b"b" * (3 * MiB))             # an aligned 4 MiB chunk would evict 4 of them
+    assert engine.stats.evictions == 3 and engine.lookup(b"big") is not None
+    assert engine.allocator.footprint == 16 * MiB
+
+
+def test_a_window_partly_free_costs_less_than_a_full_one_as_cold(make_engine):
+    from kvstore.store.room import BYTES_WEIGHT
+    engine = make_engine(16 * MiB)
+    for i in range(16):
+        engine.put(b"m%d" % i, b"m" * MiB)
+    key_at = {engine.entries.dram_offset(engine.index[b"m%d" % i]): b"m%d" % i for i in range(16)}
+    engine.delete(key_at[13 * MiB])
+    engine.get_entry(key_at[14 * MiB])               # the newest value of both windows below
+    room, clock = engine.room, engine.eviction._clock
+    full = room._price(14 * MiB, 2 * MiB, 0, clock)  # the value at 14 MiB and the one at 15
+    half = room._price(13 * MiB, 2 * MiB, 0, clock)  # free space and the value at 14 MiB
+    assert half < full and full - half >= BYTES_WEIGHT * 0.4

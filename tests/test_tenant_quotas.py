@@ -104,6 +104,21 @@ def test_a_bad_quota_is_refused_and_changes_nothing(node, rules, reason):
     assert admin.info("tenants") == tenants_before
 
 
+def test_maxmemory_below_the_quotas_is_refused_and_a_quota_above_maxmemory_too(node):
+    admin = connect(node)
+    admin.execute_command("ACL", "SETUSER", "alice", "quota-dram=6mb")
+    admin.execute_command("ACL", "SETUSER", "bob", "quota-dram=6mb")
+    with pytest.raises(redis.ResponseError) as refused:
+        admin.config_set("maxmemory", "10mb")
+    assert "less than the tenants' DRAM quotas" in str(refused.value)
+    assert admin.config_get("maxmemory")["maxmemory"] == str(16 * MIB)
+    admin.config_set("maxmemory", "12mb")                # exactly the quotas' sum
+    with pytest.raises(redis.ResponseError) as refused:
+        admin.execute_command("ACL", "SETUSER", "alice", "quota-dram=7mb")
+    assert "more than the node's DRAM" in str(refused.value)
+    assert tenant_info(admin, "alice")["quota_dram"] == 6 * MIB
+
+
 # ----------------------------------------------------------------- eviction
 
 

@@ -21,6 +21,7 @@ import os
 
 from kvstore.admin.config import LOG_LEVELS, Config, ConfigError, parse_size
 from kvstore.admin.redis_params import PARAMS
+from kvstore.store.entries import DRAM
 
 log = logging.getLogger("kvstore")
 
@@ -97,6 +98,7 @@ def apply(server, changes: list[tuple[str, str]]) -> None:
         if REDIS_DEFAULT[canonical] in ("yes", "no") and value.lower() not in ("yes", "no"):
             raise SettingRefused(name, "argument must be 'yes' or 'no'")
     server.config, server.engine.limit = _checked(server, lowered)
+    server.engine.quotas.capacity[DRAM] = server.engine.limit
     stored = redis_values(server)
     for canonical, name, value in unused:
         if canonical not in stored:
@@ -115,6 +117,10 @@ def _checked(server, changes: list[tuple[str, str]]) -> tuple[Config, int]:
         try:
             if name == "maxmemory":
                 limit = _memory_limit(value, updated.dram_size)
+                quotas = server.engine.quotas.total(DRAM)
+                if limit < quotas:
+                    raise SettingRefused(name, f"{limit} bytes is less than the tenants' DRAM quotas "
+                                               f"({quotas} bytes): lower a quota first (ACL SETUSER)")
             else:
                 updated.set(name, value or None if name == "requirepass" else value)
         except ConfigError as e:

@@ -24,7 +24,9 @@ who loses when something must go. Whom a choice spares, pass by pass
 Quotas count value bytes, as INFO's per-tier bytes do; a value is counted in
 the tier that is its home (a DRAM value with a clean SSD copy counts in DRAM).
 A quota is refused when it, or the sum of every tenant's quota of that tier,
-exceeds the tier's size: then every tenant can reach its share at once.
+exceeds the tier's size (DRAM's: the maxmemory in force, and CONFIG SET
+maxmemory refuses a limit under the sum): then every tenant can reach its
+share at once.
 """
 from __future__ import annotations
 
@@ -96,6 +98,10 @@ class Quotas:
             for tenant, name in enumerate(self.names):
                 column[tenant] = wanted.get(name, {}).get(tier, NO_QUOTA)
             self.active[tier] = any(quota != NO_QUOTA for quota in column)
+
+    def total(self, tier: int) -> int:
+        """The sum of every tenant's quota of ``tier``: the least that tier may be cut to."""
+        return sum(quota for quota in self.quota[tier] if quota != NO_QUOTA)
 
     # ------------------------------------------------------------ eviction
 

@@ -140,14 +140,32 @@ class SlabAllocator:
                 offset = self._alloc_run(chunk, fenced_ok)
             if offset is None:
                 return None
-            self.footprint += chunk
-            first = offset >> self.page_order
-            self.big_owner[first:first + (chunk >> self.page_order)] = UNOWNED
+            self._hand_out_big(offset, chunk)
+        self._count(size, chunk)
+        return offset
+
+    def take(self, lo: int, size: int, limit: int | None = None) -> int | None:
+        """Hand out the free pages from ``lo`` for a big value of ``size`` bytes (a window
+        the engine cleared for it: kvstore/store/room.py); None if they are not all free or
+        the footprint would pass ``limit``."""
+        chunk = self.chunk_size(size)
+        if not self.window_free(lo, lo + chunk) or (limit is not None and self.footprint + chunk > limit):
+            return None
+        self._carve(lo, lo + chunk)
+        self._hand_out_big(lo, chunk)
+        self._count(size, chunk)
+        return lo
+
+    def _hand_out_big(self, offset: int, chunk: int) -> None:
+        self.footprint += chunk
+        first = offset >> self.page_order
+        self.big_owner[first:first + (chunk >> self.page_order)] = UNOWNED
+
+    def _count(self, size: int, chunk: int) -> None:
         if chunk > self.largest_chunk:
             self.largest_chunk = chunk
         self.used += chunk
         self.requested += size
-        return offset
 
     def _alloc_run(self, chunk: int, fenced_ok: bool) -> int | None:
         """The start of the shortest run of adjacent free chunks (of a page or more) that holds
@@ -165,16 +183,28 @@ class SlabAllocator:
             start, end = offset, offset + (1 << order)
         if best is None:
             return None
-        lo, hi = best[0], best[0] + chunk
-        for offset, order in pieces:
-            if offset < hi and lo < offset + (1 << order):
-                free[order].remove(offset)
-                self.buddy.used += 1 << order
-                if offset < lo:
-                    self._give_back(offset, lo)
-                if offset + (1 << order) > hi:
-                    self._give_back(hi, offset + (1 << order))
-        return lo
+        self._carve(best[0], best[0] + chunk)
+        return best[0]
+
+    def _carve(self, lo: int, hi: int) -> None:
+        """Take the free pages [lo, hi) out of the buddy tree: each free chunk overlapping
+        them leaves the tree, and its parts outside go back."""
+        buddy, page = self.buddy, lo
+        while page < hi:
+            for order in range(self.page_order, self.max_order + 1):
+                offset = page & ~((1 << order) - 1)
+                if offset in buddy._free[order]:
+                    break
+            else:
+                raise AssertionError(f"page {page} is not free")
+            buddy._free[order].remove(offset)
+            buddy.used += 1 << order
+            end = offset + (1 << order)
+            if offset < lo:
+                self._give_back(offset, lo)
+            if end > hi:
+                self._give_back(hi, end)
+            page = end
 
     def _give_back(self, lo: int, hi: int) -> None:
         """Free [lo, hi) to the buddy tree as aligned power-of-two chunks (they merge there)."""
@@ -266,17 +296,22 @@ class SlabAllocator:
         else:
             self.big_owner[page:page + -(-size // self.page)] = entry
 
-    def region_owners(self, offset: int, order: int) -> np.ndarray:
-        """The owner hints of every allocated piece in the region (``offset``, ``order``),
-        each once: entries, UNOWNED for pieces no committed value owns (never evictable)."""
-        first = offset >> self.page_order
-        count = max(1, 1 << (order - self.page_order)) if order >= self.page_order else 1
+    def window_free(self, lo: int, hi: int) -> bool:
+        """Whether every page of the bytes [lo, hi) (page-aligned) is free."""
+        first, end = lo >> self.page_order, hi >> self.page_order
+        return bool((self.big_owner[first:end] == FREE).all()
+                    and (np.frombuffer(self.page_class, dtype=np.int8)[first:end] < 0).all())
+
+    def region_owners(self, lo: int, hi: int) -> np.ndarray:
+        """The owner hints of every allocated piece overlapping the bytes [lo, hi), each
+        once: entries, UNOWNED for pieces no committed value owns (never evictable)."""
+        first, end = lo >> self.page_order, max(-(-hi >> self.page_order), (lo >> self.page_order) + 1)
         parts = []
-        for page in range(first, first + count):
+        for page in range(first, end):
             owners = self.owners.get(page)
             if owners is not None:
                 parts.append(owners[owners != FREE])
-        big = self.big_owner[first:first + count]
+        big = self.big_owner[first:end]
         big = big[big != FREE]
         if len(big) > 1:        # an extent's pages are adjacent: keep the first of each run
             big = big[np.concatenate(([True], big[1:] != big[:-1]))]
