@@ -255,3 +255,18 @@ def test_a_window_partly_free_costs_less_than_a_full_one_as_cold(make_engine):
     full = room._price(14 * MiB, 2 * MiB, 0, clock)  # the value at 14 MiB and the one at 15
     half = room._price(13 * MiB, 2 * MiB, 0, clock)  # free space and the value at 14 MiB
     assert half < full and full - half >= BYTES_WEIGHT * 0.4
+
+
+def test_the_oldest_values_go_even_beside_a_window_that_newer_writes_reuse(make_engine):
+    """A window partly free is cheap; were the oldest leaf's bytes to count against a window
+    holding it, the writes would keep clearing the window beside it and never reach it."""
+    engine = make_engine(8 * MiB)                    # 64 KiB pages
+    engine.put(b"old-a", b"a" * (64 * KiB))
+    engine.put(b"old-b", b"b" * (64 * KiB), b"old-a")
+    engine.put(b"old-c", b"c" * (128 * KiB), b"old-b")
+    old = {b"old-a", b"old-b", b"old-c"}
+    for n in range(64):                              # 16 MiB of newer values, 256 KiB each
+        put_until_room(engine, b"new-%d" % n, b"n" * (256 * KiB))
+        if not old & engine.index.keys():
+            break
+    assert not old & engine.index.keys(), "the oldest values outlived two passes over the arena"

@@ -25,15 +25,18 @@ pages (a *region*, as is a page cleared for small classes).
 The price of a region (a window, or a page for small classes) is the
 recency of its newest value, in [0, 1] (0 for the oldest leaf, 1 for the
 latest access: what LRU would have to give up to free it), plus
-BYTES_WEIGHT times the bytes it evicts over the bytes needed (a window
-already partly free, or cut by fewer extents hanging over its edges, keeps
-more bytes live: with a weight of 0.03 the mixed stream of
-loadtest/bench_memory.py holds 0.88-0.91 of the budget in live values
-instead of 0.82-0.86, at the same hit ratio), plus COUNT_WEIGHT per value (a
-tie-break among regions as cold); a region holding a soft-pinned value ranks
+BYTES_WEIGHT times the bytes it evicts over the bytes needed, each value's
+bytes weighted by its own recency (a window already partly free, or cut by
+fewer extents hanging over its edges, keeps more bytes live; the oldest
+values add nothing, so the window that takes them costs no more than one
+beside them), plus COUNT_WEIGHT per value, weighted the same way, and per
+byte evicted over the bytes needed, unweighted (tie-breaks among regions as
+cold: fewer values, fewer bytes, so no old value is left alone in a gap
+that newer writes keep filling around it); a region holding a soft-pinned value ranks
 after every region without, one whose chain continues outside it after both.
 A region holding a value being read, or an extent not yet committed, cannot
-be cleared now and is skipped for a while.
+be cleared now and is skipped for a while. As cheap, the oldest leaf's
+windows win, then the class's, then those at free chunks.
 
 Clearing keeps the prefix property: a value goes only once no child of it is
 left in DRAM, so a value with cached children is reached by walking down to
@@ -66,7 +69,7 @@ from kvstore.store.entries import DRAM, OFFSET_SHIFT, OFFSET_UNIT, STAGED
 from kvstore.store.eviction import HELD_MARK, SOFT_MARK
 from kvstore.store.quotas import SHARED
 
-COUNT_WEIGHT = 1e-6     # cost per value evicted: a tie-break between regions as cold
+COUNT_WEIGHT = 1e-6     # cost per value and per byte evicted: a tie-break between regions as cold
 BYTES_WEIGHT = 0.03      # cost per byte evicted, over the bytes needed: prefer windows partly free already
 SOFT_PENALTY = 1.0      # a region holding a soft-pinned value ranks after every region without
 CROSS_PENALTY = 2.0     # ... one whose chain continues outside it, after both
@@ -344,17 +347,26 @@ class RoomMaker:
         def at(offset: int) -> int:
             return min(offset & ~(page - 1), last)
 
-        first = set()                               # priced before the random ones
+        def around(entry: int, level: int) -> None:
+            """The windows starting at the value and ending at its end (the one below it
+            takes what lies below: older values left in a gap go with it)."""
+            start = entries.dram_offset(entry)
+            end = (start + entries.size[entry] + page - 1) & ~(page - 1)
+            rank.setdefault(at(max(0, end - span)), level)
+            rank.setdefault(at(start), level)
+
+        rank: dict[int, int] = {}                   # as cheap, the lower rank wins (random ones last)
         oldest = policy.oldest(DRAM)
         if oldest is not None:
-            first.add(at(entries.dram_offset(oldest[1])))
+            around(oldest[1], 0)
         exact = policy.peek(DRAM, cls) if cls >= 0 else None
         if exact is not None:
-            first.add(at(entries.dram_offset(exact[1])))
+            around(exact[1], 1)
         if span > page:
             for lo, hi in self._largest_free(FREE_ANCHORS):
-                first.update((at(lo), at(max(0, hi - span))))
-        candidates = set(first)
+                rank.setdefault(at(lo), 2)
+                rank.setdefault(at(max(0, hi - span)), 2)
+        candidates = set(rank)
         starts = last // page + 1
         picks = range(starts) if starts <= REGION_SAMPLES else \
             self._rng.integers(0, starts, REGION_SAMPLES).tolist()
@@ -365,19 +377,11 @@ class RoomMaker:
                 del self._blocked[region]
             else:
                 self._blocked[region] = left
-        now = policy._clock
-        floor = oldest[0] if oldest is not None else 0
-        best = None
-        for region in sorted(candidates, key=lambda region: region not in first):
-            if best is not None and self._over_budget():
-                break                               # pricing counts in the turn's slice too
-            if region in self._blocked or region < 0 \
-                    or any(region < hi and lo < region + span for lo, hi in alloc.fences):
-                continue
-            cost = self._price(region, span, floor, now)
-            if cost is not None and (best is None or cost < best[0]):
-                best = (cost, region)
-        return None if best is None else best[1]
+        regions = [region for region in candidates if region >= 0 and region not in self._blocked
+                   and not any(region < hi and lo < region + span for lo, hi in alloc.fences)]
+        costs = self._prices(regions, span, oldest[0] if oldest is not None else 0, policy._clock)
+        priced = [(cost, rank.get(region, 3), region) for cost, region in zip(costs, regions) if cost is not None]
+        return min(priced)[2] if priced else None
 
     def _largest_free(self, count: int) -> list[tuple[int, int]]:
         """Up to ``count`` of the largest free buddy chunks of a page or more, as (lo, hi)."""
@@ -399,36 +403,53 @@ class RoomMaker:
     def _price(self, region: int, span: int, oldest: int, now: int) -> float | None:
         """What clearing the ``span`` bytes at ``region`` costs (module doc); None when they
         cannot be cleared now."""
-        engine = self.engine
-        owners = engine.allocator.region_owners(region, region + span)
-        if not len(owners):
-            return 0.0
-        if (owners < 0).any():                      # an extent no committed value owns
-            return None
-        policy, entries = engine.eviction, engine.entries
-        lo, hi = region >> OFFSET_SHIFT, (region + span) >> OFFSET_SHIFT
-        marks = np.frombuffer(policy._marks, dtype=np.uint8)[owners]
-        if not self._in_dram_overlapping(owners, lo, hi).all() or (marks & HELD_MARK).any() \
-                or (np.frombuffer(entries.flags, dtype=np.int8)[owners] & STAGED).any():
-            return None                             # a stale owner (a held extent) or a value being read
-        if policy.spared is not None and np.frombuffer(policy.spared, dtype=np.bool_)[
-                np.frombuffer(entries.owner, dtype=np.uint8)[owners]].any():
-            return None                             # a value of a tenant this write must spare
-        newest = int(np.frombuffer(policy._stamp, dtype=np.uint32)[owners].max())
-        leaf_pos = np.frombuffer(policy._leaf_pos, dtype=np.int32)[owners]
-        children = -int(leaf_pos[leaf_pos < 0].sum())
-        crossing = 0
-        if children:
-            parents = np.frombuffer(policy._parent, dtype=np.int32)[owners]
-            inside = int(self._in_dram_overlapping(parents[parents >= 0], lo, hi).sum())
-            crossing = max(0, children - inside)
-        evicted = int(np.frombuffer(entries.size, dtype=np.uint32)[owners].sum())
-        return self._recency(newest, oldest, now) + COUNT_WEIGHT * len(owners) + BYTES_WEIGHT * evicted / span \
-            + SOFT_PENALTY * bool((marks & SOFT_MARK).any()) + CROSS_PENALTY * bool(crossing)
+        return self._prices([region], span, oldest, now)[0]
 
-    def _in_dram_overlapping(self, entries_at: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def _prices(self, regions: list[int], span: int, oldest: int, now: int) -> list[float | None]:
+        """``_price`` of each region, in one pass over all their values: a choice prices a
+        dozen or more windows, and numpy's cost is per call, not per value."""
+        engine = self.engine
+        policy, entries = engine.eviction, engine.entries
+        groups = [engine.allocator.region_owners(region, region + span) for region in regions]
+        counts = np.array([len(group) for group in groups], dtype=np.int64)
+        if not counts.sum():
+            return [0.0] * len(regions)
+        owners = np.concatenate(groups).astype(np.int64)
+        window = np.repeat(np.arange(len(regions)), counts)
+        starts = np.array(regions, dtype=np.int64)[window]
+        lo, hi = starts >> OFFSET_SHIFT, (starts + span) >> OFFSET_SHIFT
+        at = np.maximum(owners, 0)
+        marks = np.frombuffer(policy._marks, dtype=np.uint8)[at]
+        blocked = (owners < 0) | ~self._in_dram_overlapping(at, lo, hi) | ((marks & HELD_MARK) != 0) \
+            | ((np.frombuffer(entries.flags, dtype=np.int8)[at] & STAGED) != 0)
+        if policy.spared is not None:               # a value of a tenant this write must spare
+            blocked |= np.frombuffer(policy.spared, dtype=np.bool_)[np.frombuffer(entries.owner, dtype=np.uint8)[at]]
+        # an extent no committed value owns, a stale owner (a held extent), a value being read
+        unclearable = np.bincount(window, weights=blocked, minlength=len(regions)) > 0
+        leaf_pos = np.frombuffer(policy._leaf_pos, dtype=np.int32)[at]
+        children = np.bincount(window, weights=np.where(leaf_pos < 0, -leaf_pos, 0), minlength=len(regions))
+        parents = np.frombuffer(policy._parent, dtype=np.int32)[at].astype(np.int64)
+        inside = np.bincount(window, weights=(parents >= 0) & self._in_dram_overlapping(np.maximum(parents, 0), lo, hi),
+                             minlength=len(regions))
+        soft = np.bincount(window, weights=(marks & SOFT_MARK) != 0, minlength=len(regions)) > 0
+        stamps = np.frombuffer(policy._stamp, dtype=np.uint32)[at].astype(np.int64)
+        recency = np.clip((stamps - oldest) / (now - oldest + 1), 0.0, 1.0)
+        full = counts > 0
+        newest = np.zeros(len(regions))
+        newest[full] = np.maximum.reduceat(recency, (np.cumsum(counts) - counts)[full])
+        # values count by their own recency: the oldest leaf adds nothing (LRU evicts it anyway),
+        # so a window holding it costs no more than one beside it as cold
+        sizes = np.frombuffer(entries.size, dtype=np.uint32)[at]
+        evicted = np.bincount(window, weights=sizes * recency, minlength=len(regions))
+        tie = np.bincount(window, weights=recency + sizes / span, minlength=len(regions))
+        cost = newest + BYTES_WEIGHT * evicted / span + COUNT_WEIGHT * tie \
+            + SOFT_PENALTY * soft + CROSS_PENALTY * (children > inside)
+        return [None if unclearable[i] else float(cost[i]) if full[i] else 0.0 for i in range(len(regions))]
+
+    def _in_dram_overlapping(self, entries_at: np.ndarray, lo, hi) -> np.ndarray:
         """Per entry, whether its DRAM value overlaps the units [lo, hi) (an owner hint that
-        says otherwise is stale: the extent is held for a reader)."""
+        says otherwise is stale: the extent is held for a reader); ``lo`` and ``hi`` per entry
+        or one for all."""
         entries = self.engine.entries
         units = np.frombuffer(entries.offset_units, dtype=np.uint32)[entries_at].astype(np.int64)
         ends = units + ((np.frombuffer(entries.size, dtype=np.uint32)[entries_at] + OFFSET_UNIT - 1) >> OFFSET_SHIFT)
