@@ -270,7 +270,7 @@ class Engine:
         alloc = self.allocator
         if size != old and alloc.chunk_size(size) != alloc.chunk_size(old):
             return False
-        offset = entries.dram_offset(entry)
+        offset = entries.offset_units[entry] << OFFSET_SHIFT     # entries.dram_offset, without a call
         if self.holds.is_held(offset):
             return False
         for listener in self.overwrite_listeners:
