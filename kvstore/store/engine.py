@@ -97,6 +97,9 @@ class Engine:
         self.eviction.class_of = lambda entry: class_of(sizes[entry])
         self.entries.on_dram = self._placed
         self.holds = ExtentHolds(self.allocator, self.eviction, self.entries)   # reads in flight
+        # The offsets held (holds.is_held(offset) is ``offset in`` it): a SET's rewrite in place asks
+        # without a call.
+        self._held_offsets = self.holds._readers
         self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
@@ -271,7 +274,7 @@ class Engine:
         if size != old and alloc.chunk_size(size) != alloc.chunk_size(old):
             return False
         offset = entries.offset_units[entry] << OFFSET_SHIFT     # entries.dram_offset, without a call
-        if self.holds.is_held(offset):
+        if offset in self._held_offsets:      # self.holds.is_held(offset)
             return False
         for listener in self.overwrite_listeners:
             listener(entries.keys[entry])
