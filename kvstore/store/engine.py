@@ -319,7 +319,9 @@ class Engine:
 
     def get_entry(self, key: bytes) -> int | None:
         """Lookup for a read: counts the hit or miss and refreshes recency."""
-        entry = self.lookup(key)
+        entry = self.index.get(key)
+        if entry is not None and self._deadlines and key in self._deadlines:
+            entry = self.lookup(key)        # a key with a TTL: lookup expires it if due
         if entry is None:
             self.stats.misses += 1
             return None
