@@ -286,11 +286,16 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
     plain requests at its head run here one after another, each with the same steps, its
     failure answered in order (`_failed`) and the batch going on; what cannot change within
     a batch (the commandstats table, the slowlog threshold, the tiers) is read once.
+
+    One clock read a command: a command's time (commandstats, slowlog) runs from the end
+    of the one before it in the batch (or the batch's start) to the end of its handler, so
+    a plain command's time also holds the batch's few steps between two handlers.
     """
     server, tiers = conn.server, conn.tiers
     rows, threshold = server.stats.cmdstats, server.slowlog.threshold_ns
     if backlog is not None:
         by_name, done, has_extents = conn.commands.by_name, 0, False
+    start = perf_counter_ns()
     try:
         while True:
             if backlog is not None:
@@ -310,14 +315,15 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
                 conn.last_command = name
                 stat = rows[name]
                 stat[0] += 1
-                start = perf_counter_ns()
                 try:
                     reply = handler(conn, args)
                 except CommandError:
                     stat[1] += perf_counter_ns() - start
                     stat[3] += 1
                     raise
-                elapsed = perf_counter_ns() - start
+                end = perf_counter_ns()
+                elapsed = end - start
+                start = end
                 stat[1] += elapsed
                 if elapsed >= threshold:
                     _log_slow(conn, cmd, args, elapsed)
@@ -328,7 +334,9 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
             except Exception as exc:
                 if backlog is None:
                     raise
-                if not _failed(conn, cmd, args, exc, has_extents):
+                settled = _failed(conn, cmd, args, exc, has_extents)
+                start = perf_counter_ns()       # the error's reply is not the next command's time
+                if not settled:
                     continue
             if backlog is None:
                 return
