@@ -291,10 +291,10 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
     of the one before it in the batch (or the batch's start) to the end of its handler, so
     a plain command's time also holds the batch's few steps between two handlers.
     """
-    server, tiers = conn.server, conn.tiers
-    rows, threshold = server.stats.cmdstats, server.slowlog.threshold_ns
+    server, tiers, rows = conn.server, conn.tiers, conn.server.stats.cmdstats
     if backlog is not None:
         by_name, done, has_extents = conn.commands.by_name, 0, False
+        threshold = server.slowlog.threshold_ns
     start = perf_counter_ns()
     try:
         while True:
@@ -325,6 +325,8 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
                 elapsed = end - start
                 start = end
                 stat[1] += elapsed
+                if backlog is None:
+                    threshold = server.slowlog.threshold_ns     # as it is after the command (CONFIG SET)
                 if elapsed >= threshold:
                     _log_slow(conn, cmd, args, elapsed)
                 if reply is not None:
