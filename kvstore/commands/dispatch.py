@@ -190,37 +190,14 @@ def run_plain(conn) -> None:
     key value`` (no options, no parse failure; a big value received into the
     arena is committed where it lies, or given back) goes straight to `_execute`, where
     every command runs (no cluster here, so no copies to wait for), with the same
-    error replies. Nothing
+    error replies; the batch runs there as one loop, with no call per command. Nothing
     a plain GET or SET does can change what `_plain_allowed` looked at, and no
     other client runs until this batch ends, so it is asked once per batch;
     any other request ends the batch and takes the generic path.
     """
     backlog = conn.backlog
-    if not backlog or backlog[0][0][0] not in _PLAIN or not _plain_allowed(conn):
-        return
-    tiers, by_name = conn.tiers, conn.commands.by_name
-    done = 0
-    try:
-        while backlog and conn.waiting is None and not conn.close_after_reply:
-            request = backlog.popleft()
-            args, failure, has_extents = request
-            plain = _PLAIN.get(args[0])
-            if plain is None or len(args) != plain[0] or failure is not None:
-                backlog.appendleft(request)     # not plain: the generic path takes it
-                return
-            cmd, handler = by_name[args[0]], plain[1]
-            try:
-                if tiers is not None and _fetch_first(conn, cmd, args, has_extents):
-                    return      # counted when it runs, once its value is in DRAM
-                _execute(conn, cmd, cmd.name, handler, args)
-            except Exception as exc:
-                if not _failed(conn, cmd, args, exc, has_extents):
-                    continue
-            if has_extents:
-                release_extents(conn.engine, args)
-            done += 1
-    finally:
-        conn.server.stats.commands += done
+    if backlog and backlog[0][0][0] in _PLAIN and _plain_allowed(conn):
+        _execute(conn, None, None, None, None, backlog)
 
 
 def _plain_allowed(conn) -> bool:
@@ -300,28 +277,77 @@ def _run(conn, cmd: Command, args: list) -> None:
         conn.defer(cluster.copies.take_unacked(), _ordering_only)
 
 
-def _execute(conn, cmd: Command, name: str, handler, args: list) -> None:
+def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | None, backlog=None) -> None:
     """Where every command runs, checked (`_run`) or plain (`run_plain`): the handler, its
-    INFO commandstats row, the slowlog, the reply, and a write's wait for SSD."""
-    conn.last_command = name
-    stat = conn.server.stats.cmdstats[name]
-    stat[0] += 1
+    INFO commandstats row, the slowlog, the reply, and a write's wait for SSD.
+
+    A checked command comes with its ``cmd``, ``name``, ``handler`` and ``args``, and what
+    it raises goes back to `dispatch`. `run_plain` hands over its ``backlog`` instead: the
+    plain requests at its head run here one after another, each with the same steps, its
+    failure answered in order (`_failed`) and the batch going on; what cannot change within
+    a batch (the commandstats table, the slowlog threshold, the tiers) is read once.
+
+    One clock read a command: a command's time (commandstats, slowlog) runs from the end
+    of the one before it in the batch (or the batch's start) to the end of its handler, so
+    a plain command's time also holds the batch's few steps between two handlers.
+    """
+    server, tiers, rows = conn.server, conn.tiers, conn.server.stats.cmdstats
+    if backlog is not None:
+        by_name, done, has_extents = conn.commands.by_name, 0, False
+        threshold = server.slowlog.threshold_ns
     start = perf_counter_ns()
     try:
-        reply = handler(conn, args)
-    except CommandError:
-        stat[1] += perf_counter_ns() - start
-        stat[3] += 1
-        raise
-    elapsed = perf_counter_ns() - start
-    stat[1] += elapsed
-    if elapsed >= conn.server.slowlog.threshold_ns:
-        _log_slow(conn, cmd, args, elapsed)
-    if reply is not None:
-        conn.wbuf += reply
-    tiers = conn.tiers
-    if tiers is not None and tiers.has_unacked():
-        _wait_for_ssd(conn, tiers)
+        while True:
+            if backlog is not None:
+                if not backlog or conn.waiting is not None or conn.close_after_reply:
+                    return
+                request = backlog.popleft()
+                args, failure, has_extents = request
+                plain = _PLAIN.get(args[0])
+                if plain is None or len(args) != plain[0] or failure is not None:
+                    backlog.appendleft(request)     # not plain: the generic path takes it
+                    return
+                cmd, handler = by_name[args[0]], plain[1]
+                name = cmd.name
+            try:
+                if tiers is not None and backlog is not None and _fetch_first(conn, cmd, args, has_extents):
+                    return      # counted when it runs, once its value is in DRAM
+                conn.last_command = name
+                stat = rows[name]
+                stat[0] += 1
+                try:
+                    reply = handler(conn, args)
+                except CommandError:
+                    stat[1] += perf_counter_ns() - start
+                    stat[3] += 1
+                    raise
+                end = perf_counter_ns()
+                elapsed = end - start
+                start = end
+                stat[1] += elapsed
+                if backlog is None:
+                    threshold = server.slowlog.threshold_ns     # as it is after the command (CONFIG SET)
+                if elapsed >= threshold:
+                    _log_slow(conn, cmd, args, elapsed)
+                if reply is not None:
+                    conn.wbuf += reply
+                if tiers is not None and tiers.has_unacked():
+                    _wait_for_ssd(conn, tiers)
+            except Exception as exc:
+                if backlog is None:
+                    raise
+                settled = _failed(conn, cmd, args, exc, has_extents)
+                start = perf_counter_ns()       # the error's reply is not the next command's time
+                if not settled:
+                    continue
+            if backlog is None:
+                return
+            if has_extents:
+                release_extents(conn.engine, args)
+            done += 1
+    finally:
+        if backlog is not None:
+            server.stats.commands += done
 
 
 def _log_slow(conn, cmd: Command, args: list, elapsed: int) -> None:

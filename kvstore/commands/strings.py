@@ -81,7 +81,7 @@ def set_plain(conn, args: list) -> bytes:
     option parsing (a small value is bytes, a big one an extent the reader filled)."""
     value = args[2]
     if type(value) is bytes:
-        conn.engine.put(args[1], value, owner=conn.user.tenant)
+        conn.engine.put(args[1], value, None, False, conn.user.tenant)     # owner positional: a cheaper call
     else:
         conn.engine.commit(args[1], value)
     return writer.OK

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from kvstore.store.arena import Arena, Extent
 from kvstore.store.deadlines import now_ms
-from kvstore.store.entries import DRAM, GPU, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
+from kvstore.store.entries import DRAM, GPU, OFFSET_SHIFT, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
 from kvstore.store.expiry import Expiry
 from kvstore.store.holds import ExtentHolds
@@ -97,6 +97,9 @@ class Engine:
         self.eviction.class_of = lambda entry: class_of(sizes[entry])
         self.entries.on_dram = self._placed
         self.holds = ExtentHolds(self.allocator, self.eviction, self.entries)   # reads in flight
+        # The offsets held (holds.is_held(offset) is ``offset in`` it): a SET's rewrite in place asks
+        # without a call.
+        self._held_offsets = self.holds._readers
         self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it
@@ -270,8 +273,8 @@ class Engine:
         alloc = self.allocator
         if size != old and alloc.chunk_size(size) != alloc.chunk_size(old):
             return False
-        offset = entries.dram_offset(entry)
-        if self.holds.is_held(offset):
+        offset = entries.offset_units[entry] << OFFSET_SHIFT     # entries.dram_offset, without a call
+        if offset in self._held_offsets:      # self.holds.is_held(offset)
             return False
         for listener in self.overwrite_listeners:
             listener(entries.keys[entry])
@@ -316,7 +319,9 @@ class Engine:
 
     def get_entry(self, key: bytes) -> int | None:
         """Lookup for a read: counts the hit or miss and refreshes recency."""
-        entry = self.lookup(key)
+        entry = self.index.get(key)
+        if entry is not None and self._deadlines and key in self._deadlines:
+            entry = self.lookup(key)        # a key with a TTL: lookup expires it if due
         if entry is None:
             self.stats.misses += 1
             return None
@@ -342,7 +347,7 @@ class Engine:
         entries = self.entries
         if entries.heap_copies and entry in entries.heap_copies:
             return memoryview(entries.heap_copies[entry])
-        offset = entries.dram_offset(entry)
+        offset = entries.offset_units[entry] << OFFSET_SHIFT     # entries.dram_offset, without a call
         return self.arena.view[offset:offset + entries.size[entry]]
 
     def value(self, entry: int) -> bytes:

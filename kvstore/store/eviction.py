@@ -143,10 +143,11 @@ class SampledLRU:
 
     def touch(self, entry: int) -> None:
         """Record an access: the entry becomes the most recently used."""
-        self._clock += 1
-        if self._clock == CLOCK_LIMIT:
+        clock = self._clock = self._clock + 1
+        if clock == CLOCK_LIMIT:
             self._halve_stamps()
-        self._stamp[entry] = self._clock
+            clock = self._clock
+        self._stamp[entry] = clock
 
     def _halve_stamps(self) -> None:
         """Stamps are 32-bit: before they wrap, halve them all (order is kept)."""
