@@ -99,7 +99,7 @@ class Engine:
         self.holds = ExtentHolds(self.allocator, self.eviction, self.entries)   # reads in flight
         # The offsets held (holds.is_held(offset) is ``offset in`` it): a SET's rewrite in place asks
         # without a call.
-        self._held_offsets = self.holds._readers
+        self._held_offsets = self.holds.readers
         self.moves = TierMoves(self.entries, self.holds.free)
         self.policy = policy
         self.limit = dram_size          # CONFIG SET maxmemory may lower it

@@ -27,7 +27,7 @@ class ExtentHolds:
         self.allocator = allocator
         self.policy = policy
         self.entries = entries
-        self._readers: dict[int, int] = {}      # held offset -> reads in flight
+        self.readers: dict[int, int] = {}       # held offset -> reads in flight (read directly on the SET path)
         self._entry: dict[int, int] = {}         # held offset -> the entry it counts as held in eviction
         self._doomed: dict[int, int] = {}       # held offset -> size, freed at the last release
 
@@ -40,7 +40,7 @@ class ExtentHolds:
         if entries.heap_copies and entry in entries.heap_copies:
             return None
         offset = entries.dram_offset(entry)
-        self._readers[offset] = self._readers.get(offset, 0) + 1
+        self.readers[offset] = self.readers.get(offset, 0) + 1
         self._entry[offset] = entry
         self.policy.hold(entry)
         return offset
@@ -52,21 +52,21 @@ class ExtentHolds:
         entry = self._entry.get(offset)
         if entry is not None:
             self.policy.release_hold(entry)
-        left = self._readers[offset] - 1
+        left = self.readers[offset] - 1
         if left:
-            self._readers[offset] = left
+            self.readers[offset] = left
             return
-        del self._readers[offset]
+        del self.readers[offset]
         self._entry.pop(offset, None)
         if offset in self._doomed:
             self.allocator.free(offset, self._doomed.pop(offset))
 
     def is_held(self, offset: int) -> bool:
-        return offset in self._readers
+        return offset in self.readers
 
     def free(self, offset: int, size: int) -> None:
         """Free an extent now, or when its last reader lets go."""
-        if offset in self._readers:
+        if offset in self.readers:
             self._doomed[offset] = size
         else:
             self.allocator.free(offset, size)
