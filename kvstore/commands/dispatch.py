@@ -307,10 +307,10 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
                 if plain is None or len(args) != plain[0] or failure is not None:
                     backlog.appendleft(request)     # not plain: the generic path takes it
                     return
-                cmd, handler = by_name[args[0]], plain[1]
-                name = cmd.name
+                _, handler, name = plain
+                cmd = None                  # looked up only where a step needs it
             try:
-                if tiers is not None and backlog is not None and _fetch_first(conn, cmd, args, has_extents):
+                if cmd is None and tiers is not None and _fetch_first(conn, by_name[args[0]], args, has_extents):
                     return      # counted when it runs, once its value is in DRAM
                 conn.last_command = name
                 stat = rows[name]
@@ -328,7 +328,7 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
                 if backlog is None:
                     threshold = server.slowlog.threshold_ns     # as it is after the command (CONFIG SET)
                 if elapsed >= threshold:
-                    _log_slow(conn, cmd, args, elapsed)
+                    _log_slow(conn, cmd or by_name[args[0]], args, elapsed)
                 if reply is not None:
                     conn.wbuf += reply
                 if tiers is not None and tiers.has_unacked():
@@ -336,7 +336,7 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
             except Exception as exc:
                 if backlog is None:
                     raise
-                settled = _failed(conn, cmd, args, exc, has_extents)
+                settled = _failed(conn, cmd or by_name[args[0]], args, exc, has_extents)
                 start = perf_counter_ns()       # the error's reply is not the next command's time
                 if not settled:
                     continue
@@ -456,6 +456,7 @@ def _unknown_command(args: list) -> str:
 
 
 # Requests `run_plain` takes, by their name as clients send it: (the only argument count, the
-# handler for that form: SET's plain form is `set_plain`, without SET's options).
-_PLAIN = {name: (argc, handler) for base, argc, handler in ((b"GET", 2, get), (b"SET", 3, set_plain))
+# handler for that form: SET's plain form is `set_plain`, without SET's options; the command's
+# name, its commandstats row).
+_PLAIN = {name: (argc, handler, base.decode().lower()) for base, argc, handler in ((b"GET", 2, get), (b"SET", 3, set_plain))
           for name in (base, base.lower())}
