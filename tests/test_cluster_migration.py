@@ -416,3 +416,26 @@ def test_a_moves_budget_is_a_dram_over_the_configured_nic_and_at_least_the_setti
     assert moves.budget == pytest.approx(1.5 * 64 * 1024 * 1024 / 12.5e6)
     config.cluster_move_budget = 0
     assert moves.budget == 0.0
+
+
+def test_pushed_values_keep_the_sources_order_of_heat_when_the_receiver_fills():
+    """A move pushes the hottest first; the receiver's LRU must then evict the last pushed
+    first, not the first (ImportStamps), and keep what is written during the step newest."""
+    from kvstore.cluster.migration import ImportStamps
+    engine = Engine(16 * 2**20, prefault=False)
+    try:
+        engine.put(b"before", b"b" * 2**20)
+        stamps = ImportStamps(engine.eviction)
+        pushed = [b"pushed-%02d" % i for i in range(12)]            # hottest first
+        for key in pushed:
+            engine.put(key, b"p" * 2**20)
+            stamps.stamp(7, engine.lookup(key))
+        engine.put(b"written", b"w" * 2**20)
+        for i in range(4):                                          # the receiver overflows
+            engine.put(b"later-%d" % i, b"l" * 2**20)
+        left = set(engine.index)
+        assert b"before" not in left and b"written" in left
+        kept = [key in left for key in pushed]
+        assert kept[0] and not kept[-1] and kept == sorted(kept, reverse=True)     # the last pushed went
+    finally:
+        engine.close()

@@ -70,6 +70,7 @@ DRAIN_POLL = 0.2
 MAP_WAIT = 2.0                      # how long a push waits for its target to apply the sender's map
 MOVE_MARGIN = 1.5                   # the NIC also carries reads, copies and other moves
 KV_IMPORT, KV_MIGRATED, KV_DRAIN = "KV.IMPORT", "KV.MIGRATED", "KV.DRAIN"
+IMPORT_SPAN = 1 << 22       # LRU stamps one step's pushed values take (Migrator.stamp_import)
 
 
 def move_seconds(least: float, dram_bytes: int, nic_bytes_per_s: float) -> float:
@@ -153,6 +154,30 @@ class ImportGuard:
             self._close(slot)
 
 
+class ImportStamps:
+    """The place in the LRU order of values pushed here by a move.
+
+    Sources push the hottest first, so arrival order is the reverse of recency: stored as
+    they arrive, the hottest would be the oldest here and go first when the newcomer's
+    DRAM fills. Each step's imports take the stamps below a point IMPORT_SPAN ahead of the
+    clock, one lower each: newer than whatever was here before the step, older than what
+    is written or read during it, and the first pushed the newest among them.
+    """
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.epoch = -1                 # the step (its map's epoch) being stamped
+        self.base = self.seq = 0
+
+    def stamp(self, epoch: int, entry: int) -> None:
+        policy = self.policy
+        if epoch != self.epoch or self.base > policy._clock:     # a new step, or the stamps were halved
+            self.epoch, self.seq = epoch, 0
+            self.base = policy.advance(IMPORT_SPAN)
+        self.seq += 1
+        policy.backdate(entry, max(1, self.base - self.seq))
+
+
 class Migrator:
     """This node's part in slot moves: source (push, drop, report), target (guarded imports), sweeps, drain."""
 
@@ -169,6 +194,7 @@ class Migrator:
         self.links = MovedLinks(engine, cluster, peers)
         self.stats = MoveStats()
         self._moving_epoch = 0
+        self.import_stamps = ImportStamps(engine.eviction)
         self._tasks = BackgroundTasks()
         self._sweeping = False
 
@@ -336,6 +362,9 @@ class Migrator:
     def accepts(self, key: bytes) -> bool:
         copies = self.cluster.copies
         return self.guard.accepts(key, self.engine, copies.held if copies is not None else ())
+
+    def stamp_import(self, epoch: int, entry: int) -> None:
+        self.import_stamps.stamp(epoch, entry)
 
     def count_import(self, keys: int, size: int) -> None:
         self.stats.imported_keys += keys

@@ -109,8 +109,9 @@ def kv_import(conn, args):
     cluster = _from_a_node(conn)
     if (len(args) - 2) % 3:
         raise CommandError(SYNTAX)
-    if parse_int(args[1]) > cluster.map.epoch:
-        raise CommandError(f"slot map epoch {int(args[1])} is not applied here yet", "TRYAGAIN")
+    epoch = parse_int(args[1])
+    if epoch > cluster.map.epoch:
+        raise CommandError(f"slot map epoch {epoch} is not applied here yet", "TRYAGAIN")
     moves = cluster.moves
     keys = size = 0
     with moves.storing():
@@ -118,6 +119,9 @@ def kv_import(conn, args):
             key, parent, value = args[i], args[i + 1], args[i + 2]
             if moves.accepts(key):
                 store(conn, key, value, parent or None)
+                entry = conn.engine.lookup(key)
+                if entry is not None:
+                    moves.stamp_import(epoch, entry)
                 keys += 1
                 size += _size(value)
     moves.count_import(keys, size)

@@ -149,6 +149,19 @@ class SampledLRU:
             clock = self._clock
         self._stamp[entry] = clock
 
+    def advance(self, ticks: int) -> int:
+        """Move the clock ``ticks`` ahead, leaving that many stamps below it for `backdate`; the
+        clock after."""
+        if self._clock + ticks >= CLOCK_LIMIT:
+            self._halve_stamps()
+        self._clock += ticks
+        return self._clock
+
+    def backdate(self, entry: int, stamp: int) -> None:
+        """Give ``entry`` the recency of stamp ``stamp`` (older than the clock): a value stored
+        for another node's reads, as recent as it was there, not as its arrival."""
+        self._stamp[entry] = min(stamp, self._clock)
+
     def _halve_stamps(self) -> None:
         """Stamps are 32-bit: before they wrap, halve them all (order is kept)."""
         stamps = np.frombuffer(self._stamp, dtype=np.uint32)
