@@ -276,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer values and operations")
     parser.add_argument("--only", default="burst,chain,mixed,tenants")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per server and scenario (medians printed)")
+    parser.add_argument("--repeat", type=int, help="runs per server and scenario, medians printed (3; --quick 1)")
     args = parser.parse_args(argv)
     settings = Settings(small=50_000, big=40, budget=16 * MIB, ops=1200) if args.quick else Settings()
+    repeat = args.repeat or (1 if args.quick else 3)
     print(describe_machine(machine_info()))
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     ok = True
@@ -286,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in args.only.split(","):
             names = ("redis", "kvstore", "kvstore+quotas") if scenario == "tenants" else ("redis", "kvstore")
             runs = {name: [] for name in names}
-            for _ in range(args.repeat):
+            for _ in range(repeat):
                 for name in names:
                     runs[name].append(run_one(name, scenario, settings, group))
             results = {name: median_result(got) for name, got in runs.items()}
             kv, rd = results["kvstore"], results["redis"]
             print(f"\n[{scenario}] budget {settings.budget // MIB} MiB, load average {os.getloadavg()[0]:.2f}, "
-                  f"medians of {args.repeat} runs")
+                  f"medians of {repeat} runs")
             for name, r in results.items():
                 print(f"  {name:14s} PING max {r.ping_max:8.2f} ms  p99 {r.ping_p99:7.2f} ms  ({r.pings} pings)  {r.extra}")
             print(f"  kvstore/redis  PING max {kv.ping_max / max(rd.ping_max, 1e-9):.2f}x  "
