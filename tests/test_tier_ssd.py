@@ -716,3 +716,68 @@ def test_the_idle_writer_reclaims(tmp_path, monkeypatch):
     finally:
         worker.close()
         tier.close()
+
+
+# ----------------------------------------------------------------- reads on the loop (read_cached)
+
+
+def segment_files(tier: SSDTier) -> list[str]:
+    directory = os.path.join(tier.path, SEGMENTS_DIR)
+    return [os.path.join(directory, name) for name in os.listdir(directory)]
+
+
+def drop_from_page_cache(tier: SSDTier) -> None:
+    for name in segment_files(tier):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_read_cached_serves_remembered_values_from_the_page_cache_and_follows_overwrites(tier):
+    tier.put(b"k", value_for(1))
+    assert tier.read_cached(b"k") == value_for(1)            # remembered when written
+    tier.put(b"k", value_for(2))
+    assert tier.read_cached(b"k") == value_for(2)            # the new record, never the old
+    tier.delete(b"k")
+    assert tier.read_cached(b"k") is None
+    assert tier.read_cached(b"never") is None
+
+
+def test_read_cached_never_waits_for_the_disk(tier):
+    tier.put(b"k", value_for(1))
+    drop_from_page_cache(tier)
+    assert tier.read_cached(b"k") is None                     # not cached: a reader thread's job
+    assert tier.get_many([b"k"]) == [value_for(1)]            # which brings it back in
+    assert tier.read_cached(b"k") == value_for(1)
+
+
+def test_read_cached_after_a_restart_remembers_what_a_reader_thread_read(tmp_path):
+    path = str(tmp_path / "ssd")
+    tier = SSDTier.open(path, GIB)
+    tier.put(b"k", value_for(1))
+    tier.close()
+    tier = SSDTier.open(path, GIB)
+    try:
+        assert tier.read_cached(b"k") is None
+        assert tier.get_many([b"k"]) == [value_for(1)]
+        assert tier.read_cached(b"k") == value_for(1)
+    finally:
+        tier.close()
+
+
+def test_read_cached_of_a_corrupted_payload_is_a_miss_never_wrong_bytes(tier):
+    tier.put(b"bad", value_for(2))
+    loc = Location.unpack(tier._recent[b"bad"])
+    name = os.path.join(tier.path, SEGMENTS_DIR, segment_name(loc.segment))
+    with open(name, "r+b") as f:                              # damage one byte while it is remembered
+        f.seek(loc.offset + 777)
+        byte = f.read(1)[0]
+        f.seek(loc.offset + 777)
+        f.write(bytes([byte ^ 0x40]))
+    assert tier.read_cached(b"bad") is None
+    with pytest.raises(CorruptValue):                         # the reader thread's read drops it
+        tier.get(b"bad")
+    assert tier.read_cached(b"bad") is None and tier.checksum_failures == 1

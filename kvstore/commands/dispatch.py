@@ -372,8 +372,13 @@ def _fetch_first(conn, cmd: Command, args: list, has_extents: bool) -> bool:
     pending = tiers.pending_fetch(cmd.reads(conn, args))
     if not pending:
         return False
+    into_arena = cmd.name in ARENA_READERS
+    fetched = tiers.fetch_now(pending, into_arena)
+    if fetched is not None:                     # all in the page cache: run it now
+        _run_fetched(conn, fetched, args, has_extents, len(pending))
+        return True
     ahead = [p for p in tiers.pending_fetch(_reads_ahead(conn)) if p not in pending]
-    conn.defer(tiers.fetch(pending + ahead, into_arena=cmd.name in ARENA_READERS),
+    conn.defer(tiers.fetch(pending + ahead, into_arena=into_arena),
                lambda fetched: _run_fetched(conn, fetched, args, has_extents, len(pending)))
     return True
 

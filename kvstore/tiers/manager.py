@@ -53,6 +53,7 @@ MAX_INFLIGHT_BYTES = 256 * 1024 * 1024    # demotion writes queued at once
 LOAD_CHUNK = 5000
 SSD_READERS = 4                           # RocksDB reads in flight (they release the GIL)
 WIRE_STAGING_BYTES = 64 * 1024 * 1024     # SSD values staged outside the arena for socket replies, node-wide
+LOOP_READ_BYTES = 4 * 1024 * 1024         # most bytes one command reads from the page cache on the loop
 ARENA_READERS = frozenset(name.lower() for name in (KV_LEASE, KV_LEASEGPU, KV_LEASELAYERS))  # Command.name
 
 
@@ -173,6 +174,27 @@ class TierManager:
         for (_, part), outcome in zip(reads, gathered[len(copies):]):
             results.update(zip(part, _spread(outcome, len(part))))
         return [(key, entry, dest, results[i]) for i, (key, entry, dest, _, _) in enumerate(jobs)]
+
+    def fetch_now(self, items: list[tuple[bytes, int]], into_arena: bool = True) -> list[tuple] | None:
+        """`fetch` without leaving the loop: SSD values for a socket reply whose bytes the page
+        cache holds (`SSDTier.read_cached`: a memcpy and the xxh3, no thread round trip, which
+        costs a GET more than the read). None when any of them needs the disk, a reader thread,
+        an arena extent or a promotion, or they are more than LOOP_READ_BYTES: then `fetch`."""
+        engine = self.engine
+        if into_arena or self.ssd is None:
+            return None
+        total = sum(engine.size_of(entry) for _, entry in items)
+        if total > LOOP_READ_BYTES or total > WIRE_STAGING_BYTES - engine.moves.heap_bytes - self._heap_reading:
+            return None
+        fetched = []
+        for key, entry in items:
+            if engine.tier_code(entry) != SSD or self._next_hit_is_hot(entry):
+                return None
+            value = self.ssd.read_cached(key)
+            if value is None:
+                return None
+            fetched.append((key, entry, None, value))
+        return fetched
 
     def _read_ssd(self, jobs: list[tuple], chosen: list[int]) -> list[tuple[asyncio.Future, list[int]]]:
         """Start reading the SSD jobs at positions ``chosen`` (all into buffers, or all with

@@ -116,17 +116,18 @@ def split_record(raw: bytes) -> tuple[Location, bytes]:
     return Location.unpack(raw), bytes(raw[LOCATION.size:])
 
 
-def read_into(fd: int, loc: Location, buffer) -> int | None:
+def read_into(fd: int, loc: Location, buffer, flags: int = 0) -> int | None:
     """Read ``loc``'s payload from an open segment into ``buffer``; None if short or bad.
 
     One ``preadv`` into the buffer (the GIL is released for the copy out of
-    the page cache) and an xxh3 over the buffer; nothing else is allocated.
+    the page cache; ``flags`` as preadv2's) and an xxh3 over the buffer;
+    nothing else is allocated.
     """
     view = memoryview(buffer).cast("B")
     if view.nbytes < loc.length:
         raise ValueError(f"buffer of {view.nbytes} bytes for a {loc.length}-byte value")
     dest = view[:loc.length]
-    got = os.preadv(fd, [dest], loc.offset) if loc.length else 0
+    got = os.preadv(fd, [dest], loc.offset, flags) if loc.length else 0
     if got != loc.length or checksum(dest) != loc.checksum:
         return None
     return loc.length
@@ -346,6 +347,17 @@ class SegmentStore:
         try:
             return read_into(fd, loc, buffer)
         except OSError:         # closed by a reclaim that just finished
+            return None
+
+    def read_cached(self, loc: Location, buffer) -> int | None:
+        """``read_at`` from the page cache alone (``RWF_NOWAIT``): None when any of the bytes
+        would have to come from the disk, so the event loop may call it."""
+        fd = self._fds.get(loc.segment)
+        if fd is None:
+            return None
+        try:
+            return read_into(fd, loc, buffer, os.RWF_NOWAIT)
+        except OSError:         # not cached (EAGAIN), a file system without RWF_NOWAIT, a closed segment
             return None
 
     def _corrupt(self, key: bytes, loc: Location) -> None:

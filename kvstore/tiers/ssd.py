@@ -65,6 +65,7 @@ META_CF = "meta"
 VALUE_CF = fp.SSD_VALUE_CF
 COMPRESSION_MODES = ("auto", "off")
 SEGMENTS_DIR = "segments"         # the payloads' value files, under the tier's directory
+RECENT_RECORDS = 65536            # index records remembered for reads on the loop (~100 bytes each)
 T = TypeVar("T")
 
 
@@ -103,6 +104,7 @@ class SSDTier:
         self._payload_reads = ReadOptions()
         self._payload_reads.set_verify_checksums(False)   # our xxh3 checks the same bytes
         self._lock = threading.Lock()
+        self._recent: dict[bytes, bytes] = {}   # key -> its index record, for reads on the loop
         try:
             self._store = SegmentStore(os.path.join(path, SEGMENTS_DIR), self._meta,
                                        sync=write_options.sync, write_index=self._write_records)
@@ -196,14 +198,50 @@ class SSDTier:
         return [header for _, header, _ in records]
 
     def _write_records(self, records: list[tuple[bytes, bytes | None]]) -> None:
-        """Write index records (None: delete) in one batch: the segment store's index writer."""
+        """Write index records (None: delete) in one batch: the segment store's index writer,
+        the one place records change, so it keeps `_recent` true (a record leaves it before
+        the write and comes back, the new one, after)."""
         def fill(batch: WriteBatch) -> None:
             for key, raw in records:
                 if raw is None:
                     batch.delete(key, self._meta_cf)
                 else:
                     batch.put(key, raw, self._meta_cf)
+        recent = self._recent
+        for key, _ in records:
+            recent.pop(key, None)
         self._write(fill, "write")
+        for key, raw in records:
+            if raw is not None:
+                self._remember(key, raw)
+
+    def _remember(self, key: bytes, raw: bytes) -> None:
+        recent = self._recent
+        if len(recent) >= RECENT_RECORDS:
+            recent.pop(next(iter(recent)), None)        # the oldest remembered
+        recent[key] = raw
+
+    def read_cached(self, key: bytes) -> bytearray | None:
+        """The value of ``key`` when its index record is remembered and its bytes are in the
+        page cache, read on the calling thread (one ``preadv`` that never waits for the disk,
+        and the xxh3): a read the event loop can make instead of a round trip through a
+        reader thread. None otherwise (then `get_many`).
+
+        Records are remembered when written and when read (`_read_many`), and forgotten
+        before any change, under the segment store's index lock; a record gone stale since
+        (its segment reclaimed) fails its read or its checksum and is a None here.
+        """
+        raw = self._recent.get(key)
+        if raw is None:
+            return None
+        try:
+            loc, header = _parse_record(raw)
+        except CorruptValue:
+            return None
+        if header.flags:
+            return None                 # compressed or shuffled: decoded on a reader thread
+        buffer = bytearray(loc.length)
+        return buffer if self._store.read_cached(loc, buffer) is not None else None
 
     def _encode(self, value, parent: bytes | None) -> tuple[RecordHeader, bytes]:
         header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle)
@@ -326,8 +364,14 @@ class SSDTier:
             headers = self._meta.get(keys)
         except Exception:   # RocksDB status text: let each key report its own
             headers = [b""] * len(keys)
-        return [None if raw is None else self._settle(self._read_with_header, key, raw, *finish)
-                for key, raw, finish in zip(keys, headers, finishers)]
+        out = [None if raw is None else self._settle(self._read_with_header, key, raw, *finish)
+               for key, raw, finish in zip(keys, headers, finishers)]
+        for key, raw, got in zip(keys, headers, out):
+            if raw and got is not None and not isinstance(got, BaseException) and key not in self._recent:
+                with self._store.quiet():       # no record changes meanwhile: remember it only if current
+                    if self._meta.get(key) == raw:
+                        self._remember(key, raw)
+        return out
 
     def _read_with_header(self, key: bytes, raw: bytes, finish: Callable[[RecordHeader, bytes], T],
                           out=None) -> T | None:
