@@ -18,6 +18,9 @@ processes on this shared host falls on both):
    Beside each, bytes per CPU-second (node and client together).
 2. GET latency of 1 MiB values that hit SSD and are promoted (``--promote-hits
    1``), next to the same GETs once the values are in DRAM: p50 per repeat.
+   Then (``wire-get``) redis-py GETs of 1 MiB values on SSD alone (promotion off), once
+   after a restart and once more (read on the loop from the page cache), against the
+   same GETs from DRAM on the same node. Target: ratio >= 0.8.
 3. DRAM-hit GETs on a node with an SSD tier vs one without (same arena size,
    every value in DRAM): 1 MiB GB/s and 4 KiB ops/s. Target: ratio >= 0.95.
 4. Warm restart with 100,000 values on SSD: values per second the daemon
@@ -53,7 +56,7 @@ import redis
 from client import KVClient
 from kvstore.tiers.ssd import SSDTier
 from loadtest import hit_ratio
-from loadtest.bench_ssd_raw import RAW, Store, value_pool
+from loadtest.bench_ssd_raw import RAW, Store, timed, value_pool
 from loadtest.procs import HOST, ProcessGroup, Server, free_port, wait_for_ping
 from loadtest.report import Table, Target, machine_info
 
@@ -393,6 +396,50 @@ def timed_get(client: RawClient, key: bytes) -> float:
     return time.perf_counter() - start
 
 
+# ------------------------------------------------------------------ 2b. redis-py GETs of values on SSD
+
+
+def wire_get_table(group: ProcessGroup, root: str, settings: Settings) -> Table:
+    """redis-py GETs of 1 MiB values on SSD alone (promotion off) next to the same GETs from DRAM
+    on the same node: once after a restart (a reader thread reads each), then again (the tier
+    remembers their records and the page cache holds their bytes: read on the loop)."""
+    table = Table("redis-py GET of 1 MiB values", "on SSD", "in DRAM")
+    first = table.row("GET 1 MiB, first read after a restart", "GET/s")
+    again = table.row("GET 1 MiB, on SSD in the page cache", "GET/s", Target(0.8))
+    pool = value_pool(MIB)
+    keys = [b"wire%08d" % i for i in range(settings.latency_values)]
+    for _ in range(settings.repeats):
+        path = tempfile.mkdtemp(prefix="bench-tiers-", dir=root)
+        node = start_node(group, "kvstore-wire", "--dram-size", mb_flag(4 * len(keys) * MIB), "--ssd-dir", path,
+                          "--ssd-write-policy", "write-through", "--promote-hits", "1000000")
+        try:
+            client = redis.Redis(HOST, node.port)
+            for i, key in enumerate(keys):
+                client.set(key, pool[i % len(pool)])
+            wait_for(lambda: info_field(node.port, b"ssd", b"ssd_records") == len(keys), 120)
+            client.close()
+            node = restart_node(group, node)
+            client = redis.Redis(HOST, node.port)
+            on_ssd = [[timed(lambda: client.get(key)) for key in keys] for _ in range(3)]
+            for i, key in enumerate(keys):
+                client.set(key, pool[i % len(pool)])        # home in DRAM again
+            in_dram = [timed(lambda: client.get(key)) for key in keys for _ in range(2)]
+            if info_field(node.port, b"ssd", b"ssd_promotions"):
+                raise RuntimeError("a value was promoted: the SSD reads would not all be SSD reads")
+            client.close()
+            dram_rate = 1 / statistics.median(in_dram)
+            first.add("on SSD", 1 / statistics.median(on_ssd[0]))
+            again.add("on SSD", 1 / statistics.median(on_ssd[1] + on_ssd[2]))
+            for row in (first, again):
+                row.add("in DRAM", dram_rate)
+        finally:
+            group.stop(node.process)
+            shutil.rmtree(path, ignore_errors=True)
+    table.notes.append(f"{len(keys)} values per repeat, one GET at a time over redis-py (TCP), --promote-hits "
+                       "1000000; DRAM: the same keys SET again, then read twice")
+    return table
+
+
 # ------------------------------------------------------------------ 3. DRAM hits with and without SSD
 
 
@@ -544,12 +591,13 @@ def hit_ratio_table(trace: Path, settings: Settings) -> Table:
 # ------------------------------------------------------------------ main
 
 
-TABLES = ("ssd", "latency", "dram-hit", "restart", "hit-ratio")
+TABLES = ("ssd", "latency", "wire-get", "dram-hit", "restart", "hit-ratio")
 
 
 def run(settings: Settings, root: str, trace: Path, only: list[str] | None = None) -> list[Table]:
     makers = {"ssd": lambda group: ssd_table(group, root, settings),
               "latency": lambda group: latency_table(group, root, settings),
+              "wire-get": lambda group: wire_get_table(group, root, settings),
               "dram-hit": lambda group: dram_hit_table(group, root, settings),
               "restart": lambda group: restart_table(group, root, settings),
               "hit-ratio": lambda group: hit_ratio_table(trace, settings)}
