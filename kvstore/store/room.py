@@ -68,6 +68,7 @@ import numpy as np
 from kvstore.store.entries import DRAM, OFFSET_SHIFT, OFFSET_UNIT, STAGED
 from kvstore.store.eviction import HELD_MARK, SOFT_MARK
 from kvstore.store.quotas import SHARED
+from kvstore.store.slabs import FREE
 
 COUNT_WEIGHT = 1e-6     # cost per value and per byte evicted: a tie-break between regions as cold
 BYTES_WEIGHT = 0.03      # cost per byte evicted, over the bytes needed: prefer windows partly free already
@@ -75,6 +76,7 @@ SOFT_PENALTY = 1.0      # a region holding a soft-pinned value ranks after every
 CROSS_PENALTY = 2.0     # ... one whose chain continues outside it, after both
 REGION_SAMPLES = 8      # random candidate regions priced per choice
 FREE_ANCHORS = 3        # free chunks (the largest) a big write's windows start or end at
+OWNERS_PER_PASS = 8192  # values priced in one numpy pass (about 0.4 ms), the slice checked between passes
 REBALANCE_EVERY = 32    # a class that kept its own values re-prices another page after this many
 BLOCKED_CHOICES = 64    # a region found uncleareable sits out this many choices
 SMALL = -1              # the job key of a page being cleared for small classes
@@ -117,6 +119,7 @@ class Job:
     todo: list[int]
     touched: int = 0            # the maker's call count when a write last went on with it
     stack: list[tuple[int, bytes]] = field(default_factory=list)
+    clear: int = 0              # its first page not yet seen free (those before stay free: it is fenced)
 
 
 class RoomMaker:
@@ -260,7 +263,7 @@ class RoomMaker:
         """The window cleared for a big write of ``size`` bytes, handed out, once it is free."""
         alloc, chunk = self.engine.allocator, self.engine.allocator.chunk_size(size)
         job = self.jobs.get(chunk)
-        if job is None or not alloc.window_free(job.offset, job.offset + job.span):
+        if job is None or not self._cleared(job):
             return None
         self._end(chunk)
         return alloc.take(job.offset, size, self.engine.limit)
@@ -277,12 +280,22 @@ class RoomMaker:
         any write), a free window its big write has not come back for (a write waiting for
         its turn comes back within a few calls), and any job no write has gone on with for
         a while."""
-        free, calls = self.engine.allocator.window_free, self.calls
+        calls = self.calls
         for key, job in list(self.jobs.items()):
             idle = calls - job.touched
-            if idle > STALE_CALLS or ((key == SMALL or idle > UNCLAIMED_CALLS)
-                                      and free(job.offset, job.offset + job.span)):
+            if idle > STALE_CALLS or ((key == SMALL or idle > UNCLAIMED_CALLS) and self._cleared(job)):
                 self._end(key)
+
+    def _cleared(self, job: Job) -> bool:
+        """Whether the job's region is all free pages; pages seen free are not looked at again,
+        so this costs O(1) an eviction, not a scan of the region."""
+        alloc = self.engine.allocator
+        page, end = job.clear, (job.offset + job.span) >> alloc.page_order
+        classes, owners = alloc.page_class, alloc.big_owner
+        while page < end and classes[page] < 0 and owners[page] == FREE:
+            page += 1
+        job.clear = page
+        return page == end
 
     def _tier_step(self, size: int, clean_only: bool) -> bool:
         """With a lower tier: clean copies go first, then wait for demotions, then evict
@@ -377,11 +390,32 @@ class RoomMaker:
                 del self._blocked[region]
             else:
                 self._blocked[region] = left
-        regions = [region for region in candidates if region >= 0 and region not in self._blocked
-                   and not any(region < hi and lo < region + span for lo, hi in alloc.fences)]
-        costs = self._prices(regions, span, oldest[0] if oldest is not None else 0, policy._clock)
-        priced = [(cost, rank.get(region, 3), region) for cost, region in zip(costs, regions) if cost is not None]
-        return min(priced)[2] if priced else None
+        regions = sorted((region for region in candidates if region >= 0 and region not in self._blocked
+                          and not any(region < hi and lo < region + span for lo, hi in alloc.fences)),
+                         key=lambda region: rank.get(region, 3))
+        floor, now, best = oldest[0] if oldest is not None else 0, policy._clock, None
+        for batch, groups in self._batches(regions, span):
+            if best is not None and self._over_budget():
+                break                               # pricing counts in the turn's slice too
+            for cost, region in zip(self._prices(batch, span, floor, now, groups), batch):
+                if cost is not None and (best is None or (cost, rank.get(region, 3), region) < best):
+                    best = (cost, rank.get(region, 3), region)
+        return None if best is None else best[2]
+
+    def _batches(self, regions: list[int], span: int):
+        """The regions in order, in batches of about OWNERS_PER_PASS values (one numpy pass
+        each), with each region's owners."""
+        batch, groups, owners = [], [], 0
+        for region in regions:
+            group = self.engine.allocator.region_owners(region, region + span)
+            batch.append(region)
+            groups.append(group)
+            owners += len(group)
+            if owners >= OWNERS_PER_PASS:
+                yield batch, groups
+                batch, groups, owners = [], [], 0
+        if batch:
+            yield batch, groups
 
     def _largest_free(self, count: int) -> list[tuple[int, int]]:
         """Up to ``count`` of the largest free buddy chunks of a page or more, as (lo, hi)."""
@@ -403,14 +437,15 @@ class RoomMaker:
     def _price(self, region: int, span: int, oldest: int, now: int) -> float | None:
         """What clearing the ``span`` bytes at ``region`` costs (module doc); None when they
         cannot be cleared now."""
-        return self._prices([region], span, oldest, now)[0]
+        return self._prices([region], span, oldest, now, [self.engine.allocator.region_owners(region, region + span)])[0]
 
-    def _prices(self, regions: list[int], span: int, oldest: int, now: int) -> list[float | None]:
-        """``_price`` of each region, in one pass over all their values: a choice prices a
-        dozen or more windows, and numpy's cost is per call, not per value."""
+    def _prices(self, regions: list[int], span: int, oldest: int, now: int,
+                groups: list[np.ndarray]) -> list[float | None]:
+        """``_price`` of each region (``groups``: their owners), in one pass over all their
+        values: a choice prices a dozen or more windows, and numpy's cost is per call, not
+        per value."""
         engine = self.engine
         policy, entries = engine.eviction, engine.entries
-        groups = [engine.allocator.region_owners(region, region + span) for region in regions]
         counts = np.array([len(group) for group in groups], dtype=np.int64)
         if not counts.sum():
             return [0.0] * len(regions)
@@ -459,7 +494,8 @@ class RoomMaker:
 
     def _start(self, key: int, region: int, span: int, cause: str) -> bool:
         owners = self.engine.allocator.region_owners(region, region + span)
-        job = self.jobs[key] = Job(region, span, owners[::-1].tolist(), self.calls)
+        job = self.jobs[key] = Job(region, span, owners[::-1].tolist(), self.calls,
+                                   clear=region >> self.engine.allocator.page_order)
         self.engine.allocator.fences.append((region, region + span))
         self.engine.stats.evict_regions += 1
         return self._work(key, job, cause)
@@ -476,7 +512,7 @@ class RoomMaker:
         engine = self.engine
         entries, policy = engine.entries, engine.eviction
         stack, end = job.stack, job.offset + job.span
-        if engine.allocator.window_free(job.offset, end):
+        if self._cleared(job):
             if key == SMALL:
                 self._end(key)
             return True                             # a big write's window waits for it (_take_window)
