@@ -16,7 +16,10 @@ import pytest
 import redis
 
 from client import KVClusterClient
+from kvstore.admin.config import Config
 from kvstore.cluster.cascade import DROPS_PER_TICK, KV_CASCADE, LINKS_PER_KEY, Cascade, now_us
+from kvstore.cluster.migration import Migrator
+from kvstore.cluster.moved_links import MovedLinks
 from kvstore.cluster.node import ClusterState
 from kvstore.cluster.peer import PeerError
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
@@ -237,6 +240,93 @@ def test_keys_this_node_does_not_serve_are_neither_dropped_nor_forwarded():
         engine.delete(theirs)                          # a copy going is no drop of the block
         await settle()
         assert links.sent == [] and cascade.stats.dropped == 0
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ while a slot move's step lasts
+
+
+def mover(me: str) -> tuple[Engine, Cascade, Links, Migrator | MovedLinks]:
+    """A node ``me`` with a cascade in a step map that moves A's half of the slots to B; B, the
+    target, runs a migrator (the guard of what it imports), A only what takes a value's links."""
+    engine = Engine(4 * MiB, prefault=False)
+    cluster = ClusterState(me, NODES[me])
+    cluster.apply(SlotMap.build(1, NODES, [A] * (SLOTS // 2) + [B] * (SLOTS // 2)))
+    links = Links()
+    if me == B:
+        moves = Migrator(engine, cluster, links, lambda: Config(cluster_move_budget=5), dict)
+        moves.attach()
+    else:
+        moves = MovedLinks(engine, cluster)
+    cascade = Cascade(engine, cluster, links)
+    cascade.attach()
+    cluster.apply(SlotMap.build(2, NODES, [A] * (SLOTS // 2) + [B] * (SLOTS // 2),
+                                {slot: (A, B) for slot in range(SLOTS // 2)}))
+    return engine, cascade, links, moves
+
+
+def test_a_source_drops_what_it_still_holds_of_a_slot_moving_away_but_a_value_leaving_cascades_nothing():
+    """A cascade once ignored the slots moving away: every block a source was told to drop during a
+    step moved to the target instead, after the block before it had gone."""
+    async def scenario():
+        engine, cascade, links, moves = mover(A)
+        held, child, moved = keys_of(A, b"h", 3)
+        engine.put(held, b"v")
+        assert cascade.receive(now_us(), [held]) == 1
+        await settle()
+        assert engine.lookup(held) is None and cascade.stats.dropped == 1
+        engine.put(moved, b"v")
+        engine.put(child, b"v", parent=moved)
+        assert moves.capture(moved, engine.lookup(moved)) == (child,)     # its links travel with it
+        engine.delete(moved)                                                      # as outgoing.take does
+        await settle()
+        assert engine.lookup(child) is not None and links.sent == [] and cascade.departing is None
+    asyncio.run(scenario())
+
+
+def test_a_target_drops_what_it_imported_and_takes_no_push_of_a_dropped_block_still_on_its_way():
+    async def scenario():
+        engine, cascade, links, moves = mover(B)
+        imported, child, on_the_way = keys_of(A, b"i", 3)
+        with moves.storing():                                   # as KV.IMPORT stores
+            engine.put(imported, b"v")
+            engine.put(child, b"v", parent=imported)
+        assert imported not in cascade.commits                  # a pushed value is no write here
+        assert moves.accepts(on_the_way)
+        assert cascade.receive(now_us() - 1_000_000, [imported, on_the_way]) == 2   # dropped a second ago
+        await settle()
+        assert engine.lookup(imported) is None and engine.lookup(child) is None    # its chain went too
+        assert not moves.accepts(on_the_way) and cascade.stats.dropped == 2
+    asyncio.run(scenario())
+
+
+def test_a_child_of_a_moving_slot_goes_to_both_ends_of_the_move():
+    async def scenario():
+        engine, cascade, links, moves = mover(B)
+        parent, child = keys_of(B, b"p", 1)[0], keys_of(A, b"c", 1)[0]   # the child's slot moves A -> B
+        engine.put(parent, b"v")
+        assert cascade.link(parent, child)
+        engine.delete(parent)
+        await settle()
+        assert [(addr, command[2:]) for addr, command in links.sent] == [(NODES[A], (child,))]
+        assert not moves.accepts(child)                         # B, the target, had it not: no push of it
+    asyncio.run(scenario())
+
+
+def test_a_link_pushed_after_its_parent_went_drops_the_child():
+    """The links of a pushed value follow its KV.IMPORT; a target that dropped the value between the
+    two drops the value's children instead of linking them to nothing."""
+    async def scenario():
+        engine, cascade, links, moves = mover(B)
+        parent, child, other = keys_of(A, b"p", 3)
+        with moves.storing():
+            engine.put(parent, b"v")
+            engine.put(child, b"v")
+        engine.delete(parent)                                   # evicted, say, before its links came
+        assert cascade.link_moved(parent, child) is False
+        assert cascade.link_moved(b"never-" + other, other) is False    # a parent never here links nothing
+        await settle()
+        assert engine.lookup(child) is None and engine.lookup(other) is None and cascade.stats.dropped == 1
     asyncio.run(scenario())
 
 

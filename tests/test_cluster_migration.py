@@ -23,6 +23,7 @@ from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.fake_etcd import FakeEtcd
 from kvstore.cluster.membership import InMemoryMembership
 from kvstore.cluster.migration import KV_IMPORT, Migrator
+from kvstore.cluster.moved_links import KV_IMPORTLINK
 from kvstore.cluster.node import MOVE_GRACE, ClusterState, new_node_id
 from kvstore.cluster.simclock import run_simulated
 from kvstore.cluster.slots import SLOTS, SlotMap, keyslot
@@ -181,20 +182,24 @@ def test_a_node_dying_during_a_step_ends_it_and_its_slots_are_reassigned():
 
 
 class ImportLinks:
-    """Peer links that record KV.IMPORT batches and store everything."""
+    """Peer links that record KV.IMPORT batches (and the chain links pushed with them) and store everything."""
 
     def __init__(self):
         self.batches: list[list[bytes]] = []
+        self.links: list[tuple[bytes, bytes]] = []
 
     def link(self, addr: str):
         links = self
 
         class Link:
-            async def call(self, command, epoch, *args):
-                assert command == KV_IMPORT
+            async def pipeline(self, commands):
+                (command, epoch, *args), *rest = commands
+                assert command == KV_IMPORT and all(c[0] == KV_IMPORTLINK for c in rest)
                 links.batches.append([bytes(a) for a in args])
+                for _, *pairs in rest:
+                    links.links += [(bytes(p), bytes(c)) for p, c in zip(pairs[0::2], pairs[1::2])]
                 values = args[2::3]
-                return [len(values), sum(len(v) for v in values)]
+                return [[len(values), sum(len(v) for v in values)], *(len(c) // 2 for c in rest)]
         return Link()
 
 

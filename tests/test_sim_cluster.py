@@ -42,6 +42,19 @@ def test_churn_on_a_small_cluster_moves_the_minimum_and_never_serves_a_slot_twic
     assert 0 < report.hits < report.blocks and report.requests > 100
 
 
+def test_chains_stay_prefixes_through_a_join_and_a_leave():
+    """While a move's step lasts, the values of its slots are on the source, on the wire or on the
+    target: the cascade acts at both ends, and the links go with the values. It once acted only for
+    the slots a node served, with the links after the step: 0.7-1.2 % of the latest chains were not
+    prefixes after this join, 2.3-3.7 % after this leave."""
+    settings = SimSettings(nodes=16, blocks_per_node=410, events=("join", "leave"))
+    report = simulate(settings)
+    for event in report.events:
+        assert event.moved_bytes > 0
+        assert (event.kind, event.not_prefix_before, event.not_prefix_after) == (event.kind, 0.0, 0.0)
+    assert report.double_owned == 0 and report.conflicts == 0
+
+
 def node(net: SimNetwork, node_id: str, owner: str):
     """A node holding map epoch 1 with the services a server runs, on ``net``."""
     cluster = ClusterState(node_id, ADDRS[node_id])

@@ -11,8 +11,9 @@ what can no longer be reached does.
 
 What goes. A final drop (the engine's ``final_drop_listeners``: evicted from
 its last tier, expired, deleted, dropped by a cascade; not a demotion, not a
-value replaced by a new one of its key) of a key this node owns is followed by
-the drop of
+value replaced by a new one of its key, not a value leaving with a slot move)
+of a key of a slot this node serves, is moving away, or is taking in (a slot
+move's step, migration.py) is followed by the drop of
 
 - its local descendants: its children through the engine's parent links (a
   cluster batch put links each block to its nearest ancestor on its node),
@@ -22,7 +23,10 @@ the drop of
   records each such link there with ``KV.LINK parent child ...``, pipelined
   in the batch that node receives anyway. On the parent's final drop they are
   sent, batched per owner, as ``KV.CASCADE drop-us key ...`` over the peer
-  links; the owner drops them and cascades on.
+  links; the owner drops them and cascades on. A child of a slot that the
+  map shows moving goes to both ends of the move: the source drops it if it
+  has not sent it yet, the target if it has it, and a target that has not
+  received it yet takes no push of it any more.
 
 Bounded work. Local drops wait in one queue, at most ``DROPS_PER_TICK`` taken
 per loop tick (clients are served in between), so a long chain or a FLUSHALL
@@ -47,8 +51,16 @@ milliseconds; a cascade that loses that race drops a fresh block and the
 rest of its chain after it, which costs misses, never a wrong value, and
 leaves the chain a prefix.
 
-Links travel with a slot move (moved_links.py), from the end of the move's
-step; what a dead node held cannot cascade (its links died with it).
+Slot moves. While a step lasts, a slot's values are on its source, on the
+wire, or on its target; both ends act for it (a source drops what it still
+holds, a target what it imported; a cascade once acted only for the slots a
+node served, and every value a target evicted during a step, or a source was
+told to drop, left the rest of its chain behind). Links travel with the moved
+values, in the same push (moved_links.py). An imported value counts as no
+write for the ordering question (it was written before it moved); a source
+whose copy was written after a drop keeps it, and the target, not knowing,
+may drop the pushed one: misses, never a wrong value. What a dead node held
+cannot cascade (its links died with it).
 """
 from __future__ import annotations
 
@@ -120,6 +132,7 @@ class Cascade:
         self.sending: set[str] = set()
         self.commits: OrderedDict[bytes, int] = OrderedDict()   # key -> commit time, recent ones
         self.stats = CascadeStats()
+        self.departing: bytes | None = None     # the key a slot move is taking out of the index now
         self._scheduled = False
         self._loop = asyncio.get_running_loop()
         self._tasks = BackgroundTasks()
@@ -155,10 +168,26 @@ class Cascade:
         self.children[key] = children
         return True
 
+    def link_moved(self, parent: bytes, child: bytes, drop_us: int | None = None) -> bool:
+        """A link that came with a slot move's push (KV.IMPORTLINK): recorded as `link` does; when
+        ``parent`` is not here because it went since its slot started coming in (evicted, dropped by
+        a cascade, deleted, refused: the import guard saw it go), ``child`` goes now instead, as
+        the parent's final drop would have sent it had the link come first."""
+        if self.link(parent, child):
+            return True
+        moves = self.cluster.moves
+        if moves is not None and self.engine.lookup(parent) is None and moves.went_since_import(parent):
+            self._send_later(bytes(child), now_us() if drop_us is None else drop_us)
+        return False
+
     # ------------------------------------------------------------ what the engine tells
 
     def _on_commit(self, key: bytes, entry: int = -1) -> None:
-        """Remember when ``key`` was written (a commit, or a rewrite in place, which commits nothing)."""
+        """Remember when ``key`` was written (a commit, or a rewrite in place, which commits nothing);
+        a value a slot move pushed here was written before, on its source: no write here."""
+        moves = self.cluster.moves
+        if moves is not None and moves.guard.storing:
+            return
         commits, now = self.commits, now_us()
         commits[key] = now
         commits.move_to_end(key)
@@ -169,8 +198,11 @@ class Cascade:
     def _on_final_drop(self, entry: int, key: bytes) -> None:
         remote = self.children.pop(key, ())
         self.link_count -= len(remote)
+        if key == self.departing:
+            self.departing = None
+            return              # a value leaving with a slot move: its links went with it (moved_links.py)
         if not self._serves(key):
-            return              # a copy of another node's block, or a value leaving with its entry
+            return              # a copy of another node's block, or a value of a slot no longer here
         at = now_us()
         engine = self.engine
         for child in engine.eviction.children_of(entry):
@@ -181,7 +213,8 @@ class Cascade:
     # ------------------------------------------------------------ cascades from other nodes (KV.CASCADE)
 
     def receive(self, drop_us: int, keys) -> int:
-        """Queue the drop of the keys this node serves (others are ignored: never forwarded)."""
+        """Queue the drop of the keys this node serves, moves away or takes in (others are ignored:
+        never forwarded)."""
         queued = 0
         for key in keys:
             if self._serves(key):
@@ -191,8 +224,9 @@ class Cascade:
     # ------------------------------------------------------------ dropping here
 
     def _serves(self, key: bytes) -> bool:
+        """Whether this node acts for ``key``'s slot: it serves it (moving away or not) or takes it in."""
         slot = keyslot(key)
-        return self.cluster.is_mine(slot) and self.cluster.migrating_to(slot) is None
+        return self.cluster.is_mine(slot) or self.cluster.importing_from(slot) is not None
 
     def _queue(self, key: bytes, drop_us: int) -> bool:
         if len(self.queue) >= QUEUE_MAX:
@@ -219,15 +253,27 @@ class Cascade:
     def _drop_here(self, key: bytes, drop_us: int) -> None:
         if self.commits.get(key, -1) > drop_us:
             self.stats.kept_fresh += 1          # written again after the drop that started this
-        elif self._serves(key) and self.engine.delete(key):
+        elif not self._serves(key):
+            return
+        elif self.engine.delete(key):
             self.stats.dropped += 1             # its final drop cascades on (the listener above)
+        elif self.cluster.moves is not None and self.cluster.importing_from(keyslot(key)) is not None:
+            self.cluster.moves.refuse(key)      # still on its way here: take no push of it
 
     # ------------------------------------------------------------ sending to other nodes
 
     def _send_later(self, key: bytes, drop_us: int) -> None:
-        owner = self.cluster.owner(keyslot(key))
+        """Have ``key``'s owner drop it, and the target too while the map shows its slot moving."""
+        slot = keyslot(key)
+        owner = self.cluster.owner(slot)
+        move = self.cluster.map.migrating.get(slot)
+        self._send_to(owner, key, drop_us)
+        if move is not None and move[1] != owner:
+            self._send_to(move[1], key, drop_us)
+
+    def _send_to(self, owner: str | None, key: bytes, drop_us: int) -> None:
         if owner == self.cluster.my_id:
-            self._queue(key, drop_us)           # the map moved the child here
+            self._queue(key, drop_us)           # ours, or the map moved the child here
             return
         addr = None if owner is None else self.cluster.addr_of(owner)
         if addr is None:

@@ -33,8 +33,10 @@ owner's copies push them to the slot's new owner for a while after the map
 gave it the slot.
 
 Chain links travel with the values (moved_links.py): a value's children, here
-and on other nodes, become links its new owner holds once the step is over,
-so the eviction cascade still keeps chains prefixes after a rebalance.
+and on other nodes, go in the push that carries it (KV.IMPORTLINK after its
+KV.IMPORT), so its new owner holds them while the slot is still coming in, and
+the eviction cascade, which acts for the slots moving in and out of a node
+(cascade.py), keeps chains prefixes through a rebalance.
 
 After a map is applied, a node removes the values of slots it no longer
 serves (a sweep in chunks, so the loop keeps serving): they would otherwise
@@ -191,7 +193,7 @@ class Migrator:
         self.nic_bytes_per_s = nic_bytes_per_s      # a simulation's modelled NIC; else the config's
         self.heat = heat                # recent reads per key: what moves first
         self.guard = ImportGuard()
-        self.links = MovedLinks(engine, cluster, peers)
+        self.links = MovedLinks(engine, cluster)
         self.stats = MoveStats()
         self._moving_epoch = 0
         self.import_stamps = ImportStamps(engine.eviction)
@@ -253,15 +255,6 @@ class Migrator:
         await outbox.flush()
         self._finish_move(epoch, moving, started, moved0, dropped0)
         await self._report(epoch)
-        await self._step_over(moving, started)
-        await self.links.deliver()
-
-    async def _step_over(self, moving: dict[int, str], started: float) -> None:
-        """Wait until the map no longer shows ``moving``'s slots moving from here (other sources of
-        the step may push for the rest of the budget; the leader ends it after that)."""
-        limit = started + self.budget + MOVE_GRACE + 2 * DRAIN_POLL + self.cluster.settle
-        while loop_time() < limit and any(self.cluster.migrating_to(slot) for slot in moving):
-            await asyncio.sleep(DRAIN_POLL / 4)
 
     def _still_moving(self, key: bytes, moving: dict[int, str]) -> bool:
         """Whether ``key``'s slot is one this move sends, to the target the map still names."""
@@ -286,19 +279,27 @@ class Migrator:
         self._dropped(len(batch) - keys, sum(item.size for item in batch) - stored)
 
     async def _send(self, target: str, batch: list[Taken]) -> tuple[int, int]:
-        """KV.IMPORT of taken values at ``target``, holds released after: (keys, bytes) it stored.
+        """KV.IMPORT of taken values at ``target``, then their chain links (KV.IMPORTLINK) in the same
+        pipeline, holds released after: (keys, bytes) it stored.
 
         A target that has not applied our map yet answers TRYAGAIN: we try
         again for a while (the watch brings it the map within milliseconds).
         """
         addr = self.cluster.addr_of(target) or self.cluster.nodes.get(target)
         args = [part for item in batch for part in (item.key, item.parent, item.view)]
+        links = self.links.commands(batch)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + MAP_WAIT
+        linked = False
         try:
             while addr is not None and batch:
                 try:
-                    keys, stored = await self.peers.link(addr).call(KV_IMPORT, self.cluster.map.epoch, *args)
+                    replies = await self.peers.link(addr).pipeline([(KV_IMPORT, self.cluster.map.epoch, *args),
+                                                                    *links])
+                    if isinstance(replies[0], PeerReplyError):
+                        raise replies[0]
+                    linked = not any(isinstance(reply, PeerReplyError) for reply in replies[1:])
+                    keys, stored = replies[0]
                     return keys, stored
                 except PeerReplyError as e:
                     if not str(e).startswith("TRYAGAIN") or loop.time() > deadline:
@@ -307,6 +308,7 @@ class Migrator:
         except (PeerError, PeerReplyError) as e:
             log.warning("Pushing %d values to %s failed: %s", len(batch), addr, e)
         finally:
+            self.links.done(batch, linked)
             for item in batch:
                 self.engine.holds.release(item.hold)
         return 0, 0
@@ -362,6 +364,17 @@ class Migrator:
     def accepts(self, key: bytes) -> bool:
         copies = self.cluster.copies
         return self.guard.accepts(key, self.engine, copies.held if copies is not None else ())
+
+    def refuse(self, key: bytes) -> None:
+        """Take no pushed value of ``key`` from now on: the cascade dropped it here (cascade.py), so a
+        push of it still on its way would come back without the block before it in its chain."""
+        self.guard.touch(key)
+
+    def went_since_import(self, key: bytes) -> bool:
+        """Whether ``key``, of a slot coming in (or that came in lately), was written, dropped or
+        deleted here since (the guard's record; a caller that finds it absent knows it went)."""
+        keys = self.guard.touched.get(keyslot(key))
+        return keys is not None and key in keys
 
     def stamp_import(self, epoch: int, entry: int) -> None:
         self.import_stamps.stamp(epoch, entry)

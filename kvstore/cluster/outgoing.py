@@ -37,6 +37,7 @@ class Taken(NamedTuple):
     view: memoryview
     hold: int | None                # the engine's hold token, released when the push is done
     size: int
+    children: tuple[bytes, ...] = ()    # its chain children, links its new owner holds (moved_links.py)
 
 
 def in_host_memory(engine, entry: int) -> bool:
@@ -44,18 +45,18 @@ def in_host_memory(engine, entry: int) -> bool:
     return engine.tier_code(entry) == DRAM or bool(engine.flags_of(entry) & STAGED)
 
 
-def take(engine, key: bytes, entry: int, capture: Callable[[bytes, int], None] | None = None) -> Taken:
+def take(engine, key: bytes, entry: int,
+         capture: Callable[[bytes, int], tuple[bytes, ...]] | None = None) -> Taken:
     """Take the value of ``key`` (in host memory at ``entry``) out of the index, held for sending;
-    ``capture(key, entry)`` first notes its chain links (moved_links.py)."""
-    if capture is not None:
-        capture(key, entry)
+    ``capture(key, entry)`` first returns its chain children, which travel with it (moved_links.py)."""
+    children = capture(key, entry) if capture is not None else ()
     parent_entry = engine.eviction.parent_of(entry)
     parent = engine.key_of(parent_entry) if parent_entry != NO_PARENT else b""
     hold = engine.holds.hold(entry)
     view = engine.view(entry)
     size = engine.size_of(entry)
     engine.delete(key)              # from now on the key is asked for at the target
-    return Taken(key, parent, view, hold, size)
+    return Taken(key, parent, view, hold, size, children)
 
 
 def full(count: int, size: int) -> bool:
@@ -66,10 +67,10 @@ def full(count: int, size: int) -> bool:
 class Gathered:
     """Values of a move gathered in the move's order, read into host memory together, taken in order."""
 
-    def __init__(self, engine, tiers, capture: Callable[[bytes, int], None] | None = None):
+    def __init__(self, engine, tiers, capture: Callable[[bytes, int], tuple[bytes, ...]] | None = None):
         self.engine = engine
         self.tiers = tiers          # the node's TierManager (None: DRAM only)
-        self.capture = capture      # notes a value's chain links as it is taken
+        self.capture = capture      # a value's chain children, as it is taken
         self.keys: list[bytes] = []
         self.size = 0
 

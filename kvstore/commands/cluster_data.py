@@ -15,6 +15,14 @@ through peer.py):
   whose map is at ``epoch``, stored only where no newer write was made
   here; ``parent`` is the chain parent or empty; replies ``[keys stored,
   bytes stored]``, or ``-TRYAGAIN`` while this node's map is older.
+- ``KV.IMPORTLINK parent child [parent child ...]``: right after a
+  KV.IMPORT, in its pipeline, the chain links of the values it pushed:
+  ``child`` follows ``parent``, so the cascade drops it when ``parent``
+  goes (kvstore/cluster/moved_links.py). Unlike KV.LINK, a client's, it is
+  not routed: the parents belong to slots still coming in. Replies how many
+  were recorded (a parent not stored here records nothing; one that went
+  here since its slot started coming in has its children dropped instead). At most
+  ``KV_LINK_MAX`` links a command and ``LINK_KEY_MAX`` bytes a child key.
 - ``KV.MIGRATED node-id epoch``: to the leader, ``node-id`` pushed what it
   could of the step map at ``epoch``.
 - ``KV.DRAIN node-id``: to the leader, move ``node-id``'s slots to the
@@ -32,14 +40,16 @@ it cheaply and spread its reads of those keys over the owner and the copies.
 """
 from __future__ import annotations
 
+from kvstore.cluster.cascade import LINK_KEY_MAX
 from kvstore.cluster.migration import KV_DRAIN, KV_IMPORT, KV_MIGRATED
+from kvstore.cluster.moved_links import KV_IMPORTLINK
 from kvstore.cluster.replication import KV_COPY, KV_RENEW, KV_UNCOPY
 from kvstore.commands.args import SYNTAX, parse_int, store
 from kvstore.commands.cluster import DISABLED
 from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
 from kvstore.store.arena import Extent
-from proto.wire import KV_HOTKEYS
+from proto.wire import KV_HOTKEYS, KV_LINK_MAX
 
 FAMILY = Family()
 
@@ -126,6 +136,22 @@ def kv_import(conn, args):
                 size += _size(value)
     moves.count_import(keys, size)
     return writer.array([writer.integer(keys), writer.integer(size)])
+
+
+@FAMILY.command(KV_IMPORTLINK, -3, "write fast", "cluster", "Records the chain links of values a slot move "
+         "pushed here (between nodes).", keys=(0, 0, 0))
+def kv_importlink(conn, args):
+    cascade = _from_a_node(conn).cascade
+    if cascade is None:
+        raise CommandError(DISABLED)
+    parents, children = args[1::2], args[2::2]
+    if len(parents) != len(children):
+        raise CommandError(SYNTAX)
+    if len(children) > KV_LINK_MAX:
+        raise CommandError(f"KV.IMPORTLINK takes at most {KV_LINK_MAX} links, got {len(children)}")
+    if any(len(child) > LINK_KEY_MAX for child in children):
+        raise CommandError(f"a linked child key is longer than {LINK_KEY_MAX} bytes")
+    return writer.integer(sum(cascade.link_moved(parent, child) for parent, child in zip(parents, children)))
 
 
 @FAMILY.command(KV_MIGRATED, 3, "admin fast", "cluster", "Tells the leader a node finished its part of a slot "
