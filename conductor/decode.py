@@ -139,6 +139,7 @@ class DecodeInstance(DecodeView):
         self.residents: dict[int, Resident] = {}
         # request -> (input length, when its KV is due): bound here, still in prefill
         self.inflight: dict[int, tuple[int, float]] = {}
+        self.inflight_tokens = 0        # their input lengths' sum (`bind`, `unbind`)
         self.recent = RecentAdmissions()
         self.fleet = fleet
         self.odds = FitOdds()
@@ -179,18 +180,23 @@ class DecodeInstance(DecodeView):
         The decode choice balances on this, so the requests admitted during
         one prefill's worth of time do not all pick the same idle instance.
         """
-        pending = sum(length for length, _ in self.inflight.values())
-        return DecodeLoad(self.batch + len(self.inflight), self.kv_tokens() + pending)
+        return DecodeLoad(self.batch + len(self.inflight), self.kv_tokens() + self.inflight_tokens)
 
     def bind(self, request: int, input_length: int, now_s: float, start_s: float,
              due_s: float) -> None:
         """A request admitted now whose prefill starts at ``start_s`` and whose KV is due
         here at ``due_s``."""
         self.inflight[request] = (input_length, due_s)
+        self.inflight_tokens += input_length
         self._binds += 1
         self.recent.record(now_s, due_s - start_s, input_length)
         if self.fleet is not None:
             self.fleet.record(now_s, due_s - start_s, input_length)
+
+    def unbind(self, request: int) -> None:
+        """A request bound here whose KV has arrived (or that will not come)."""
+        length, _ = self.inflight.pop(request)
+        self.inflight_tokens -= length
 
     def predicted_load(self, at_s: float, queues: Sequence[float] | None = None) -> DecodeLoad:
         """Load expected at ``at_s``, when a request admitted now would reach decode: what
@@ -288,20 +294,34 @@ class DecodeInstance(DecodeView):
         alive = survival.still_running(made[None, :], later)
         resident_batch = alive.sum(axis=1)
         resident_kv = (alive * (inputs[None, :] + later)).sum(axis=1)
-        gap = np.maximum(due_s[None, :] - due_s[:, None], 0.0) / self.step_s
-        still = survival.still_running(0, gap)            # [j, k]: j still decoding at k's due
-        grown = still * (tokens[:, None] + gap)
+        # One row per request taken, over the requests due after it only: the k-th's
+        # check reads what the ones taken before it add to its own column, and nothing
+        # reads a column once its check is made, so the rows of requests turned away
+        # and the columns before each row are never needed. (Building the whole
+        # [in flight x in flight] matrix of survivals made every arrival cost the square
+        # of the requests in flight: thousands behind a full prefill queue.) Each column
+        # sums the same terms in the same order as the matrix did.
         batch = np.zeros(due_s.size)
         kv = np.zeros(due_s.size)
         margin = np.zeros(due_s.size)
         taken = np.zeros(due_s.size, dtype=bool)
         out = self.outputs.mean
+        room = self.capacity_tokens
+        most = self.cost.decode_max_batch
+        step_s = self.step_s
+        # still decoding after n tokens: survival.still_running(0, n), its steps unrolled
+        # (due_s is sorted, so the gaps need no clamp at 0)
+        curve, last = survival.curve, survival.curve.size - 1
+        first = curve[0] if curve[0] > 0 else None
         for k in range(due_s.size):
-            margin[k] = self.capacity_tokens - (resident_kv[k] + kv[k] + tokens[k] + out)
-            if margin[k] >= 0 and resident_batch[k] + batch[k] + 1 <= self.cost.decode_max_batch:
+            margin[k] = m = room - (resident_kv[k] + kv[k] + tokens[k] + out)
+            if m >= 0 and resident_batch[k] + batch[k] + 1 <= most:
                 taken[k] = True
-                batch += still[k]
-                kv += grown[k]
+                if k + 1 < due_s.size and first is not None:
+                    gap = (due_s[k + 1:] - due_s[k]) / step_s
+                    still = curve[np.minimum(gap.astype(np.int64), last)] / first
+                    batch[k + 1:] += still
+                    kv[k + 1:] += still * (tokens[k] + gap)
         return due_s[taken], tokens[taken], margin[taken]
 
     def join(self, request: int, input_length: int, output_length: int, now_s: float) -> None:
@@ -363,7 +383,7 @@ class DecodeBoard:
         i = d.index
         self.batch[i] = d.batch
         self.bound[i] = len(d.inflight)
-        self.bound_kv[i] = sum(length for length, _ in d.inflight.values())
+        self.bound_kv[i] = d.inflight_tokens
         self.sum_input[i] = d._sum_input
         self.sum_start[i] = d._sum_start
         self.generated[i] = d.generated

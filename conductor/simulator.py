@@ -235,7 +235,7 @@ class Simulator:
     def _decode_join(self, rid: int, now: float) -> None:
         req, fl = self.trace[rid], self._inflight.pop(rid)
         decode = self.decodes[fl.decode]
-        del decode.inflight[rid]
+        decode.unbind(rid)
         decode.advance(now)
         taken = self.admission.at_decode(decode, req.input_length, self.outputs.mean)
         if taken:

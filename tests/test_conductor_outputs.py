@@ -3,6 +3,8 @@
 Cost model: a decode step of 10 ms whatever the batch, 10,000 tokens of
 decode memory and at most 2 sequences per batch.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,63 @@ def test_a_claim_displaces_the_backlog_behind_it_only_when_it_binds():
     assert d.claim(0.0, 0.5, 6000, 100.0) == pytest.approx(6100 / 4100)
     assert d.claim(0.0, 1.5, 5700, 100.0) == 0.0
     assert d.claim(0.0, 1.5, 5800, 100.0) == pytest.approx(5900 / 4100)
+
+
+def _check_order_by_matrix(d, made, inputs, survival):
+    """The decode check's order as first written: every pair of requests in flight at once."""
+    due = sorted((t, n) for n, t in d.inflight.values())
+    due_s = np.array([t for t, _ in due], dtype=float)
+    tokens = np.array([n for _, n in due], dtype=float)
+    later = made[None, :] + (np.maximum(due_s - d.clock_s, 0.0) / d.step_s)[:, None]
+    alive = survival.still_running(made[None, :], later)
+    resident_batch = alive.sum(axis=1)
+    resident_kv = (alive * (inputs[None, :] + later)).sum(axis=1)
+    gap = np.maximum(due_s[None, :] - due_s[:, None], 0.0) / d.step_s
+    still = survival.still_running(0, gap)
+    grown = still * (tokens[:, None] + gap)
+    batch, kv = np.zeros(due_s.size), np.zeros(due_s.size)
+    margin, taken = np.zeros(due_s.size), np.zeros(due_s.size, dtype=bool)
+    for k in range(due_s.size):
+        margin[k] = d.capacity_tokens - (resident_kv[k] + kv[k] + tokens[k] + d.outputs.mean)
+        if margin[k] >= 0 and resident_batch[k] + batch[k] + 1 <= d.cost.decode_max_batch:
+            taken[k] = True
+            batch += still[k]
+            kv += grown[k]
+    return due_s[taken], tokens[taken], margin[taken]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_check_order_is_the_pairwise_one_bit_for_bit(seed):
+    # Rows only for the requests taken, over the ones due after each: the same sums in the
+    # same order as the whole matrix, so replays make the same decisions.
+    rng = np.random.default_rng(seed)
+    cost = dataclasses.replace(CostModel.from_testbed(), decode_capacity_tokens=400_000)
+    outputs = OutputLengths()
+    for x in np.minimum(rng.lognormal(np.log(40), 0.7, 2000).astype(int) + 1, 2000):
+        outputs.observe(int(x))
+    d = DecodeInstance(0, cost, outputs)
+    for i in range(int(rng.integers(0, 256))):
+        d.join(10**6 + i, int(rng.integers(2000, 9000)), int(rng.integers(20, 400)), i * 0.01)
+    d.advance(3.0)
+    due = 3.0 + rng.uniform(0, 30, int(rng.integers(300, 900)))
+    due[::7] = due[0]                   # ties in due time
+    for i, t in enumerate(due):
+        d.bind(i, int(rng.integers(1000, 9000)), 3.0, 3.0, float(t))
+    made = np.array([d.generated - r.start_count for r in d.residents.values()])
+    inputs = np.array([r.input_length for r in d.residents.values()], dtype=float)
+    survival = outputs.survival(made)
+    got = d._decode_check_order(made, inputs, survival)
+    want = _check_order_by_matrix(d, made, inputs, survival)
+    assert 0 < got[0].size < due.size       # the backlog does not all fit
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)
+
+
+def test_committed_load_follows_bind_and_unbind():
+    d = DecodeInstance(0, COST, OutputLengths())
+    d.bind(1, 300, 0.0, 0.0, 1.0)
+    d.bind(2, 500, 0.0, 0.0, 2.0)
+    assert d.committed_load() == DecodeLoad(2, 800)
+    d.unbind(1)
+    assert d.committed_load() == DecodeLoad(1, 500)
+    assert d.inflight == {2: (500, 2.0)}
