@@ -47,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -362,15 +363,7 @@ def latency_table(group: ProcessGroup, root: str, settings: Settings) -> Table:
     pool = value_pool(MIB)
     keys = [b"lat%08d" % i for i in range(settings.latency_values)]
     for _ in range(settings.repeats):
-        path = tempfile.mkdtemp(prefix="bench-tiers-", dir=root)
-        node = start_node(group, "kvstore-latency", "--dram-size", mb_flag(4 * len(keys) * MIB), "--ssd-dir", path,
-                          "--ssd-write-policy", "write-through", "--promote-hits", "1")
-        try:
-            client = RawClient(node.port)
-            client.set_many(keys, pool, settings.in_flight)
-            wait_for(lambda: info_field(node.port, b"ssd", b"ssd_records") == len(keys), 120)
-            client.close()
-            node = restart_node(group, node)
+        with values_on_ssd(group, root, keys, pool, settings, promote_hits=1) as node:
             client = RawClient(node.port)
             for column in ("SSD hit, promoted", "DRAM hit"):
                 samples = [timed_get(client, key) for key in keys]
@@ -379,15 +372,32 @@ def latency_table(group: ProcessGroup, root: str, settings: Settings) -> Table:
             if info_field(node.port, b"ssd", b"ssd_promotions") != len(keys):
                 raise RuntimeError("not every SSD hit was promoted")
             client.close()
-        finally:
-            group.stop(node.process)
-            shutil.rmtree(path, ignore_errors=True)
     for column in ("SSD hit, promoted", "DRAM hit"):
         p90 = statistics.median(v for c, v in spread if c == column)
         table.notes.append(f"{column}: p90 {p90:.2f} ms")
     table.notes.append(f"{settings.latency_values} values per repeat, one GET at a time, after a restart "
                        "(every value on SSD only, --promote-hits 1); then the same GETs from DRAM")
     return table
+
+
+@contextmanager
+def values_on_ssd(group: ProcessGroup, root: str, keys: list[bytes], pool: list[bytes], settings: Settings,
+                  promote_hits: int):
+    """A write-through node whose ``keys`` (values from ``pool``) are on SSD alone: written,
+    recorded on SSD, the node restarted; stopped and its directory removed afterwards."""
+    path = tempfile.mkdtemp(prefix="bench-tiers-", dir=root)
+    node = start_node(group, "kvstore-on-ssd", "--dram-size", mb_flag(4 * len(keys) * MIB), "--ssd-dir", path,
+                      "--ssd-write-policy", "write-through", "--promote-hits", str(promote_hits))
+    try:
+        client = RawClient(node.port)
+        client.set_many(keys, pool, settings.in_flight)
+        wait_for(lambda: info_field(node.port, b"ssd", b"ssd_records") == len(keys), 120)
+        client.close()
+        node = restart_node(group, node)
+        yield node
+    finally:
+        group.stop(node.process)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def timed_get(client: RawClient, key: bytes) -> float:
@@ -409,16 +419,7 @@ def wire_get_table(group: ProcessGroup, root: str, settings: Settings) -> Table:
     pool = value_pool(MIB)
     keys = [b"wire%08d" % i for i in range(settings.latency_values)]
     for _ in range(settings.repeats):
-        path = tempfile.mkdtemp(prefix="bench-tiers-", dir=root)
-        node = start_node(group, "kvstore-wire", "--dram-size", mb_flag(4 * len(keys) * MIB), "--ssd-dir", path,
-                          "--ssd-write-policy", "write-through", "--promote-hits", "1000000")
-        try:
-            client = redis.Redis(HOST, node.port)
-            for i, key in enumerate(keys):
-                client.set(key, pool[i % len(pool)])
-            wait_for(lambda: info_field(node.port, b"ssd", b"ssd_records") == len(keys), 120)
-            client.close()
-            node = restart_node(group, node)
+        with values_on_ssd(group, root, keys, pool, settings, promote_hits=1_000_000) as node:
             client = redis.Redis(HOST, node.port)
             on_ssd = [[timed(lambda: client.get(key)) for key in keys] for _ in range(3)]
             for i, key in enumerate(keys):
@@ -432,9 +433,6 @@ def wire_get_table(group: ProcessGroup, root: str, settings: Settings) -> Table:
             again.add("on SSD", 1 / statistics.median(on_ssd[1] + on_ssd[2]))
             for row in (first, again):
                 row.add("in DRAM", dram_rate)
-        finally:
-            group.stop(node.process)
-            shutil.rmtree(path, ignore_errors=True)
     table.notes.append(f"{len(keys)} values per repeat, one GET at a time over redis-py (TCP), --promote-hits "
                        "1000000; DRAM: the same keys SET again, then read twice")
     return table

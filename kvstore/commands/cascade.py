@@ -22,13 +22,13 @@ there.
 from __future__ import annotations
 
 from kvstore.admin import acl
-from kvstore.cluster.cascade import CASCADE_MAX, KV_CASCADE, LINK_KEY_MAX
-from kvstore.commands.args import SYNTAX, parse_int
+from kvstore.cluster.cascade import CASCADE_MAX, KV_CASCADE
+from kvstore.commands.args import parse_int
 from kvstore.commands.cluster import DISABLED
-from kvstore.commands.cluster_data import _from_a_node
+from kvstore.commands.cluster_data import _from_a_node, links_of
 from kvstore.commands.table import CommandError, Family
 from kvstore.net.protocol import writer
-from proto.wire import KV_LINK, KV_LINK_MAX
+from proto.wire import KV_LINK
 
 FAMILY = Family()
 
@@ -43,16 +43,10 @@ def _cascade(cluster):
          "in their chains, so they are dropped when these go.", keys=(1, -1, 2), spans_slots=True)
 def kv_link(conn, args):
     cascade = _cascade(conn.server.cluster)
-    parents, children = args[1::2], args[2::2]
-    if len(parents) != len(children):
-        raise CommandError(SYNTAX)
-    if len(children) > KV_LINK_MAX:
-        raise CommandError(f"KV.LINK takes at most {KV_LINK_MAX} links, got {len(children)}")
-    if any(len(child) > LINK_KEY_MAX for child in children):
-        raise CommandError(f"a linked child key is longer than {LINK_KEY_MAX} bytes")
-    if not all(conn.user.may_access(child, acl.WRITE) for child in children):
+    links = links_of(KV_LINK, args)
+    if not all(conn.user.may_access(child, acl.WRITE) for _, child in links):
         raise CommandError(acl.NOPERM_KEY, "NOPERM")
-    return writer.integer(sum(cascade.link(parent, child) for parent, child in zip(parents, children)))
+    return writer.integer(sum(cascade.link(parent, child) for parent, child in links))
 
 
 @FAMILY.command(KV_CASCADE, -3, "write fast", "cluster", "Drops blocks whose chain predecessor another node dropped "

@@ -144,14 +144,20 @@ def kv_importlink(conn, args):
     cascade = _from_a_node(conn).cascade
     if cascade is None:
         raise CommandError(DISABLED)
+    return writer.integer(sum(cascade.link_moved(parent, child) for parent, child in links_of(KV_IMPORTLINK, args)))
+
+
+def links_of(name: str, args: list) -> list[tuple[bytes, bytes]]:
+    """The (parent, child) pairs a KV.LINK or KV.IMPORTLINK carries, checked: whole pairs,
+    at most KV_LINK_MAX of them, child keys of at most LINK_KEY_MAX bytes."""
     parents, children = args[1::2], args[2::2]
     if len(parents) != len(children):
         raise CommandError(SYNTAX)
     if len(children) > KV_LINK_MAX:
-        raise CommandError(f"KV.IMPORTLINK takes at most {KV_LINK_MAX} links, got {len(children)}")
+        raise CommandError(f"{name} takes at most {KV_LINK_MAX} links, got {len(children)}")
     if any(len(child) > LINK_KEY_MAX for child in children):
         raise CommandError(f"a linked child key is longer than {LINK_KEY_MAX} bytes")
-    return writer.integer(sum(cascade.link_moved(parent, child) for parent, child in zip(parents, children)))
+    return list(zip(parents, children))
 
 
 @FAMILY.command(KV_MIGRATED, 3, "admin fast", "cluster", "Tells the leader a node finished its part of a slot "
