@@ -150,3 +150,32 @@ def test_a_socket_read_that_makes_a_value_hot_gives_it_a_home_in_the_arena(node)
     slot = engine.lookup(b"hot")
     assert engine.tier_code(slot) == DRAM and engine.value(slot) == value_of(b"hot")
     assert tiers.stats[tiering.SSD].promotions == 1
+
+
+def test_a_socket_read_of_cached_values_is_made_on_the_loop_into_extents(node):
+    """fetch_now: the tier remembers the records it wrote and the page cache holds the bytes,
+    so the values are read without a reader thread, into DRAM extents, byte for byte."""
+    engine, tiers, tier = node
+    keys = [b"block-%d" % i for i in range(4)]
+    store_on_ssd(engine, tier, keys)
+    calls = count_reads(tiers)
+    used = engine.allocator.used
+    fetched = tiers.fetch_now(tiers.pending_fetch(keys), into_arena=False)
+    assert fetched is not None and calls == []
+    staged = tiers.install(fetched)
+    assert engine.allocator.used == used + 4 * SIZE and not engine.entries.heap_copies
+    assert [engine.value(engine.lookup(key)) for key in keys] == [value_of(key) for key in keys]
+    tiers.unstage(staged)
+    assert engine.allocator.used == used and all(engine.tier_code(engine.lookup(key)) != DRAM for key in keys)
+
+
+def test_fetch_now_leaves_to_the_reader_threads_what_it_cannot_read_at_once(node):
+    engine, tiers, tier = node
+    store_on_ssd(engine, tier, [b"known", b"forgotten"])
+    tier._recent.pop(b"forgotten")                      # a record not remembered (as after a restart)
+    used = engine.allocator.used
+    assert tiers.fetch_now(tiers.pending_fetch([b"known", b"forgotten"]), into_arena=False) is None
+    assert engine.allocator.used == used                # the extent reserved for the first went back
+    assert tiers.fetch_now(tiers.pending_fetch([b"known"]), into_arena=True) is None      # a lease: the arena's
+    tiers.cfg.promote_hits = 1                          # a read that would make it hot: promotion's path
+    assert tiers.fetch_now(tiers.pending_fetch([b"known"]), into_arena=False) is None

@@ -178,23 +178,38 @@ class TierManager:
     def fetch_now(self, items: list[tuple[bytes, int]], into_arena: bool = True) -> list[tuple] | None:
         """`fetch` without leaving the loop: SSD values for a socket reply whose bytes the page
         cache holds (`SSDTier.read_cached`: a memcpy and the xxh3, no thread round trip, which
-        costs a GET more than the read). None when any of them needs the disk, a reader thread,
-        an arena extent or a promotion, or they are more than LOOP_READ_BYTES: then `fetch`."""
+        costs a GET more than the read), each into a DRAM extent (pre-faulted, sent from there
+        as `fetch` sends a staged value) or, when DRAM has no clean room, a new buffer. None
+        when any of them needs the disk, a reader thread or a promotion, or they are more
+        than LOOP_READ_BYTES: then `fetch`."""
         engine = self.engine
-        if into_arena or self.ssd is None:
-            return None
-        total = sum(engine.size_of(entry) for _, entry in items)
-        if total > LOOP_READ_BYTES or total > WIRE_STAGING_BYTES - engine.moves.heap_bytes - self._heap_reading:
+        if into_arena or self.ssd is None or sum(engine.size_of(entry) for _, entry in items) > LOOP_READ_BYTES:
             return None
         fetched = []
         for key, entry in items:
-            if engine.tier_code(entry) != SSD or self._next_hit_is_hot(entry):
+            got = None
+            if engine.tier_code(entry) == SSD and not self._next_hit_is_hot(entry):
+                got = self._read_now(key, engine.size_of(entry))
+            if got is None:
+                for _, _, dest, _ in fetched:
+                    if not isinstance(dest, bytearray):
+                        engine.release(dest)
                 return None
-            value = self.ssd.read_cached(key)
-            if value is None:
-                return None
-            fetched.append((key, entry, None, value))
+            fetched.append((key, entry, *got))
         return fetched
+
+    def _read_now(self, key: bytes, size: int) -> tuple | None:
+        """(destination, result) of a read from the page cache, as `fetch` gives them; None."""
+        try:
+            dest = self.engine.reserve(size, clean_only=True)
+        except OutOfMemory:             # no clean room: a buffer of its own, staged on the heap
+            value = self.ssd.read_cached(key)
+            return None if value is None else (value, value)
+        got = self.ssd.read_cached(key, dest.view)
+        if got is None:
+            self.engine.release(dest)
+            return None
+        return dest, got
 
     def _read_ssd(self, jobs: list[tuple], chosen: list[int]) -> list[tuple[asyncio.Future, list[int]]]:
         """Start reading the SSD jobs at positions ``chosen`` (all into buffers, or all with

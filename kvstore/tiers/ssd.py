@@ -221,11 +221,12 @@ class SSDTier:
             recent.pop(next(iter(recent)), None)        # the oldest remembered
         recent[key] = raw
 
-    def read_cached(self, key: bytes) -> bytearray | None:
+    def read_cached(self, key: bytes, buffer=None):
         """The value of ``key`` when its index record is remembered and its bytes are in the
         page cache, read on the calling thread (one ``preadv`` that never waits for the disk,
-        and the xxh3): a read the event loop can make instead of a round trip through a
-        reader thread. None otherwise (then `get_many`).
+        and the xxh3) into ``buffer`` (its length returned) or a new bytearray (returned): a
+        read the event loop can make instead of a round trip through a reader thread. None
+        otherwise (then `get_many` or `get_many_into`).
 
         Records are remembered when written and when read (`_read_many`), and forgotten
         before any change, under the segment store's index lock; a record gone stale since
@@ -240,6 +241,8 @@ class SSDTier:
             return None
         if header.flags:
             return None                 # compressed or shuffled: decoded on a reader thread
+        if buffer is not None:
+            return self._store.read_cached(loc, buffer)
         buffer = bytearray(loc.length)
         return buffer if self._store.read_cached(loc, buffer) is not None else None
 
