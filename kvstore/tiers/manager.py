@@ -200,14 +200,17 @@ class TierManager:
 
     def _read_now(self, key: bytes, size: int) -> tuple | None:
         """(destination, result) of a read from the page cache, as `fetch` gives them; None."""
+        engine = self.engine
         try:
-            dest = self.engine.reserve(size, clean_only=True)
-        except OutOfMemory:             # no clean room: a buffer of its own, staged on the heap
+            dest = engine.reserve(size, clean_only=True)
+        except OutOfMemory:             # no clean room: a buffer of its own, staged on the heap, within its bound
+            if size > WIRE_STAGING_BYTES - engine.moves.heap_bytes - self._heap_reading:
+                return None
             value = self.ssd.read_cached(key)
             return None if value is None else (value, value)
         got = self.ssd.read_cached(key, dest.view)
         if got is None:
-            self.engine.release(dest)
+            engine.release(dest)
             return None
         return dest, got
 
