@@ -105,6 +105,7 @@ class SSDTier:
         self._payload_reads.set_verify_checksums(False)   # our xxh3 checks the same bytes
         self._lock = threading.Lock()
         self._recent: dict[bytes, bytes] = {}   # key -> its index record, for reads on the loop
+        self._written: set[bytes] | None = set()    # keys written while the opening scan runs
         try:
             self._store = SegmentStore(os.path.join(path, SEGMENTS_DIR), self._meta,
                                        sync=write_options.sync, write_index=self._write_records)
@@ -207,8 +208,10 @@ class SSDTier:
                     batch.delete(key, self._meta_cf)
                 else:
                     batch.put(key, raw, self._meta_cf)
-        recent = self._recent
+        recent, written = self._recent, self._written
         for key, _ in records:
+            if written is not None:
+                written.add(key)        # before the pop: the opening scan re-checks it after remembering
             recent.pop(key, None)
         self._write(fill, "write")
         for key, raw in records:
@@ -228,7 +231,7 @@ class SSDTier:
         read the event loop can make instead of a round trip through a reader thread. None
         otherwise (then `get_many` or `get_many_into`).
 
-        Records are remembered when written and when read (`_read_many`), and forgotten
+        Records are remembered at open, when written and when read (`_read_many`), and forgotten
         before any change, under the segment store's index lock; a record gone stale since
         (its segment reclaimed) fails its read or its checksum and is a None here.
         """
@@ -448,10 +451,14 @@ class SSDTier:
 
         Runs once, on its own thread, over the view RocksDB kept when the
         iterator was made: puts and deletes since open were counted against
-        the headers they replaced, so nothing is missed or counted twice.
+        the headers they replaced, so nothing is missed or counted twice. It
+        also remembers the first RECENT_RECORDS records for reads on the loop
+        (`read_cached`), so a value whose bytes are still in the page cache
+        after a restart is read there from its first GET.
         """
         stored = value_bytes = count = 0
         damaged = []
+        recent, written = self._recent, self._written
         for key, raw in view:
             if self._closing:
                 return
@@ -459,6 +466,10 @@ class SSDTier:
             if header is None:
                 damaged.append(key)
                 continue
+            if len(recent) < RECENT_RECORDS:
+                recent[key] = raw       # the view may be older than a write since open: that write
+                if key in written:      # marked the key before it touched `_recent`, so checking
+                    recent.pop(key, None)   # after remembering never keeps a stale record
             stored += header.disk_bytes
             value_bytes += header.value_size
             count += 1
@@ -473,6 +484,7 @@ class SSDTier:
                 if raw is not None and _parse_header(raw) is None:   # not rewritten since open
                     self._delete_entries(key)
                     self.checksum_failures += 1
+        self._written = None
         self.accounted.set()
 
     # -- lifetime ------------------------------------------------------------
