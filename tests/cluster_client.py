@@ -1,12 +1,15 @@
 """A minimal cluster reader for tests, on plain redis-py connections (one per node).
 
 It follows MOVED (remembering the slot's owner) and ASK (ASKING then the
-command, once) as a cluster-aware client does, and reads hot-block copies on
+command, once; a MOVED answer to that is followed too) as a cluster-aware
+client does, up to redis-py's 16 redirections, and reads hot-block copies on
 READONLY connections, so tests check the store's answers rather than a
 client library's handling of them (redis-py's RedisCluster fails on an ASK to
 a node it has not discovered yet).
 """
 from __future__ import annotations
+
+import time
 
 import redis
 from redis.backoff import NoBackoff
@@ -14,7 +17,10 @@ from redis.retry import Retry
 
 from kvstore.cluster.slots import keyslot
 
-HOPS = 5
+HOPS = 16               # redirections one request follows: redis-py's RedisCluster.RedisClusterRequestTTL
+PATIENT_AFTER = HOPS // 2   # ... after which it waits HOP_WAIT_S between hops: two nodes a map apart
+HOP_WAIT_S = 0.05           # (one still on the step map, one on the final) send a key back and forth
+                            # until the late one's watch delivers the map, as redis-py waits on TRYAGAIN
 
 
 def connect(addr: str, readonly: bool = False, timeout: float = 5.0) -> redis.Redis:
@@ -52,7 +58,9 @@ class SlotReader:
         """The value of ``key``, asked first at ``addr`` (default: the slot's known owner)."""
         slot = keyslot(key)
         addr = addr or self.owners.get(slot, self.start)
-        for _ in range(HOPS):
+        for hop in range(HOPS):
+            if hop >= PATIENT_AFTER:
+                time.sleep(HOP_WAIT_S)
             try:
                 return self.conn(addr, readonly).get(key)
             except redis.exceptions.MovedError as e:
@@ -62,5 +70,9 @@ class SlotReader:
                 pipe = self.conn("%s:%s" % e.node_addr).pipeline(transaction=False)
                 pipe.execute_command("ASKING")
                 pipe.get(key)
-                return pipe.execute()[1]
+                try:
+                    return pipe.execute()[1]
+                except redis.exceptions.MovedError as moved:    # the target has a newer map: follow it
+                    addr = self.owners[slot] = "%s:%s" % moved.node_addr
+                    readonly = False
         raise AssertionError(f"more than {HOPS} redirections for {key!r}")
