@@ -758,7 +758,6 @@ def test_read_cached_after_a_restart_serves_the_records_the_opening_scan_remembe
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, GIB)
     tier.put(b"k", value_for(1))
-    tier.put(b"gone", value_for(3))
     tier.close()
     tier = SSDTier.open(path, GIB)
     try:
