@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import pytest
 import redis
@@ -41,7 +40,7 @@ def test_lease_of_a_value_staged_on_the_heap_is_refused_and_holds_nothing(kvstor
         answer = replies[60:-len(b"+PONG\r\n")]
         assert answer.startswith(b"-NOTINARENA "), answer[:200]
         assert b"internal error" not in replies
-        time.sleep(0.1)
+        wait_until(lambda: client.info("clients")["connected_clients"] == 1, what="the raw connection to close")
     stats = client.execute_command("KV.LEASES")
     if isinstance(stats, list):
         stats = dict(zip(stats[::2], stats[1::2]))

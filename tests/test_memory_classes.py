@@ -251,7 +251,7 @@ def test_a_window_partly_free_costs_less_than_a_full_one_as_cold(make_engine):
     key_at = {engine.entries.dram_offset(engine.index[b"m%d" % i]): b"m%d" % i for i in range(16)}
     engine.delete(key_at[13 * MiB])
     engine.get_entry(key_at[14 * MiB])               # the newest value of both windows below
-    room, clock = engine.room, engine.eviction._clock
+    room, clock = engine.room, engine.eviction.clock
     full = room._price(14 * MiB, 2 * MiB, 0, clock)  # the value at 14 MiB and the one at 15
     half = room._price(13 * MiB, 2 * MiB, 0, clock)  # free space and the value at 14 MiB
     assert half < full and full - half >= BYTES_WEIGHT * 0.4

@@ -173,7 +173,7 @@ class ImportStamps:
 
     def stamp(self, epoch: int, entry: int) -> None:
         policy = self.policy
-        if epoch != self.epoch or self.base > policy._clock:     # a new step, or the stamps were halved
+        if epoch != self.epoch or self.base > policy.clock:     # a new step, or the stamps were halved
             self.epoch, self.seq = epoch, 0
             self.base = policy.advance(IMPORT_SPAN)
         self.seq += 1

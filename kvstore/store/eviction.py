@@ -149,6 +149,11 @@ class SampledLRU:
             clock = self._clock
         self._stamp[entry] = clock
 
+    @property
+    def clock(self) -> int:
+        """The stamp of the latest access: recencies are measured against it."""
+        return self._clock
+
     def advance(self, ticks: int) -> int:
         """Move the clock ``ticks`` ahead, leaving that many stamps below it for `backdate`; the
         clock after."""

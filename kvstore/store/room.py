@@ -328,7 +328,7 @@ class RoomMaker:
             return self._evict(own[1], "small")
         page_mask = ~(alloc.page - 1)
         page = engine.entries.dram_offset(other[1]) & page_mask
-        now, oldest = policy._clock, other[0]
+        now, oldest = policy.clock, other[0]
         cost = self._price(page, alloc.page, oldest, now)
         own_cost = None if own is None else self._recency(own[0], oldest, now)
         if cost is not None and (own_cost is None or cost < own_cost):
@@ -393,7 +393,7 @@ class RoomMaker:
         regions = sorted((region for region in candidates if region >= 0 and region not in self._blocked
                           and not any(region < hi and lo < region + span for lo, hi in alloc.fences)),
                          key=lambda region: rank.get(region, 3))
-        floor, now, best = oldest[0] if oldest is not None else 0, policy._clock, None
+        floor, now, best = oldest[0] if oldest is not None else 0, policy.clock, None
         for batch, groups in self._batches(regions, span):
             if best is not None and self._over_budget():
                 break                               # pricing counts in the turn's slice too
