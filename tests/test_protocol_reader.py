@@ -414,14 +414,15 @@ def test_a_huge_array_header_is_left_to_the_exact_parser(monkeypatch):
         assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
 
 
-def outcome(stream: bytes, fast: bool = True, monkeypatch=None) -> tuple[list, str | None]:
+def outcome(stream: bytes, fast: bool = True, monkeypatch=None, chunk_sizes=(len,)) -> tuple[list, str | None]:
     """The commands parsed from ``stream`` in one piece and the protocol error, if any,
-    with or without the batch cut."""
+    with or without the batch cut and the lone-command look."""
     if not fast:
         monkeypatch.setattr(RequestReader, "_cut_batch", lambda self, out: None)
+        monkeypatch.setattr(RequestReader, "_lone_command", lambda self: None)
     reader, parsed = RequestReader(DEFAULT_MAX_BULK), []
     try:
-        feed(reader, stream, out=parsed, allocate=Recorder())
+        feed(reader, stream, chunk_sizes, out=parsed, allocate=Recorder())
         return args_of(parsed), None
     except ProtocolError as exc:
         return args_of(parsed + reader.parsed_before_error), str(exc)

@@ -1,4 +1,5 @@
-"""The reader's batch cut for pipelined small commands (`RequestReader._cut_batch`).
+"""The reader's batch cut for pipelined small commands (`RequestReader._cut_batch`), and its
+look at a buffer that holds exactly one small command (`RequestReader._lone_command`).
 
 It splits a window of the buffer on CRLF and checks every ``$len`` header of
 the batch against its argument at once; whatever it takes must be exactly
@@ -9,7 +10,8 @@ What is checked, each time against the exact parser alone on the same bytes:
 - a value holding CRLF or a lone LF in the middle of a batch;
 - array headers that are not canonical (``*03``, ``*+3``) or past the split's limit;
 - a window whose check fails is split once, not once per command behind it;
-- a command that opens with a bulk too long for the window is not split at all.
+- a command that opens with a bulk too long for the window is not split at all;
+- a lone command, odd or canonical, and one right behind a big bulk's missing CRLF.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from test_redis_compat import encode_command
 
 @pytest.mark.parametrize("header", [b"$05", b"$+5", b"$ 5", b"$5 ", b"$0_5", b"$4", b"$6", b"$5\n", b"$\n5",
                                     b"$$5", b"$-5", b"5", b"$", b"$5$"])
-@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("where", ["alone", "first", "middle", "last"])
 def test_a_header_that_is_not_canonical_is_answered_as_the_exact_parser_answers(header, where, monkeypatch):
     odd = b"*2\r\n$3\r\nGET\r\n" + header + b"\r\nvalue\r\n"
-    stream = {"first": odd + PIPELINE, "middle": PIPELINE + odd + PIPELINE, "last": PIPELINE + odd}[where]
+    stream = {"alone": odd, "first": odd + PIPELINE, "middle": PIPELINE + odd + PIPELINE,
+              "last": PIPELINE + odd}[where]
     assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
 
 
@@ -35,6 +38,31 @@ def test_an_array_header_that_is_not_canonical_is_answered_as_the_exact_parser_a
     args = [b"x"] * (MAX_SPLIT_ARGS + 1) if head.endswith(b"%d" % (MAX_SPLIT_ARGS + 1)) else [b"SET", b"k", b"v"]
     stream = PIPELINE + head + b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args) + PIPELINE
     assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("value", [b"a\r\nb", b"\r\n", b"a\nb", b"\r", b"$3\r\nabc", b"*1\r\n$1\r\nx"])
+def test_a_lone_command_holding_line_ends_comes_back_whole(value):
+    assert parse_all(encode_command("SET", "k", value)) == [[b"SET", b"k", value]]
+    for cut in range(1, len(encode_command("SET", "k", value))):
+        assert parse_all(encode_command("SET", "k", value), chunk_sizes=(cut, len)) == [[b"SET", b"k", value]]
+
+
+@pytest.mark.parametrize("head", [b"*03", b"*+3", b"*3 ", b"*0", b"*-1", b"*4", b"*2"])
+def test_a_lone_command_with_an_odd_array_header_is_answered_as_the_exact_parser_answers(head, monkeypatch):
+    stream = head + b"\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n"
+    assert outcome(stream) == outcome(stream, fast=False, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("after", [b"", b"\r\n", b"XX", b"\r"])
+def test_a_command_behind_a_big_bulk_is_answered_as_the_exact_parser_answers(after, monkeypatch):
+    """The CRLF after a big bulk is skipped whatever it holds: a command sent in its place is
+    not read as a lone command."""
+    head = encode_command("SET", "k", "v" * 40_000)[:-2] + after
+    stream, chunks = head + encode_command("GET", "k"), (len(head), len)
+    fast = outcome(stream, chunk_sizes=chunks)
+    assert fast == outcome(stream, fast=False, monkeypatch=monkeypatch, chunk_sizes=chunks)
+    if after == b"\r\n":
+        assert fast[0][-1] == [b"GET", b"k"]
 
 
 @pytest.mark.parametrize("value", [b"a\r\nb", b"\r\n", b"a\nb", b"\r", b"$3\r\nabc", b"*1\r\n$1\r\nx"])

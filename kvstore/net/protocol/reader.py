@@ -36,6 +36,7 @@ MAX_SPLIT_ARGS = 1024         # arguments of a command the batch cut takes; more
 _LONG_BULK_HEAD = re.compile(rb"\$[0-9]{5}").search
 LONG_BULK_LOOKAHEAD = 128
 SHORT_SPLIT = 1024
+LONE_MAX = SHORT_SPLIT        # bytes `_lone_command` looks at
 _SPLIT_HEADS = {b"*%d" % n: n for n in range(1, MAX_SPLIT_ARGS + 1)}    # canonical array headers only
 _bulk_header = [b"$%d" % n for n in range(SPLIT_WINDOW)].__getitem__      # length -> its canonical bulk header
 UNIFORM_MAX_ARGS = 16         # argument counts `_uniform_commands` has masks for
@@ -254,6 +255,11 @@ class RequestReader:
         """Complete commands as (args, failure, has_extents) tuples. With ``value_size`` set
         after it, parsing stopped at a big bulk of the command in ``args``: place it, then
         parse again."""
+        if self.args is None and self.end - self.start <= LONE_MAX and self.authenticated \
+                and self.buf.find(b"\r\n*", self.start, self.end) < 0:      # a second command would start so
+            lone = self._lone_command()
+            if lone is not None:
+                return lone
         out = []
         try:
             self._parse_into(out)
@@ -283,6 +289,26 @@ class RequestReader:
                     break
                 out.append((self.args, self.failure, self.has_extents))
                 self.args = None
+
+    def _lone_command(self) -> list | None:
+        """The buffer's bytes when they are exactly one small command, as `parse` returns it;
+        None when they are anything else (the usual path takes them, from the same start).
+
+        A client that waits for each reply sends one command per read: this one
+        C-level split and header check replaces the batch cut's steps and the
+        exact parser's look at an empty rest. The check is the batch cut's, so both
+        paths accept exactly the same input: a canonical array header, each ``$len``
+        equal to its argument's length, and the buffer ending at the last CRLF.
+        """
+        parts = self.mv[self.start:self.end].tobytes().split(b"\r\n")
+        argc = _SPLIT_HEADS.get(parts[0])
+        if argc is None or len(parts) != 2 * argc + 2 or parts[-1]:
+            return None
+        args = parts[2::2]
+        if not _lengths_match(parts[1:-1:2], args):
+            return None
+        self.start = self.end = self.exact_until = 0
+        return [(args, None, False)]
 
     def _cut_batch(self, out: list) -> None:
         """The batch cut, for pipelined batches of small commands: one C-level split of
