@@ -217,7 +217,7 @@ def restart_note(root: str, settings: Settings) -> str:
     tier = SSDTier.open(path, 1 << 40, wal=settings.wal)
     for start in range(0, settings.restart_values, 1000):
         stop = min(start + 1000, settings.restart_values)
-        tier.put_batch([(b"%032x" % i, value, b"%032x" % (i - 1)) for i in range(start, stop)])
+        tier.put_batch([(b"%032x" % i, value, b"%032x" % (i - 1), None) for i in range(start, stop)])
     tier.close()
     try:
         start = time.perf_counter()

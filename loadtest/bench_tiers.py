@@ -490,7 +490,7 @@ def populate(path: str, settings: Settings) -> None:
     tier = SSDTier.open(path, 1 << 40)
     for start in range(0, settings.restart_values, 1000):
         stop = min(start + 1000, settings.restart_values)
-        tier.put_batch([(b"%032x" % i, value, b"%032x" % (i - 1) if i else None) for i in range(start, stop)])
+        tier.put_batch([(b"%032x" % i, value, b"%032x" % (i - 1) if i else None, None) for i in range(start, stop)])
     tier.close()
 
 

@@ -137,7 +137,7 @@ def test_a_value_demoted_while_its_group_is_read_is_counted_as_dropped(ssd_node)
     engine, tiers, tier = ssd_node
     store_on_ssd(engine, tier, [b"cold"])
     engine.put(b"warm", value_of(b"warm"))              # in DRAM when gathered, with a clean SSD copy
-    tier.put_batch([(b"warm", value_of(b"warm"), None)])
+    tier.put_batch([(b"warm", value_of(b"warm"), None, None)])
     engine.moves.mark_on_ssd(engine.lookup(b"warm"))
 
     async def scenario():

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from proto import wire
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 KIB, MIB = 1 << 10, 1 << 20
 OOM = "command not allowed when used memory > 'maxmemory'."
@@ -267,3 +267,32 @@ def test_with_an_ssd_tier_the_burst_is_demoted_not_the_quiet_tenant(kvstore_fact
     assert tenant_info(admin, "alice")["used_dram"] >= 0.95 * len(quiet_keys) * 4000, "still in DRAM"
     bob = tenant_info(admin, "bob")
     assert bob["used_ssd"] > 0 and bob["used_dram"] + bob["used_ssd"] > 6 * MIB
+
+
+def test_a_tenants_ssd_values_count_against_its_share_after_a_restart(kvstore_factory, tmp_path):
+    """Each SSD record names its tenant: a warm restart counts alice's values as hers, before
+    and after her quota is set again, and the shared pool's as the shared pool's."""
+    aclfile = tmp_path / "users.acl"
+    aclfile.write_text("user default on nopass ~* &* +@all\n"
+                       "user alice on >pa ~a:* +@all quota-dram=6mb quota-ssd=64mb\n")
+    args = ("--dram-size", "16mb", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "256mb", "--aclfile", str(aclfile))
+    node = kvstore_factory(*args)
+    alice_keys, shared_keys = [b"a:%05d" % i for i in range(3000)], [b"s:%05d" % i for i in range(3000)]
+    write(connect(node, "alice"), alice_keys, 4000)
+    write(connect(node), shared_keys, 4000)
+    before = tenant_info(connect(node), "alice")
+    assert before["used_ssd"] > 0, "some of alice's values went down to SSD"
+    node.stop()
+    aclfile.write_text("user default on nopass ~* &* +@all\nuser alice on >pa ~a:* +@all\n")   # no quota now
+    again = kvstore_factory(*args)
+    admin = connect(again)
+    wait_until(lambda: not admin.info("ssd")["ssd_loading"], what="the SSD index to load")
+    alice_left, shared_left = sum(present(admin, alice_keys)), sum(present(admin, shared_keys))
+    assert alice_left > 0 and shared_left > 0
+    info = admin.info("tenants")
+    assert info["tenant_alice"] == {"used_dram": 0, "quota_dram": "none", "used_ssd": alice_left * 4000,
+                                    "quota_ssd": "none"}
+    assert info["shared_pool"] == {"used_dram": 0, "used_ssd": shared_left * 4000}
+    admin.execute_command("ACL", "SETUSER", "alice", "quota-ssd=64mb")
+    assert tenant_info(admin, "alice") == {"used_dram": 0, "quota_dram": "none", "used_ssd": alice_left * 4000,
+                                           "quota_ssd": 64 * MIB}

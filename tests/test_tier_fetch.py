@@ -48,7 +48,7 @@ def node(tmp_path):
 
 
 def store_on_ssd(engine: Engine, tier: SSDTier, keys: list[bytes]) -> None:
-    tier.put_batch([(key, value_of(key), None) for key in keys])
+    tier.put_batch([(key, value_of(key), None, None) for key in keys])
     for key in keys:
         engine.add_from_ssd(key, SIZE, None)
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.tiers import CorruptValue, TierError
-from kvstore.tiers.record import (HEADER, KEEP_RATIO, Flags, RecordHeader, decode,
-                                  decode_into, encode, shuffle_bytes, unshuffle_bytes)
+from kvstore.tiers.record import (HEADER, HEADER_V1, KEEP_RATIO, MAGIC, MAX_TENANT_LEN, Flags, RecordHeader,
+                                  decode, decode_into, encode, shuffle_bytes, unshuffle_bytes)
 
 
 def bf16_noise(n_values: int, seed: int = 0) -> np.ndarray:
@@ -19,23 +19,36 @@ def bf16_noise(n_values: int, seed: int = 0) -> np.ndarray:
     return (floats.view(np.uint32) >> 16).astype(np.uint16)
 
 
-def test_header_round_trip_with_and_without_parent():
+@pytest.mark.parametrize("tenant", [None, b"alice", b"\xff" * MAX_TENANT_LEN])
+def test_header_round_trip_with_and_without_parent_and_tenant(tenant):
     for parent in (None, b"p" * 16):
-        header = RecordHeader(Flags.LZ4 | Flags.SHUFFLE, 4096, 1000, 0xDEADBEEF, parent)
+        header = RecordHeader(Flags.LZ4 | Flags.SHUFFLE, 4096, 1000, 0xDEADBEEF, parent, tenant)
         raw = header.pack()
-        assert len(raw) == header.size == HEADER.size + len(parent or b"")
+        assert len(raw) == header.size == HEADER.size + len(parent or b"") + len(tenant or b"")
         assert RecordHeader.unpack(raw) == header
+
+
+def test_a_header_written_before_tenants_is_read_as_the_shared_pool():
+    for parent in (None, b"p" * 16):
+        raw = HEADER_V1.pack(MAGIC, 1, Flags.LZ4, len(parent or b""), 4096, 1000, 7) + (parent or b"")
+        assert RecordHeader.unpack(raw) == RecordHeader(Flags.LZ4, 4096, 1000, 7, parent, None)
+
+
+def test_a_tenant_name_too_long_for_the_header_is_refused():
+    with pytest.raises(TierError, match="tenant name"):
+        encode(b"v", tenant=b"t" * (MAX_TENANT_LEN + 1))
 
 
 @pytest.mark.parametrize("mangle", [
     lambda raw: b"XY" + raw[2:],              # magic
     lambda raw: raw[:2] + b"\x09" + raw[3:],  # version
     lambda raw: raw[:3] + b"\x80" + raw[4:],  # unknown flag
-    lambda raw: raw[:-1],                     # parent cut short
+    lambda raw: raw[:-1],                     # tenant cut short
+    lambda raw: raw + b"x",                   # a byte past the tenant
     lambda raw: raw[:10],                     # header cut short
 ])
 def test_unpack_rejects_what_is_not_a_header(mangle):
-    raw = RecordHeader(Flags.LZ4, 100, 50, 7, b"parent").pack()
+    raw = RecordHeader(Flags.LZ4, 100, 50, 7, b"parent", b"alice").pack()
     with pytest.raises(CorruptValue):
         RecordHeader.unpack(mangle(raw))
 

@@ -98,7 +98,7 @@ def test_put_accepts_any_buffer(tier):
 
 
 def test_put_batch_stores_all_and_last_duplicate_wins(tier):
-    headers = tier.put_batch([(b"a", b"1" * 100, None), (b"b", b"2" * 200, b"a"), (b"a", b"3" * 300, None)])
+    headers = tier.put_batch([(b"a", b"1" * 100, None, None), (b"b", b"2" * 200, b"a", None), (b"a", b"3" * 300, None, None)])
     sizes = [header.disk_bytes for header in headers]
     assert len(sizes) == 3
     assert tier.get(b"a") == b"3" * 300 and tier.get(b"b") == b"2" * 200
@@ -113,8 +113,8 @@ def test_bf16_values_are_shuffled_and_compressed(tmp_path):
     try:
         assert with_shuffle.put(b"k", value) < 0.95 * len(value)
         assert without.put(b"k", value) > len(value)
-        assert with_shuffle.put_batch([(b"k", value, None)])[0].index_tag == 0   # only the node decodes it
-        assert without.put_batch([(b"k", value, None)])[0].index_tag == fp.ssd_tag(value)
+        assert with_shuffle.put_batch([(b"k", value, None, None)])[0].index_tag == 0   # only the node decodes it
+        assert without.put_batch([(b"k", value, None, None)])[0].index_tag == fp.ssd_tag(value)
         assert with_shuffle.compression_ratio > 1.05
         assert with_shuffle.get(b"k") == without.get(b"k") == value
     finally:
@@ -148,7 +148,7 @@ def test_values_survive_a_clean_restart(tmp_path):
 def test_write_options_keep_values_across_a_clean_restart(tmp_path, options):
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, GIB, **options)
-    tier.put_batch([(b"a", value_for(1), None), (b"b", bf16_noise(10_000), b"a")])
+    tier.put_batch([(b"a", value_for(1), None, None), (b"b", bf16_noise(10_000), b"a", None)])
     tier.close()
     tier = SSDTier.open(path, GIB, **options)
     try:
@@ -232,7 +232,7 @@ class CountingColumn:
 
 def test_get_many_into_reads_the_headers_of_a_prefix_with_one_multi_get(tier):
     keys = [b"block-%d" % i for i in range(8)]
-    tier.put_batch([(key, value_for(i), None) for i, key in enumerate(keys)])
+    tier.put_batch([(key, value_for(i), None, None) for i, key in enumerate(keys)])
     tier._meta = CountingColumn(tier._meta)
     wanted = keys[:3] + [b"absent"] + keys[3:]
     buffers = [bytearray(64 * 1024) for _ in wanted]
@@ -247,7 +247,7 @@ def test_get_many_into_reads_the_headers_of_a_prefix_with_one_multi_get(tier):
 def test_get_many_into_drops_a_corrupt_value_and_serves_the_rest(tmp_path):
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, GIB)
-    tier.put_batch([(b"good", value_for(1), None), (b"bad", value_for(2), None)])
+    tier.put_batch([(b"good", value_for(1), None, None), (b"bad", value_for(2), None, None)])
     tier.close()
     flip_byte(path, VALUE_CF, b"bad", 777)
 
@@ -314,7 +314,7 @@ def test_changes_while_opening_totals_are_summed_are_counted_once(tmp_path):
 def test_close_while_totals_are_summed(tmp_path):
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, GIB)
-    tier.put_batch([(b"k%05d" % i, b"v", None) for i in range(20_000)])
+    tier.put_batch([(b"k%05d" % i, b"v", None, None) for i in range(20_000)])
     tier.close()
     SSDTier.open(path, GIB).close()                        # stops the summing thread first
     SSDTier.open(path, GIB).close()                        # and the directory is free again

@@ -451,7 +451,7 @@ def test_ping_answered_while_a_large_index_is_loading(tmp_path, kvstore_factory)
     path = str(tmp_path / "ssd")
     tier = SSDTier.open(path, 1 << 34, compression="off")
     for start in range(0, 200_000, 5000):
-        tier.put_batch([(b"%032x" % i, b"x" * 64, None) for i in range(start, start + 5000)])
+        tier.put_batch([(b"%032x" % i, b"x" * 64, None, None) for i in range(start, start + 5000)])
     tier.close()
     port = free_port()
     log_path = tmp_path / "loading.log"

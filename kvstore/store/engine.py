@@ -386,12 +386,12 @@ class Engine:
 
     # ----------------------------------------------------------- tiers
 
-    def add_from_ssd(self, key: bytes, size: int, parent: bytes | None, tag: int = 0) -> None:
-        """Index a value found on SSD at start-up (a newer value in DRAM wins); ``tag`` as
-        `TierMoves.mark_on_ssd` takes it."""
+    def add_from_ssd(self, key: bytes, size: int, parent: bytes | None, tag: int = 0, owner: int = SHARED) -> None:
+        """Index a value found on SSD at start-up (a newer value in DRAM wins), written by
+        tenant ``owner``; ``tag`` as `TierMoves.mark_on_ssd` takes it."""
         if key in self.index:
             return
-        entry = self.index[key] = self.entries.add(key, size, SSD, ON_SSD, 0, self._parent_entry(key, parent))
+        entry = self.index[key] = self.entries.add(key, size, SSD, ON_SSD, 0, self._parent_entry(key, parent), owner)
         self.moves.noted_on_ssd(entry, tag)
         self.moves.settled(entry)
 

@@ -27,6 +27,11 @@ A quota is refused when it, or the sum of every tenant's quota of that tier,
 exceeds the tier's size (DRAM's: the maxmemory in force, and CONFIG SET
 maxmemory refuses a limit under the sum): then every tenant can reach its
 share at once.
+
+Across a restart: a value written to SSD carries its tenant's name in its
+record (kvstore/tiers/record.py, `label`), and a warm restart gives each name
+found there its id again (`restored`), before or after the user's quota is set
+once more, so a tenant's SSD values count against its share from the start.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from kvstore.store.entries import DRAM, OWNERS, SSD, TIERS
 
 SHARED = 0
 MAX_TENANTS = OWNERS - 1     # ids fit the entry table's one-byte owner column
+MAX_NAME_BYTES = 255         # a tenant's name as an SSD record stores it
 NO_QUOTA = -1
 QUOTA_TIERS = {"dram": DRAM, "ssd": SSD}
 
@@ -59,6 +65,32 @@ class Quotas:
         """The id of tenant ``name`` (SHARED when it never had a quota)."""
         return self.ids.get(name, SHARED)
 
+    def label(self, tenant: int) -> bytes | None:
+        """What an SSD record stores of tenant id ``tenant``: its name's bytes (None: the shared pool)."""
+        return _name_bytes(self.names[tenant]) if tenant else None
+
+    def restored(self, label: bytes | None) -> int:
+        """The id of the tenant an SSD record names, at a warm restart: the name's id, given
+        now when it has none yet (its quota may be set later: its bytes are counted already);
+        SHARED for the shared pool, or when every id is taken."""
+        if label is None:
+            return SHARED
+        name = label.decode(errors="surrogateescape")
+        tenant = self.ids.get(name)
+        if tenant is None:
+            if len(self.names) > MAX_TENANTS:
+                return SHARED
+            tenant = self._add(name)
+        return tenant
+
+    def _add(self, name: str) -> int:
+        """A new tenant id for ``name``, with no quota yet."""
+        tenant = self.ids[name] = len(self.names)
+        self.names.append(name)
+        for column in self.quota:
+            column.append(NO_QUOTA)
+        return tenant
+
     # ------------------------------------------------------------ setting quotas
 
     def check(self, wanted: dict[str, dict[int, int]]) -> None:
@@ -67,6 +99,9 @@ class Quotas:
         new_names = [name for name in wanted if name not in self.ids]
         if len(self.names) - 1 + len(new_names) > MAX_TENANTS:
             raise QuotaError(f"no more than {MAX_TENANTS} users can have quotas on a node")
+        for name in new_names:
+            if len(_name_bytes(name)) > MAX_NAME_BYTES:
+                raise QuotaError(f"a user with a quota has a name of at most {MAX_NAME_BYTES} bytes")
         for word, tier in QUOTA_TIERS.items():
             size = self.capacity[tier]
             total = 0
@@ -90,10 +125,7 @@ class Quotas:
         self.check(wanted)
         for name in wanted:
             if name not in self.ids:
-                self.ids[name] = len(self.names)
-                self.names.append(name)
-                for column in self.quota:
-                    column.append(NO_QUOTA)
+                self._add(name)
         for tier, column in enumerate(self.quota):
             for tenant, name in enumerate(self.names):
                 column[tenant] = wanted.get(name, {}).get(tier, NO_QUOTA)
@@ -126,3 +158,8 @@ class Quotas:
         """(name, bytes per tier, quota per tier or NO_QUOTA) of every tenant, shared pool first."""
         return [(name, [self.used[tier][tenant] for tier in TIERS], [self.quota[tier][tenant] for tier in TIERS])
                 for tenant, name in enumerate(self.names)]
+
+
+def _name_bytes(name: str) -> bytes:
+    """A user name's bytes as they arrived (names are decoded with surrogateescape)."""
+    return name.encode(errors="surrogateescape")

@@ -387,7 +387,8 @@ class TierManager:
         token = self._start_move(entry)
         size = engine.size_of(entry)
         self._inflight += size
-        future = self.worker.put(key, engine.view(entry), self._parent_key(entry))
+        future = self.worker.put(key, engine.view(entry), self._parent_key(entry),
+                                 engine.quotas.label(engine.owner_of(entry)))
         future.add_done_callback(lambda f: self._written(f, key, entry, hold, token, size, demote))
 
     def _parent_key(self, entry: int) -> bytes | None:
@@ -597,7 +598,8 @@ class TierManager:
             records = await loop.run_in_executor(None, lambda: list(self.ssd.scan_index()))
             for i in range(0, len(records), LOAD_CHUNK):
                 for rec in records[i:i + LOAD_CHUNK]:
-                    self.engine.add_from_ssd(rec.key, rec.value_size, rec.parent, rec.tag)
+                    self.engine.add_from_ssd(rec.key, rec.value_size, rec.parent, rec.tag,
+                                             self.engine.quotas.restored(rec.tenant))
                 await asyncio.sleep(0)
             self.recovered = len(records)
         except TierError as exc:

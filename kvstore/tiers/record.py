@@ -8,18 +8,24 @@ a warm restart rebuild the index by reading headers only, never payloads.
 Header layout, little-endian (``HEADER``)::
 
     magic     2s  b"KV"        rejects anything that is not a record
-    version   B   1            bumped when the layout changes
+    version   B   2            bumped when the layout changes
     flags     B   Flags        LZ4 | SHUFFLE; unknown bits are rejected
     plen      H                length of the parent key (0: no parent)
     value_sz  Q                length of the value as the client sent it
     stored_sz Q                length of the payload on disk
     checksum  Q                xxh3-64 of the payload on disk
+    tlen      B                length of the tenant's name (0: the shared pool)
     parent    plen bytes       the chain parent's key
+    tenant    tlen bytes       the ACL user whose quota the value counts against
+
+Version 1 records (no ``tlen``, no tenant: the shared pool) are still read.
+The tenant is stored by name, not by the node's id for it: ids are given per
+process (kvstore/store/quotas.py), names are what a restart can match.
 
 The checksum covers the payload exactly as stored, so a read verifies before
 it spends any time decompressing. A flipped bit in the payload, the checksum
 or either size is caught (a size by the length check, the decompressor or the
-header's own consistency rules); only the parent key is not covered.
+header's own consistency rules); only the parent key and the tenant are not covered.
 
 Why compression is per value and guarded: KV tensors in fp16/bf16 are close
 to noise and lz4 saves nothing on them (ratio 1.00), while some values
@@ -47,9 +53,11 @@ from kvstore.tiers import CorruptValue, TierError
 from proto import fastpath as fp
 
 MAGIC = b"KV"
-VERSION = 1
-HEADER = struct.Struct("<2sBBHQQQ")
+VERSION = 2
+HEADER = struct.Struct("<2sBBHQQQB")
+HEADER_V1 = struct.Struct("<2sBBHQQQ")      # before the tenant: read, never written
 MAX_PARENT_LEN = 0xFFFF
+MAX_TENANT_LEN = 0xFF
 PROBE_BYTES = 16 * 1024
 KEEP_RATIO = 0.95
 
@@ -80,34 +88,38 @@ class RecordHeader:
     stored_size: int
     checksum: int
     parent: bytes | None = None
+    tenant: bytes | None = None
 
     def pack(self) -> bytes:
-        parent = self.parent or b""
+        parent, tenant = self.parent or b"", self.tenant or b""
         return HEADER.pack(MAGIC, VERSION, self.flags, len(parent), self.value_size,
-                           self.stored_size, self.checksum) + parent
+                           self.stored_size, self.checksum, len(tenant)) + parent + tenant
 
     @classmethod
     def unpack(cls, raw: bytes) -> RecordHeader:
         """Parse a packed header; raise CorruptValue if it is not one."""
-        if len(raw) < HEADER.size:
-            raise CorruptValue(f"record header is {len(raw)} bytes, expected at least {HEADER.size}")
-        magic, version, bits, plen, value_size, stored_size, checksum = HEADER.unpack_from(raw)
-        if magic != MAGIC or version != VERSION:
+        layout = HEADER if raw[2:3] == b"\x02" else HEADER_V1
+        if len(raw) < layout.size:
+            raise CorruptValue(f"record header is {len(raw)} bytes, expected at least {layout.size}")
+        magic, version, bits, plen, value_size, stored_size, checksum, *tlen = layout.unpack_from(raw)
+        if magic != MAGIC or version not in (1, VERSION):
             raise CorruptValue(f"record header has magic {magic!r} version {version}")
         flags = VALID_FLAGS.get(bits)
-        if flags is None or len(raw) != HEADER.size + plen:
-            raise CorruptValue(f"record header has flags {bits:#x} and parent length {plen}")
+        tlen = tlen[0] if tlen else 0
+        if flags is None or len(raw) != layout.size + plen + tlen:
+            raise CorruptValue(f"record header has flags {bits:#x}, parent length {plen} and tenant length {tlen}")
         if flags is Flags.NONE and value_size != stored_size:
             raise CorruptValue(f"uncompressed record has sizes {value_size}/{stored_size}")
         if flags is LZ4_SHUFFLED and value_size % 2:
             raise CorruptValue(f"shuffled record has odd length {value_size}")
-        parent = raw[HEADER.size:] if plen else None
-        return cls(flags, value_size, stored_size, checksum, parent)
+        end = layout.size + plen
+        parent = raw[layout.size:end] if plen else None
+        return cls(flags, value_size, stored_size, checksum, parent, raw[end:] if tlen else None)
 
     @property
     def size(self) -> int:
-        """Bytes this header takes on disk."""
-        return HEADER.size + len(self.parent or b"")
+        """Bytes this header takes on disk (as written now)."""
+        return HEADER.size + len(self.parent or b"") + len(self.tenant or b"")
 
     @property
     def disk_bytes(self) -> int:
@@ -127,10 +139,12 @@ class RecordHeader:
 
 
 def encode(value, parent: bytes | None = None, *, compress: bool = True,
-           shuffle: bool = True) -> tuple[RecordHeader, bytes]:
-    """Header and payload for ``value`` (any contiguous buffer)."""
+           shuffle: bool = True, tenant: bytes | None = None) -> tuple[RecordHeader, bytes]:
+    """Header and payload for ``value`` (any contiguous buffer) written by ``tenant``."""
     if parent is not None and len(parent) > MAX_PARENT_LEN:
         raise TierError(f"parent key is {len(parent)} bytes, the limit is {MAX_PARENT_LEN}")
+    if tenant is not None and len(tenant) > MAX_TENANT_LEN:
+        raise TierError(f"tenant name is {len(tenant)} bytes, the limit is {MAX_TENANT_LEN}")
     view = memoryview(value).cast("B")
     flags = choose_transform(view, shuffle) if compress else Flags.NONE
     payload = None
@@ -143,7 +157,7 @@ def encode(value, parent: bytes | None = None, *, compress: bool = True,
             flags = Flags.NONE
     if payload is None:
         payload = value if isinstance(value, bytes) else view.tobytes()
-    header = RecordHeader(flags, len(view), len(payload), xxhash.xxh3_64_intdigest(payload), parent)
+    header = RecordHeader(flags, len(view), len(payload), xxhash.xxh3_64_intdigest(payload), parent, tenant)
     return header, payload
 
 

@@ -78,10 +78,11 @@ class IndexRecord:
     value_size: int        # bytes a reader gets back
     parent: bytes | None
     tag: int               # what the shared index publishes it under (0: not publishable)
+    tenant: bytes | None = None     # the name of the tenant that wrote it (None: the shared pool)
 
     @classmethod
     def of(cls, key: bytes, header: RecordHeader) -> IndexRecord:
-        return cls(key, header.disk_bytes, header.value_size, header.parent, header.index_tag)
+        return cls(key, header.disk_bytes, header.value_size, header.parent, header.index_tag, header.tenant)
 
 
 class SSDTier:
@@ -169,14 +170,16 @@ class SSDTier:
 
     # -- writes --------------------------------------------------------------
 
-    def put(self, key: bytes, value, parent: bytes | None = None) -> int:
-        """Store ``value`` (any contiguous buffer) under ``key``; bytes used on disk."""
-        return self.put_batch([(key, value, parent)])[0].disk_bytes
+    def put(self, key: bytes, value, parent: bytes | None = None, tenant: bytes | None = None) -> int:
+        """Store ``value`` (any contiguous buffer) under ``key``, written by ``tenant`` (a
+        name; None: the shared pool); bytes used on disk."""
+        return self.put_batch([(key, value, parent, tenant)])[0].disk_bytes
 
-    def put_batch(self, items: Iterable[tuple[bytes, Any, bytes | None]]) -> list[RecordHeader]:
-        """Store several values atomically (one WriteBatch); the header written for each
-        (its bytes on disk, and the tag the shared index publishes it under)."""
-        records = [(key, *self._encode(value, parent)) for key, value, parent in items]
+    def put_batch(self, items: Iterable[tuple[bytes, Any, bytes | None, bytes | None]]) -> list[RecordHeader]:
+        """Store several values, each ``(key, value, parent, tenant)``, atomically (one
+        WriteBatch); the header written for each (its bytes on disk, and the tag the shared
+        index publishes it under)."""
+        records = [(key, *self._encode(value, parent, tenant)) for key, value, parent, tenant in items]
         latest = {key: (header, payload) for key, header, payload in records}
         with self._lock:
             self._check_open()
@@ -249,8 +252,8 @@ class SSDTier:
         buffer = bytearray(loc.length)
         return buffer if self._store.read_cached(loc, buffer) is not None else None
 
-    def _encode(self, value, parent: bytes | None) -> tuple[RecordHeader, bytes]:
-        header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle)
+    def _encode(self, value, parent: bytes | None, tenant: bytes | None) -> tuple[RecordHeader, bytes]:
+        header, payload = encode(value, parent, compress=self.compress, shuffle=self.shuffle, tenant=tenant)
         if header.disk_bytes > self.capacity_bytes:
             raise ValueTooLarge(f"value of {header.value_size} bytes ({header.stored_size} stored) "
                                 f"is larger than the SSD tier's capacity of {self.capacity_bytes}")

@@ -51,17 +51,18 @@ class SSDWorker:
         """Run ``fn(*args)`` on a reader thread; await the result."""
         return asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
 
-    def put(self, key: bytes, value, parent: bytes | None = None) -> asyncio.Future[RecordHeader]:
-        """Queue a put; the future gives the header written or the tier's error."""
+    def put(self, key: bytes, value, parent: bytes | None = None,
+            tenant: bytes | None = None) -> asyncio.Future[RecordHeader]:
+        """Queue a put (`SSDTier.put`); the future gives the header written or the tier's error."""
         loop = asyncio.get_running_loop()
-        pending = _PendingPut(key, value, parent, loop, loop.create_future())
+        pending = _PendingPut(key, value, parent, tenant, loop, loop.create_future())
         self._queue.put(pending)
         return pending.future
 
     def delete(self, key: bytes) -> asyncio.Future[bool]:
         """Queue a delete behind every put already queued (so it never undoes a later put)."""
         loop = asyncio.get_running_loop()
-        pending = _PendingPut(key, None, None, loop, loop.create_future())
+        pending = _PendingPut(key, None, None, None, loop, loop.create_future())
         self._queue.put(pending)
         return pending.future
 
@@ -107,11 +108,11 @@ class SSDWorker:
 
     def _store(self, batch: list[_PendingPut]) -> None:
         try:
-            headers = self.tier.put_batch([(p.key, p.value, p.parent) for p in batch])
+            headers = self.tier.put_batch([(p.key, p.value, p.parent, p.tenant) for p in batch])
         except Exception:
             for pending in batch:
                 pending.settle(lambda *item: self.tier.put_batch([item])[0], pending.key, pending.value,
-                               pending.parent)
+                               pending.parent, pending.tenant)
             return
         for pending, header in zip(batch, headers):
             pending.resolve(header, None)
@@ -130,6 +131,7 @@ class _PendingPut:
     key: bytes
     value: Any
     parent: bytes | None
+    tenant: bytes | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
 
