@@ -78,6 +78,17 @@ def test_a_quota_is_an_acl_rule_shown_in_list_and_getuser(node):
     assert tenant_info(admin, "alice")["quota_dram"] == "none"
 
 
+def test_a_quota_for_a_name_longer_than_an_ssd_record_holds_is_refused(node):
+    admin = connect(node)
+    long_name = "u" * 256
+    admin.execute_command("ACL", "SETUSER", long_name, "on", "nopass", "~u:*", "+@all")
+    with pytest.raises(redis.ResponseError, match="name of at most 255 bytes"):
+        admin.execute_command("ACL", "SETUSER", long_name, "quota-dram=1mb")
+    admin.execute_command("ACL", "SETUSER", "u" * 255, "on", "nopass", "~u:*", "+@all")
+    admin.execute_command("ACL", "SETUSER", "u" * 255, "quota-dram=1mb")
+    assert tenant_info(admin, "u" * 255)["quota_dram"] == MIB
+
+
 @pytest.mark.parametrize("rules, reason", [
     (["alice", "quota-dram=1gb"], "more than the node's DRAM"),
     (["alice", "quota-dram=-1"], "a quota is a size"),
