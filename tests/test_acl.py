@@ -189,7 +189,7 @@ def test_no_auth_commands_are_never_denied():
     (("KV.RESERVE", "t", "100", "10"), False), (("KV.PUBLISH", "1", "tenantA:1"), False),
     (("KV.MPUBLISH", "NX", "1", "tenantA:1", ""), False),
     (("KV.RELEASE", "1"), False), (("KV.UNRESERVE", "1"), False), (("KV.STATS",), True), (("DBSIZE",), True),
-    (("KV.HOTKEYS",), False), (("KV.IMPORT", "1", "tenantA:1", "", "v"), False), (("KV.UNCOPY", "tenantA:1"), False),
+    (("KV.HOTKEYS",), False), (("KV.IMPORT", "1", "tenantA:1", "", "", "v"), False), (("KV.UNCOPY", "tenantA:1"), False),
     (("KV.TOUCH", "tenantA:1"), True), (("KV.TOUCH", "tenantB:1"), False), (("RANDOMKEY",), False),
     (("OBJECT", "ENCODING", "tenantB:1"), False), (("OBJECT", "ENCODING", "tenantA:1"), True),
     (("COPY", "tenantB:1", "tenantA:1"), False), (("RENAME", "tenantA:1", "tenantB:1"), False),

@@ -198,7 +198,7 @@ class ImportLinks:
                 links.batches.append([bytes(a) for a in args])
                 for _, *pairs in rest:
                     links.links += [(bytes(p), bytes(c)) for p, c in zip(pairs[0::2], pairs[1::2])]
-                values = args[2::3]
+                values = args[3::4]
                 return [[len(values), sum(len(v) for v in values)], *(len(c) // 2 for c in rest)]
         return Link()
 
@@ -226,10 +226,11 @@ def test_a_source_sends_the_hottest_values_first_then_the_newest_and_forgets_the
             engine.put(key, key * 10, parent=keys[0] if key != keys[0] else None)
         step_to(cluster, B)
         await asyncio.sleep(0.1)
-        sent = [args[0::3] for args in links.batches]
+        sent = [args[0::4] for args in links.batches]
         assert sent == [[keys[12], keys[5]] + [k for k in reversed(keys) if k not in (keys[5], keys[12])]]
         batch = links.batches[0]
-        assert batch[2] == keys[12] * 10 and batch[1] == keys[0]            # value and chain parent
+        assert batch[3] == keys[12] * 10 and batch[1] == keys[0]            # value and chain parent
+        assert batch[2] == b""                                              # written to the shared pool
         assert engine.index == {} and moves.stats.moved_keys == 20 and moves.stats.dropped_keys == 0
         assert moves.stats.moved_bytes == sum(len(k) * 10 for k in keys)
     run_simulated(scenario())
@@ -318,9 +319,17 @@ def cluster_client(up: ClusterUp) -> RedisCluster:
 
 
 def test_a_joining_node_receives_the_values_of_its_slots_hottest_first(cluster_factory):
+    """... and each value still counts against the quota of the tenant that wrote it."""
     up = cluster_factory(3, extra=("--node-timeout", "2", "--", "--hot-reads", "0"))
+    for h, p in up.addrs:
+        connect(f"{h}:{p}").execute_command("ACL", "SETUSER", "alice", "on", ">pa", "~alice:*", "+@all")
+        connect(f"{h}:{p}").execute_command("ACL", "SETUSER", "alice", "quota-dram=1mb")
     rc = cluster_client(up)
     keys = write_keys(rc, 300)
+    alice_keys = [b"alice:%05d" % i for i in range(60)]
+    alice = RedisCluster(host=up.addrs[0][0], port=up.addrs[0][1], username="alice", password="pa", socket_timeout=10)
+    for key in alice_keys:
+        alice.set(key, value_of(key))
     hot = keys[:20]
     for _ in range(3):
         for key in hot:
@@ -329,17 +338,21 @@ def test_a_joining_node_receives_the_values_of_its_slots_hottest_first(cluster_f
     addr = f"127.0.0.1:{joiner.port}"
     wait_until(lambda: joined(addr, 4), what="the join")
     mine = [k for k in keys if owner_of(connect(addr), k) == addr]
-    assert len(mine) > 30
+    alices = [k for k in alice_keys if owner_of(connect(addr), k) == addr]
+    assert len(mine) > 30 and alices
     got = connect(addr).info("cluster")
     moved = sum(info(f"{h}:{p}")["cluster_moved_bytes"] for h, p in up.addrs)
-    assert got["cluster_imported_keys"] == len(mine) and got["cluster_imported_bytes"] == moved
+    assert got["cluster_imported_keys"] == len(mine) + len(alices) and got["cluster_imported_bytes"] == moved
     assert sum(info(f"{h}:{p}")["cluster_dropped_bytes"] for h, p in up.addrs) == 0
     plain = connect(addr)
     assert all(plain.get(k) == value_of(k) for k in mine)      # every value came along, intact
     rc2 = cluster_client(up)
     assert all(rc2.get(k) == value_of(k) for k in keys)
     everywhere = [addr] + [f"{h}:{p}" for h, p in up.addrs]     # moved values left their sources
-    assert sum(connect(a).dbsize() for a in everywhere) == len(keys)
+    assert sum(connect(a).dbsize() for a in everywhere) == len(keys) + len(alice_keys)
+    assert connect(addr).info("tenants")["tenant_alice"]["used_dram"] == len(alices) * 64 * 1024
+    assert sum(connect(a).info("tenants")["tenant_alice"]["used_dram"] for a in everywhere) \
+        == len(alice_keys) * 64 * 1024
 
 
 def test_readers_during_a_join_and_a_drain_see_right_values_or_misses_never_errors(cluster_factory):

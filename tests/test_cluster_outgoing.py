@@ -58,7 +58,7 @@ def ssd_node(tmp_path):
 
 
 def sent_values(links: ImportLinks) -> dict[bytes, bytes]:
-    return {batch[i]: batch[i + 2] for batch in links.batches for i in range(0, len(batch), 3)}
+    return {batch[i]: batch[i + 3] for batch in links.batches for i in range(0, len(batch), 4)}
 
 
 def test_values_on_ssd_move_with_the_others_read_on_the_tiers_threads(ssd_node):
@@ -81,7 +81,7 @@ def test_values_on_ssd_move_with_the_others_read_on_the_tiers_threads(ssd_node):
     moves, links = asyncio.run(scenario())
     sent = sent_values(links)
     assert sent == {key: value_of(key) for key in on_ssd + in_dram}          # every value, byte for byte
-    order = [key for batch in links.batches for key in batch[0::3]]
+    order = [key for batch in links.batches for key in batch[0::4]]
     assert order[:2] == [on_ssd[3], in_dram[1]]                             # hottest first, whatever the tier
     assert reads_on and threading.main_thread().name not in reads_on        # never on the loop's thread
     assert engine.index == {}

@@ -437,7 +437,7 @@ def test_copies_are_removed_when_the_block_cools(cluster):
 def test_without_a_cluster_the_new_commands_answer_as_for_cluster_commands(server):
     conn = connect(f"127.0.0.1:{server.port}")
     for command in (("KV.HOTKEYS",), ("KV.COPY", A, "1000", "k", "v"), ("KV.UNCOPY", "k"),
-                    ("KV.IMPORT", "1", "k", "", "v"), ("KV.DRAIN", A)):
+                    ("KV.IMPORT", "1", "k", "", "", "v"), ("KV.DRAIN", A)):
         with pytest.raises(redis.ResponseError, match="This instance has cluster support disabled"):
             conn.execute_command(*command)
     assert conn.execute_command("KV.LOCATE", "nothing") == [None]

@@ -71,14 +71,14 @@ def test_node_commands_run_their_real_handlers_over_a_modelled_nic():
         nodes = [node(net, A, A), node(net, B, A)]
         link = net.peers_of(ADDRS[A]).link(ADDRS[B])
         with pytest.raises(PeerReplyError, match="^TRYAGAIN"):                 # its map is older
-            await link.call(KV_IMPORT, 2, b"k", b"", memoryview(b"v" * 64))
+            await link.call(KV_IMPORT, 2, b"k", b"", b"", memoryview(b"v" * 64))
         loop = asyncio.get_running_loop()
         start = loop.time()
-        assert await link.call(KV_IMPORT, 1, b"k", b"", memoryview(b"v" * 64)) == [0, 0]  # not moving here
+        assert await link.call(KV_IMPORT, 1, b"k", b"", b"", memoryview(b"v" * 64)) == [0, 0]  # not moving here
         assert loop.time() - start == pytest.approx(0.1, rel=0.01)            # one 10^8-byte block at 1 GB/s
         net.kill(ADDRS[B])
         with pytest.raises(PeerError):
-            await link.call(KV_IMPORT, 1, b"k", b"", memoryview(b"v" * 64))
+            await link.call(KV_IMPORT, 1, b"k", b"", b"", memoryview(b"v" * 64))
         for n in nodes:
             n.services.close()
     run_simulated(scenario())

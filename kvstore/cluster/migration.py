@@ -286,7 +286,7 @@ class Migrator:
         again for a while (the watch brings it the map within milliseconds).
         """
         addr = self.cluster.addr_of(target) or self.cluster.nodes.get(target)
-        args = [part for item in batch for part in (item.key, item.parent, item.view)]
+        args = [part for item in batch for part in (item.key, item.parent, item.tenant, item.view)]
         links = self.links.commands(batch)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + MAP_WAIT

@@ -34,6 +34,7 @@ class Taken(NamedTuple):
     """A value out of the index, on its way to another node."""
     key: bytes
     parent: bytes                   # its chain parent's key (b"": none)
+    tenant: bytes                   # the name of the tenant that wrote it (b"": the shared pool)
     view: memoryview
     hold: int | None                # the engine's hold token, released when the push is done
     size: int
@@ -52,11 +53,12 @@ def take(engine, key: bytes, entry: int,
     children = capture(key, entry) if capture is not None else ()
     parent_entry = engine.eviction.parent_of(entry)
     parent = engine.key_of(parent_entry) if parent_entry != NO_PARENT else b""
+    tenant = engine.quotas.label(engine.owner_of(entry)) or b""
     hold = engine.holds.hold(entry)
     view = engine.view(entry)
     size = engine.size_of(entry)
     engine.delete(key)              # from now on the key is asked for at the target
-    return Taken(key, parent, view, hold, size, children)
+    return Taken(key, parent, tenant, view, hold, size, children)
 
 
 def full(count: int, size: int) -> bool:

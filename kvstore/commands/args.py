@@ -75,10 +75,14 @@ def check_arena_token(conn, token: bytes) -> None:
                            "STALEARENA")
 
 
-def store(conn, key: bytes, value, parent: bytes | None = None, keep_ttl: bool = False) -> None:
-    """Publish a value argument under ``key``: an `Extent` the reader already filled is
-    committed where it lies; a small value (bytes) is copied into the arena."""
+def store(conn, key: bytes, value, parent: bytes | None = None, keep_ttl: bool = False,
+          owner: int | None = None) -> None:
+    """Publish a value argument under ``key``, written by tenant ``owner`` (the connection's
+    user when None; a node pushing a slot's values names each one's): an `Extent` the reader
+    already filled is committed where it lies; a small value (bytes) is copied into the arena."""
     if isinstance(value, Extent):
+        if owner is not None:
+            value.owner = owner
         conn.engine.commit(key, value, parent, keep_ttl)
     else:
-        conn.engine.put(key, value, parent, keep_ttl, conn.user.tenant)
+        conn.engine.put(key, value, parent, keep_ttl, conn.user.tenant if owner is None else owner)

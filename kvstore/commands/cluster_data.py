@@ -10,11 +10,13 @@ through peer.py):
 - ``KV.RENEW owner lease-ms key [key ...]``: extend the copies' leases;
   replies, per key, the reads its copy served since the last renewal (-1:
   no such copy here).
-- ``KV.IMPORT epoch key parent value [key parent value ...]``: values of a
-  slot moving here (or copies of a dead owner's blocks), pushed by a node
-  whose map is at ``epoch``, stored only where no newer write was made
-  here; ``parent`` is the chain parent or empty; replies ``[keys stored,
-  bytes stored]``, or ``-TRYAGAIN`` while this node's map is older.
+- ``KV.IMPORT epoch key parent tenant value [key parent tenant value ...]``:
+  values of a slot moving here (or copies of a dead owner's blocks), pushed
+  by a node whose map is at ``epoch``, stored only where no newer write was
+  made here; ``parent`` is the chain parent or empty, ``tenant`` the name of
+  the ACL user whose quota the value counts against or empty (the shared
+  pool; kvstore/store/quotas.py); replies ``[keys stored, bytes stored]``,
+  or ``-TRYAGAIN`` while this node's map is older.
 - ``KV.IMPORTLINK parent child [parent child ...]``: right after a
   KV.IMPORT, in its pipeline, the chain links of the values it pushed:
   ``child`` follows ``parent``, so the cascade drops it when ``parent``
@@ -113,22 +115,23 @@ def kv_renew(conn, args):
     return writer.array([writer.integer(n) for n in reads])
 
 
-@FAMILY.command(KV_IMPORT, -5, "write denyoom", "cluster", "Stores values of a slot moving to this node, never "
-         "over a newer write (between nodes).", keys=(0, 0, 0), values=lambda i: i > 1 and i % 3 == 1)
+@FAMILY.command(KV_IMPORT, -6, "write denyoom", "cluster", "Stores values of a slot moving to this node, never "
+         "over a newer write (between nodes).", keys=(0, 0, 0), values=lambda i: i > 1 and i % 4 == 1)
 def kv_import(conn, args):
     cluster = _from_a_node(conn)
-    if (len(args) - 2) % 3:
+    if (len(args) - 2) % 4:
         raise CommandError(SYNTAX)
     epoch = parse_int(args[1])
     if epoch > cluster.map.epoch:
         raise CommandError(f"slot map epoch {epoch} is not applied here yet", "TRYAGAIN")
     moves = cluster.moves
     keys = size = 0
+    tenants = conn.engine.quotas
     with moves.storing():
-        for i in range(2, len(args), 3):
-            key, parent, value = args[i], args[i + 1], args[i + 2]
+        for i in range(2, len(args), 4):
+            key, parent, tenant, value = args[i:i + 4]
             if moves.accepts(key):
-                store(conn, key, value, parent or None)
+                store(conn, key, value, parent or None, owner=tenants.named(tenant or None))
                 entry = conn.engine.lookup(key)
                 if entry is not None:
                     moves.stamp_import(epoch, entry)

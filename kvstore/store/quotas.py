@@ -30,8 +30,10 @@ share at once.
 
 Across a restart: a value written to SSD carries its tenant's name in its
 record (kvstore/tiers/record.py, `label`), and a warm restart gives each name
-found there its id again (`restored`), before or after the user's quota is set
-once more, so a tenant's SSD values count against its share from the start.
+found there its id again (`named`), before or after the user's quota is set
+once more, so a tenant's SSD values count against its share from the start. A
+value a slot move pushes to another node carries the name the same way
+(KV.IMPORT, kvstore/commands/cluster_data.py).
 """
 from __future__ import annotations
 
@@ -69,10 +71,11 @@ class Quotas:
         """What an SSD record stores of tenant id ``tenant``: its name's bytes (None: the shared pool)."""
         return _name_bytes(self.names[tenant]) if tenant else None
 
-    def restored(self, label: bytes | None) -> int:
-        """The id of the tenant an SSD record names, at a warm restart: the name's id, given
-        now when it has none yet (its quota may be set later: its bytes are counted already);
-        SHARED for the shared pool, or when every id is taken."""
+    def named(self, label: bytes | None) -> int:
+        """The id of the tenant a `label` names (an SSD record's at a warm restart, a value
+        another node pushes here): the name's id, given now when it has none yet (its quota may
+        be set later: its bytes are counted already); SHARED for the shared pool, or when
+        every id is taken."""
         if label is None:
             return SHARED
         name = label.decode(errors="surrogateescape")

@@ -599,7 +599,7 @@ class TierManager:
             for i in range(0, len(records), LOAD_CHUNK):
                 for rec in records[i:i + LOAD_CHUNK]:
                     self.engine.add_from_ssd(rec.key, rec.value_size, rec.parent, rec.tag,
-                                             self.engine.quotas.restored(rec.tenant))
+                                             self.engine.quotas.named(rec.tenant))
                 await asyncio.sleep(0)
             self.recovered = len(records)
         except TierError as exc:
