@@ -76,6 +76,7 @@ SOFT_PENALTY = 1.0      # a region holding a soft-pinned value ranks after every
 CROSS_PENALTY = 2.0     # ... one whose chain continues outside it, after both
 REGION_SAMPLES = 8      # random candidate regions priced per choice
 FREE_ANCHORS = 3        # free chunks (the largest) a big write's windows start or end at
+WORK_BATCH = 32         # units of clearing a big write's window between two of `_make`'s checks
 OWNERS_PER_PASS = 8192  # values priced in one numpy pass (about 0.4 ms), the slice checked between passes
 REBALANCE_EVERY = 32    # a class that kept its own values re-prices another page after this many
 BLOCKED_CHOICES = 64    # a region found uncleareable sits out this many choices
@@ -344,7 +345,7 @@ class RoomMaker:
     def _big_step(self, chunk: int, cls: int) -> bool:
         job = self.jobs.get(chunk)
         if job is not None:
-            return self._work(chunk, job, "big")
+            return self._work_batch(chunk, job)
         region = self._choose(chunk, cls)
         if region is None:
             return self._fallback()
@@ -541,6 +542,19 @@ class RoomMaker:
                 return True
             stack.pop()
             return self._evict(entry, cause if self._overlaps(entry, job.offset, end) else "beyond")
+
+    def _work_batch(self, chunk: int, job: Job) -> bool:
+        """Up to WORK_BATCH units of clearing a big write's window, until it is clear or the
+        turn's slice is spent: `_make`'s own checks between two units (is the window free,
+        does free space elsewhere serve the write) cost as much as an eviction, and a window
+        of small values takes thousands of units."""
+        for _ in range(WORK_BATCH):
+            if not self._work(chunk, job, "big"):
+                return False
+            if self.jobs.get(chunk) is not job or job.clear == (job.offset + job.span) >> self.engine.allocator.page_order \
+                    or self._over_budget():
+                break
+        return True
 
     def _overlaps(self, entry: int, lo: int, hi: int) -> bool:
         offset = self.engine.entries.dram_offset(entry)
