@@ -12,6 +12,8 @@ import urllib.request
 import pytest
 import redis
 
+from kvstore.store.entries import DRAM, OWNERS, TIERS
+from kvstore.store.quotas import MAX_NAME_BYTES, MAX_TENANTS, SHARED, Quotas
 from proto import wire
 from tests.conftest import free_port, wait_until
 
@@ -307,3 +309,21 @@ def test_a_tenants_ssd_values_count_against_its_share_after_a_restart(kvstore_fa
     admin.execute_command("ACL", "SETUSER", "alice", "quota-ssd=64mb")
     assert tenant_info(admin, "alice") == {"used_dram": 0, "quota_dram": "none", "used_ssd": alice_left * 4000,
                                            "quota_ssd": 64 * MIB}
+
+
+def test_a_name_from_an_ssd_record_or_another_node_gets_its_tenant_id():
+    """`Quotas.named`: an id by name (given at once when the name has none), the shared pool for no
+    name, a name longer than a quota's user may have, or when every id is taken."""
+    quotas = Quotas([[0] * OWNERS for _ in TIERS], [16 * MIB, 0, 0])
+    quotas.apply({"alice": {DRAM: MIB}})
+    alice = quotas.tenant("alice")
+    assert quotas.named(b"alice") == alice and quotas.label(alice) == b"alice"
+    bob = quotas.named(b"bob")
+    assert bob not in (SHARED, alice) and quotas.tenant("bob") == bob and quotas.named(b"bob") == bob
+    assert quotas.named(None) == SHARED and quotas.label(SHARED) is None
+    assert quotas.named(b"x" * (MAX_NAME_BYTES + 1)) == SHARED
+    for n in range(MAX_TENANTS - 2):
+        quotas.named(b"t%d" % n)
+    assert quotas.named(b"one too many") == SHARED
+    quotas.apply({"alice": {DRAM: MIB}, "bob": {DRAM: MIB}})     # bob's quota comes later: same id
+    assert quotas.tenant("bob") == bob

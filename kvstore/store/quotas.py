@@ -74,9 +74,9 @@ class Quotas:
     def named(self, label: bytes | None) -> int:
         """The id of the tenant a `label` names (an SSD record's at a warm restart, a value
         another node pushes here): the name's id, given now when it has none yet (its quota may
-        be set later: its bytes are counted already); SHARED for the shared pool, or when
-        every id is taken."""
-        if label is None:
+        be set later: its bytes are counted already); SHARED for the shared pool, a name longer
+        than a quota's user may have, or when every id is taken."""
+        if label is None or len(label) > MAX_NAME_BYTES:
             return SHARED
         name = label.decode(errors="surrogateescape")
         tenant = self.ids.get(name)

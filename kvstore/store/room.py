@@ -548,9 +548,9 @@ class RoomMaker:
         turn's slice is spent: `_make`'s own checks between two units (is the window free,
         does free space elsewhere serve the write) cost as much as an eviction, and a window
         of small values takes thousands of units."""
-        for _ in range(WORK_BATCH):
+        for done in range(WORK_BATCH):
             if not self._work(chunk, job, "big"):
-                return False
+                return done > 0
             if self.jobs.get(chunk) is not job or job.clear == (job.offset + job.span) >> self.engine.allocator.page_order \
                     or self._over_budget():
                 break
