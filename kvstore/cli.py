@@ -35,6 +35,9 @@ def serve_parser(sub) -> argparse.ArgumentParser:
                    help="bytes of the shared-memory DRAM arena that holds values, e.g. 256mb, 4gb (default 1gb)")
     p.add_argument("--maxmemory-policy", choices=EVICTION_POLICIES,
                    help="what to do when the arena is full (default allkeys-lru)")
+    p.add_argument("--evict-companions", metavar="'SUFFIX SUFFIX ...'",
+                   help="pairs of key suffixes evicted together: when eviction takes <stem><one>, <stem><other> "
+                   "goes too (default 'kv_bytes metadata', LMCache's two keys a chunk; '' for none)")
     p.add_argument("--requirepass", metavar="PASS", help="password clients must AUTH with")
     p.add_argument("--proto-max-bulk-len", type=_size, metavar="SIZE",
                    help="largest bulk string a client may send (default 512mb)")

@@ -1,6 +1,6 @@
 """Memory that holds any mix of value sizes: kvstore next to redis-server in the same run.
 
-    python -m loadtest.bench_memory [--quick] [--repeat 3] [--only burst,chain,mixed,tenants]
+    python -m loadtest.bench_memory [--quick] [--repeat 3] [--only burst,chain,mixed,tenants,lmcache]
 
 Each scenario runs on a fresh kvstore node and a fresh redis-server (maxmemory,
 allkeys-lru), one after the other, while a separate process PINGs the server
@@ -20,6 +20,11 @@ under test every 10 ms (its round trips are the loop's stalls as a client sees t
   share). Share of the quiet tenant's values left: on redis (no quotas), on kvstore
   without quotas and on kvstore with ``quota-dram`` set (kvstore/store/quotas.py);
   the last must keep at least 95 %.
+- lmcache: LMCache's own RedisConnector (0.5.6, a `kv_bytes` and a `metadata` key a chunk,
+  512 KiB chunks) puts 4x the budget in chunks, then gets every one back: chunks whole,
+  `metadata` keys left without their `kv_bytes` (a lookup that finds a chunk that is not
+  there) and the reverse, counted before the reads; every chunk read must be a miss or
+  exactly its bytes (kvstore/store/companions.py).
 
 Each scenario runs ``--repeat`` times per server, the servers taking turns; every
 figure printed is the median over the repeats (a PING max is one sample of a
@@ -233,6 +238,7 @@ class Settings:
 
 
 TENANT_VALUE = 16 * 1024
+LMCACHE_DATA = 4                # chunk bytes put, in budgets
 
 
 def tenants(client: redis.Redis, host: str, port: int, settings, quotas: bool) -> Result:
@@ -255,6 +261,43 @@ def tenants(client: redis.Redis, host: str, port: int, settings, quotas: bool) -
                                             "quiet_kept_share": round(kept / len(keys), 4)})
 
 
+def orphans(client: redis.Redis) -> tuple[int, int, int]:
+    """LMCache chunks in the store: (whole, `metadata` keys without their `kv_bytes`, `kv_bytes`
+    without their `metadata`)."""
+    metadata = {k[:-len(b"metadata")] for k in client.scan_iter(match=b"*metadata", count=1000)}
+    kv_bytes = {k[:-len(b"kv_bytes")] for k in client.scan_iter(match=b"*kv_bytes", count=1000)}
+    return len(metadata & kv_bytes), len(metadata - kv_bytes), len(kv_bytes - metadata)
+
+
+def lmcache(client: redis.Redis, host: str, port: int, settings) -> Result:
+    import torch
+
+    from loadtest.bench_lmcache import Rig      # LMCache and torch: only this scenario pays their import
+    torch.set_num_threads(1)                    # the client makes its chunks on one core: two are the host's
+    rig = Rig(layers=4, tokens=256, hidden=128, cpu_bytes=48 * MIB)       # 512 KiB chunks
+    try:
+        connector, backend = rig.connector(f"redis://{host}:{port}")
+        count = LMCACHE_DATA * settings.budget // rig.chunk_bytes
+        with Pinger(host, port) as pinger:
+            for start in range(0, count, 8):
+                ids = range(start, min(count, start + 8))
+                rig.run(connector.batched_put([rig.key(i) for i in ids], [rig.chunk(backend, i) for i in ids]))
+        whole, lone_metadata, lone_kv = orphans(client)
+        eviction = eviction_figures(client)
+        hits = wrong = 0
+        for i in range(count):
+            got = rig.run(connector.get(rig.key(i)))
+            if got is not None:
+                hits += rig.right(i, got)
+                wrong += not rig.right(i, got)
+                got.ref_count_down()
+    finally:
+        rig.close()
+    return Result(*pinger.summary(), extra={"chunks": count, "whole": whole, "orphaned_metadata": lone_metadata,
+                                            "orphaned_kv_bytes": lone_kv, "read_hits": hits, "wrong_chunks": wrong,
+                                            **eviction})
+
+
 def run_one(name: str, scenario: str, settings: Settings, group: ProcessGroup) -> Result:
     memory = f"{settings.budget // MIB}mb"
     server = start_redis(group, memory) if name == "redis" else start_kvstore(group, memory)
@@ -266,6 +309,8 @@ def run_one(name: str, scenario: str, settings: Settings, group: ProcessGroup) -
             return chain(client, server.host, server.port, settings, name == "kvstore")
         if scenario == "tenants":
             return tenants(client, server.host, server.port, settings, name == "kvstore+quotas")
+        if scenario == "lmcache":
+            return lmcache(client, server.host, server.port, settings)
         return mixed(client, server.host, server.port, settings)
     finally:
         client.close()
@@ -275,7 +320,7 @@ def run_one(name: str, scenario: str, settings: Settings, group: ProcessGroup) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer values and operations")
-    parser.add_argument("--only", default="burst,chain,mixed,tenants")
+    parser.add_argument("--only", default="burst,chain,mixed,tenants,lmcache")
     parser.add_argument("--repeat", type=int, help="runs per server and scenario, medians printed (3; --quick 1)")
     args = parser.parse_args(argv)
     settings = Settings(small=50_000, big=40, budget=16 * MIB, ops=1200) if args.quick else Settings()
@@ -309,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= quota["quiet_kept_share"] >= 0.95
             if scenario == "mixed":
                 print(f"  hit ratio kvstore/redis {kv.extra['hit_ratio'] / max(rd.extra['hit_ratio'], 1e-9):.2f}x")
+            if scenario == "lmcache":
+                print(f"  orphaned metadata keys: kvstore {kv.extra['orphaned_metadata']}, redis "
+                      f"{rd.extra['orphaned_metadata']} (target: fewer than redis); wrong chunks read: kvstore "
+                      f"{kv.extra['wrong_chunks']}, redis {rd.extra['wrong_chunks']} (target 0)")
+                ok &= kv.extra["wrong_chunks"] == 0 and kv.extra["orphaned_metadata"] <= rd.extra["orphaned_metadata"]
     return 0 if ok else 1
 
 

@@ -144,6 +144,7 @@ BAD_TOML = [
     ('client-query-buffer-limit = "1kb"', "client-query-buffer-limit must be at least 1mb"),
     ("slowlog-log-slower-than = -2", "slowlog-log-slower-than must be -1 (log nothing) or more"),
     ("slowlog-max-len = -1", "slowlog-max-len must be 0 or more"),
+    ('evict-companions = "kv_bytes"', "evict-companions takes pairs of key suffixes (an even number of words)"),
 ]
 
 

@@ -19,8 +19,10 @@ import asyncio
 import random
 
 import pytest
+import redis
 
 from loadtest.bench_lmcache import Rig
+from loadtest.bench_memory import orphans
 
 CHUNKS = 10
 
@@ -151,6 +153,28 @@ def test_redis_connector_under_eviction_reads_a_miss_never_wrong_bytes(rig, smal
     assert tally["wrong"] == 0, tally
     assert tally["hits"] > 0 and tally["misses"] > 0, f"no eviction or no hit: the test proves nothing {tally}"
     assert rig.run(connector.batched_async_contains("l", [rig.key(0), rig.key(1)])) < 2
+
+
+def test_eviction_takes_a_chunks_two_keys_together(rig, small_node):
+    """evict-companions (kvstore/store/companions.py): under eviction no `metadata` key is left
+    without its `kv_bytes` (a lookup finding a chunk that is not there) nor the other way round;
+    with it off, size-aware eviction leaves `metadata` keys behind."""
+    connector, backend = rig.connector(f"redis://{small_node.host}:{small_node.port}")
+    client = redis.Redis(small_node.host, small_node.port)
+    _store(rig, connector, backend, 80)                 # 40 MiB into 16 MiB of DRAM
+    whole, lone_metadata, lone_kv = orphans(client)
+    assert 0 < whole < 80 and (lone_metadata, lone_kv) == (0, 0)
+    assert client.info("memory")["evicted_keys_companion"] >= 80 - whole
+    client.config_set("evict-companions", "")
+    _store(rig, connector, backend, 160)
+    assert orphans(client)[1] > 0, "without companions, metadata keys outlive their chunks"
+
+
+def test_a_delete_takes_no_companion(server):
+    client = redis.Redis(server.host, server.port)
+    client.set(b"chunkkv_bytes", b"v" * 1000)
+    client.set(b"chunkmetadata", b"m")
+    assert client.delete(b"chunkkv_bytes") == 1 and client.get(b"chunkmetadata") == b"m"
 
 
 def test_resp_connector_under_eviction_reads_a_miss_never_wrong_bytes(rig, small_node):

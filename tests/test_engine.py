@@ -489,3 +489,24 @@ def test_metadata_bytes_per_key_stay_near_200(make_engine):
     assert len(engine.index) == n
     assert measured < 202       # under 200 before the one-byte owner column (kvstore/store/quotas.py)
     assert abs(reported - measured) < 0.25 * measured, "the INFO figure should match the measurement"
+
+
+def test_an_evicted_key_takes_its_companion_and_a_delete_does_not():
+    """evict-companions (kvstore/store/companions.py): LMCache's `kv_bytes` and `metadata` keys of a
+    chunk go together when eviction takes either, whichever is older; a DEL takes one key, as in Redis."""
+    from kvstore.store.companions import Companions
+    engine = Engine(4 * 1024 * 1024, prefault=False)
+    engine.companions = Companions("kv_bytes metadata")
+    engine.put(b"akv_bytes", b"a" * 1_000_000)
+    engine.put(b"ametadata", b"m" * 60)
+    engine.put(b"bmetadata", b"m" * 60)             # b's metadata older than its kv_bytes
+    engine.put(b"bkv_bytes", b"b" * 1_000_000)
+    for i in range(3):                              # room for more 1 MB values: the oldest chunks go
+        engine.put(b"new%d" % i, b"n" * 1_000_000)
+    assert b"akv_bytes" not in engine.index and b"ametadata" not in engine.index
+    assert (b"bkv_bytes" in engine.index) == (b"bmetadata" in engine.index)
+    assert engine.stats.evicted_companions >= 1
+    engine.put(b"dkv_bytes", b"d" * 1000)
+    engine.put(b"dmetadata", b"m" * 60)
+    assert engine.delete(b"dkv_bytes") and b"dmetadata" in engine.index
+    engine.close()

@@ -12,6 +12,7 @@ import re
 import tomllib
 from dataclasses import dataclass, fields
 
+from kvstore.store import companions
 from proto.wire import DEFAULT_HOST, DEFAULT_PORT
 
 EVICTION_POLICIES = ("allkeys-lru", "noeviction")
@@ -116,6 +117,7 @@ class Config:
     client_query_buffer_limit: int = 1024**3
     slowlog_log_slower_than: int = 10000   # microseconds; 0 logs every command, -1 none
     slowlog_max_len: int = 128
+    evict_companions: str = "kv_bytes metadata"     # suffix pairs evicted together (kvstore/store/companions.py)
 
     SIZE_FIELDS = ("dram_size", "proto_max_bulk_len", "ssd_size", "gpu_size", "client_query_buffer_limit")
     INT_FIELDS = ("port", "maxclients", "gpu_device", "promote_hits", "promote_window_ms", "metrics_port",
@@ -171,6 +173,8 @@ class Config:
                "client-query-buffer-limit must be at least 1mb",
                "argument must be between 1048576 and 9223372036854775807 inclusive")
         merge_output_buffer_limits(DEFAULT_OUTPUT_BUFFER_LIMIT, self.client_output_buffer_limit)
+        refused = companions.check(self.evict_companions)
+        _check(refused is None, "evict-companions", refused or "")
 
     def _validate_tls(self) -> None:
         _check(0 <= self.tls_port < 65536, "tls-port", f"tls-port {self.tls_port} out of range")

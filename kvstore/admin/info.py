@@ -82,7 +82,7 @@ def _fragmentation(engine) -> dict:
             "mem_slab_page_bytes": alloc.page,
             "evicted_keys_for_small": stats.evicted_for_small, "evicted_keys_for_big": stats.evicted_for_big,
             "evicted_keys_beyond_region": stats.evicted_beyond_region,
-            "evicted_keys_other": stats.evicted_other,
+            "evicted_keys_other": stats.evicted_other, "evicted_keys_companion": stats.evicted_companions,
             "eviction_seconds": f"{stats.evict_seconds:.6f}", "eviction_deferrals": stats.evict_deferrals,
             "eviction_regions": stats.evict_regions, "eviction_max_turn_ms": f"{room.max_slice * 1000:.3f}",
             "eviction_turn_budget_ms": f"{room.budget * 1000:.3f}" if room.budget is not None else "0"}

@@ -21,6 +21,7 @@ import os
 
 from kvstore.admin.config import LOG_LEVELS, Config, ConfigError, parse_size
 from kvstore.admin.redis_params import PARAMS
+from kvstore.store.companions import Companions
 from kvstore.store.entries import DRAM
 
 log = logging.getLogger("kvstore")
@@ -143,6 +144,7 @@ def push_to_running(server) -> None:
     """Make every run-time setting of ``server.config`` the one in force."""
     cfg, engine = server.config, server.engine
     engine.policy = cfg.maxmemory_policy
+    engine.companions = Companions(cfg.evict_companions)
     server.output_limit = cfg.output_buffer_limit()
     server.slowlog.configure(cfg.slowlog_log_slower_than, cfg.slowlog_max_len)
     for conn in server.clients.values():

@@ -30,7 +30,8 @@ SKIP = {"process_id", "tcp_port", "arch_bits"}
 COUNTERS = frozenset({"total_connections_received", "total_commands_processed", "rejected_connections",
                       "expired_keys", "evicted_keys", "keyspace_hits", "keyspace_misses", "oom_rejections",
                       "kv_hits", "kv_misses", "evicted_keys_for_small", "evicted_keys_for_big",
-                      "evicted_keys_beyond_region", "evicted_keys_other", "eviction_seconds", "eviction_deferrals",
+                      "evicted_keys_beyond_region", "evicted_keys_other", "evicted_keys_companion", "eviction_seconds",
+                      "eviction_deferrals",
                       "eviction_regions"})
 TIER_SECTIONS = ("gpu", "dram", "ssd")
 TIER_COUNTERS = frozenset({"hits", "misses", "promotions", "demotions", "evictions", "checksum_failures",

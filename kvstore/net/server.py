@@ -31,6 +31,7 @@ from kvstore.local.leases import LeaseTable, claim_arena_identity
 from kvstore.local.shared_index import SharedIndex
 from kvstore.net import tls
 from kvstore.net.connection import Connection
+from kvstore.store.companions import Companions
 from kvstore.store.engine import Engine
 from kvstore.tiers import TierError
 from kvstore.tiers.manager import open_tiers
@@ -74,6 +75,7 @@ class Server:
         self.pause = None       # CLIENT PAUSE in force (kvstore/net/client_pause.py)
         self.engine = Engine(config.dram_size, config.maxmemory_policy)
         self.engine.room.budget = EVICTION_SLICE_S     # eviction per loop turn (kvstore/store/room.py)
+        self.engine.companions = Companions(config.evict_companions)
         self.tiers = open_tiers(self.engine, config)     # None without SSD and GPU tiers
         # After the tiers: users' quota rules are checked against the sizes of DRAM and SSD.
         self.users = acl.Users(acl.Catalog.of(self.commands.all_commands()), config.requirepass, self.engine.quotas)

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store.arena import Arena, Extent
+from kvstore.store.companions import Companions
 from kvstore.store.deadlines import now_ms
 from kvstore.store.entries import DRAM, GPU, OFFSET_SHIFT, OFFSET_UNIT, ON_SSD, SSD, STAGED, TIERS, EntryTable
 from kvstore.store.eviction import NO_PARENT, SampledLRU
@@ -76,6 +77,7 @@ class EngineStats:
     evicted_for_big: int = 0        # ... a value of a page or more
     evicted_beyond_region: int = 0  # chain blocks outside a region, evicted before their parent in it
     evicted_other: int = 0          # clean-only and fallback evictions, cluster copies
+    evicted_companions: int = 0     # keys that went with an evicted one (kvstore/store/companions.py)
     evict_seconds: float = 0.0      # time spent evicting
     evict_deferrals: int = 0        # writes put off to a later loop turn by the per-turn bound
     evict_regions: int = 0          # regions chosen to clear for a write
@@ -118,6 +120,7 @@ class Engine:
         self.shed_first: Callable[[], bool] | None = None                   # drops a copy; True if one went
         self.pins = SoftPins(self.index, self.eviction, self.lookup)    # KV.PIN (kvstore/store/pins.py)
         self.room = RoomMaker(self)      # eviction that frees what a write needs (kvstore/store/room.py)
+        self.companions = Companions()   # keys evicted together (evict-companions; the server sets them)
 
     def refuses_writes(self) -> bool:
         """Redis's out-of-memory state for commands that use memory, under a maxmemory lowered
@@ -298,8 +301,21 @@ class Engine:
         return True
 
     def drop(self, entry: int) -> None:
-        """Remove a value from every tier (SSD over capacity, corrupt copy)."""
+        """Remove a value from every tier (SSD over capacity, corrupt copy), and its companions."""
+        key = self.entries.keys[entry]
         self._drop(entry)
+        self._drop_companions(key)
+
+    def _drop_companions(self, key: bytes) -> None:
+        """The keys ``evict-companions`` pairs with ``key``, which went for want of room
+        (kvstore/store/companions.py)."""
+        if not self.companions.pairs:
+            return
+        for companion in self.companions.of(key):
+            entry = self.index.get(companion)
+            if entry is not None:
+                self._drop(entry)
+                self.stats.evicted_companions += 1
 
     def flush(self) -> None:
         for entry in list(self.index.values()):
@@ -499,8 +515,10 @@ class Engine:
         return True
 
     def evict(self, entry: int) -> None:
-        """Let the DRAM value of ``entry`` go for good to make room."""
+        """Let the DRAM value of ``entry`` go for good to make room, and its companions."""
+        key = self.entries.keys[entry]
         self._drop(entry)
         self.stats.evictions += 1
         for listener in self.evict_listeners:
             listener(False)
+        self._drop_companions(key)
