@@ -9,6 +9,8 @@ chains through `KVClusterClient`, whose batch puts send the links.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import numpy as np
@@ -17,7 +19,7 @@ import redis
 
 from client import KVClusterClient
 from kvstore.admin.config import Config
-from kvstore.cluster.cascade import DROPS_PER_TICK, KV_CASCADE, LINKS_PER_KEY, Cascade, now_us
+from kvstore.cluster.cascade import DROPS_PER_TICK, KV_CASCADE, KV_UPLINK, LINKS_PER_KEY, Cascade, now_us
 from kvstore.cluster.migration import Migrator
 from kvstore.cluster.moved_links import MovedLinks
 from kvstore.cluster.node import ClusterState
@@ -46,10 +48,12 @@ def keys_of(owner: str, prefix: bytes, count: int) -> list[bytes]:
 
 
 class Links:
-    """Peer links that record each pipelined command; ``down`` addresses fail as a dead node does."""
+    """Peer links that record each pipelined command (KV.UPLINK apart, in ``uplinks``); ``down``
+    addresses fail as a dead node does."""
 
     def __init__(self):
         self.sent: list[tuple[str, tuple]] = []
+        self.uplinks: list[tuple[str, tuple]] = []
         self.down: set[str] = set()
 
     def link(self, addr: str):
@@ -59,7 +63,8 @@ class Links:
             async def pipeline(self, commands):
                 if addr in links.down:
                     raise PeerError(f"node {addr} is unreachable")
-                links.sent += [(addr, tuple(command)) for command in commands]
+                for command in commands:
+                    (links.uplinks if command[0] == KV_UPLINK else links.sent).append((addr, tuple(command)))
                 return [len(command) - 2 for command in commands]
         return Link()
 
@@ -124,6 +129,74 @@ def test_a_final_drop_sends_its_remote_children_to_their_owner_in_one_batch():
         info = cascade.info()
         assert info["cluster_cascade_links"] == 0 and info["cluster_cascade_sent"] == 3
         assert info["cluster_cascade_pending"] == 0
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ a dead node's links (KV.UPLINK)
+
+
+C = "c" * 40
+
+
+def node_of_three() -> tuple[Engine, Cascade, Links, ClusterState]:
+    """A cascade on node A in a map of A, B and C: A the first third of the slots, B the second, C the rest."""
+    engine = Engine(4 * MiB, prefault=False)
+    cluster = ClusterState(A, NODES[A])
+    nodes = {**NODES, C: "10.0.0.3:7000"}
+    third = SLOTS // 3
+    cluster.apply(SlotMap.build(1, nodes, [A] * third + [B] * third + [C] * (SLOTS - 2 * third)))
+    links = Links()
+    cascade = Cascade(engine, cluster, links)
+    cascade.attach()
+    return engine, cascade, links, cluster
+
+
+def key_in(lo: int, hi: int, prefix: bytes) -> bytes:
+    return next(key for key in (prefix + b"%d" % i for i in range(100_000)) if lo <= keyslot(key) < hi)
+
+
+def test_a_link_is_told_to_the_childs_node():
+    async def scenario():
+        engine, cascade, links = node()
+        parent, child = keys_of(A, b"p", 1)[0], keys_of(B, b"c", 1)[0]
+        engine.put(parent, b"v" * 100)
+        assert cascade.link(parent, child)
+        await settle()
+        assert links.uplinks == [(NODES[B], (KV_UPLINK, keyslot(parent), child))] and links.sent == []
+    asyncio.run(scenario())
+
+
+def test_children_of_a_dead_nodes_blocks_go_when_the_map_drops_it_and_not_after_a_clean_leave():
+    """B died: the map that takes its slots without a move drops what A noted under them (and
+    what follows those here); C left cleanly (its slots moved in a step first): nothing goes."""
+    async def scenario():
+        engine, cascade, links, cluster = node_of_three()
+        third = SLOTS // 3
+        after_b = [key_in(0, third, b"after-b-%d-" % i) for i in range(2)]
+        after_c = key_in(0, third, b"after-c-")
+        tail = key_in(0, third, b"tail-")
+        for key in (*after_b, after_c, tail):
+            engine.put(key, b"v" * 100)
+        engine.put(tail, b"v" * 100, parent=after_b[0])                 # a local block after it
+        b_slot, c_slot = key_in(third, 2 * third, b"pb"), key_in(2 * third, SLOTS, b"pc")
+        assert [cascade.uplink(keyslot(b_slot), k) for k in after_b] == [True, True]
+        assert cascade.uplink(keyslot(c_slot), after_c) and not cascade.uplink(keyslot(c_slot), after_c)
+        assert cascade.info()["cluster_cascade_uplinks"] == 3
+        nodes = dict(cluster.map.nodes)
+        step = SlotMap.build(2, nodes, cluster.map.owner_list,
+                             migrating={s: (C, A) for s in range(2 * third, SLOTS)})
+        cluster.apply(step)                                              # C leaves cleanly: a step
+        del nodes[C]
+        cluster.apply(SlotMap.build(3, nodes, [A] * third + [B] * third + [A] * (SLOTS - 2 * third)))
+        await settle()
+        assert engine.lookup(after_c) is not None, "a clean leave moved the block before it"
+        del nodes[B]
+        cluster.apply(SlotMap.build(4, nodes, [A] * SLOTS))             # B died: no step
+        await settle()
+        assert [engine.lookup(k) for k in (*after_b, tail)] == [None, None, None]
+        assert engine.lookup(after_c) is not None and cascade.info()["cluster_cascade_uplinks"] == 1
+        engine.delete(after_c)
+        assert cascade.info()["cluster_cascade_uplinks"] == 0            # its note went with it
     asyncio.run(scenario())
 
 
@@ -511,3 +584,35 @@ def test_a_standalone_node_has_no_cascade(server):
     with pytest.raises(redis.ResponseError, match="cluster support disabled"):
         conn.execute_command("KV.CASCADE", now_us(), "p")
     assert conn.get("p") == b"v"
+
+
+def test_chains_stay_prefixes_when_a_node_dies(cluster_factory):
+    """3 node processes over a real etcd; chains of 24 blocks over all three; one node is killed
+    with SIGKILL. Its blocks and links die with it; the map that gives its slots away makes the
+    others drop the blocks that followed its blocks (KV.UPLINK), and what follows those."""
+    up = cluster_factory(3, extra=("--node-timeout", "2"))
+    addrs = [f"{h}:{p}" for h, p in up.addrs]
+    with KVClusterClient(addrs, fast_path="off") as kv:
+        chains = [_chain(kv, f"dies-{n}", 24) for n in range(6)]
+        victim = kv.node_of(chains[0][3])
+    survivors = [a for a in addrs if a != victim]
+    uplinks = sum(redis.Redis(*a.rsplit(":", 1)).info("cluster")["cluster_cascade_uplinks"] for a in survivors)
+    assert uplinks > 0
+    os.kill(next(n["pid"] for n in up.info["nodes"] if n["addr"] == victim), signal.SIGKILL)
+    clients = [redis.Redis(*a.rsplit(":", 1), socket_timeout=5) for a in survivors]
+    wait_until(lambda: all(int(c.execute_command("CLUSTER INFO")["cluster_known_nodes"]) == 2 for c in clients),
+               timeout=30, what="the map without the dead node")
+
+    def present(key: bytes) -> bool:
+        for c in clients:
+            try:
+                return bool(c.exists(key))
+            except redis.exceptions.MovedError:
+                continue                    # the other survivor serves it now
+        raise AssertionError(f"no survivor serves {key!r}")
+
+    def prefixes() -> bool:
+        kept = [[present(k) for k in keys] for keys in chains]
+        return all(row == [True] * sum(row) + [False] * (len(row) - sum(row)) for row in kept)
+    wait_until(prefixes, what="every chain to be a prefix again")
+    assert any(not present(keys[-1]) for keys in chains) and any(present(keys[0]) for keys in chains)

@@ -59,8 +59,16 @@ told to drop, left the rest of its chain behind). Links travel with the moved
 values, in the same push (moved_links.py). An imported value counts as no
 write for the ordering question (it was written before it moved); a source
 whose copy was written after a drop keeps it, and the target, not knowing,
-may drop the pushed one: misses, never a wrong value. What a dead node held
-cannot cascade (its links died with it).
+may drop the pushed one: misses, never a wrong value.
+
+A dead node. Its links die with it, so the blocks that followed its blocks on
+other nodes would stay, unreachable. So each link is also told to the child's
+node (``KV.UPLINK slot child ...``, batched per peer like the cascades): that
+node notes the slot of the block before each such child. When a map takes a
+slot from a node that left the map without a move (it died: a clean leave
+moves its slots in a step first, and their values and links with them), every
+node drops the children it noted under that slot, and they cascade on. The notes
+share the node's link budget and go with the child's final drop.
 """
 from __future__ import annotations
 
@@ -78,6 +86,7 @@ from kvstore.cluster.tasks import BackgroundTasks
 log = logging.getLogger("kvstore.cluster")
 
 KV_CASCADE = "KV.CASCADE"
+KV_UPLINK = "KV.UPLINK"
 CASCADE_MAX = 1024          # keys one KV.CASCADE may carry
 LINK_KEY_MAX = 1024         # bytes of a child key a link may name
 LINKS_PER_KEY = 16          # remote children kept per key
@@ -126,6 +135,9 @@ class Cascade:
         self.fresh_keys = min(FRESH_KEYS[1], max(FRESH_KEYS[0], engine.limit // FRESH_SHARE))
         self.children: dict[bytes, list[bytes]] = {}        # own key -> children on other nodes
         self.link_count = 0
+        self.uplinks: dict[int, set[bytes]] = {}            # a slot -> own keys whose predecessor lives there
+        self.uplink_of: dict[bytes, int] = {}               # own key -> its predecessor's slot (on another node)
+        self.up_outgoing: dict[str, list] = {}              # peer address -> [slot, child, ...] to tell it
         self.queue: deque[tuple[bytes, int]] = deque()     # (own key, drop time) to drop here
         self.outgoing: dict[str, Outgoing] = {}            # peer address -> keys to send
         self.outgoing_count = 0
@@ -142,6 +154,7 @@ class Cascade:
         self.engine.final_drop_listeners.append(self._on_final_drop)
         self.engine.commit_listeners.append(self._on_commit)
         self.engine.overwrite_listeners.append(self._on_commit)     # a same-size re-put, written in place
+        self.cluster.add_listener(self._on_map)
         self.cluster.cascade = self
 
     # ------------------------------------------------------------ links (KV.LINK)
@@ -159,14 +172,64 @@ class Cascade:
         if len(children) >= LINKS_PER_KEY:
             children.pop(0)
             self.stats.links_displaced += 1
-        elif self.link_count >= self.max_links:
+        elif self.link_count + len(self.uplink_of) >= self.max_links:
             self.stats.links_refused += 1
             return False
         else:
             self.link_count += 1
         children.append(bytes(child))
         self.children[key] = children
+        self._tell_child(bytes(child), keyslot(key))
         return True
+
+    # ------------------------------------------------------------ a dead node's links (KV.UPLINK)
+
+    def _tell_child(self, child: bytes, slot: int) -> None:
+        """Tell ``child``'s owner that the block before it lives in ``slot``."""
+        owner = self.cluster.owner(keyslot(child))
+        addr = None if owner is None or owner == self.cluster.my_id else self.cluster.addr_of(owner)
+        if addr is None:
+            return
+        if self.outgoing_count >= OUTGOING_MAX:
+            self.stats.cut_short += 1
+            return
+        self.up_outgoing.setdefault(addr, []).extend((slot, child))
+        self.outgoing_count += 1
+        self._schedule()
+
+    def uplink(self, slot: int, child: bytes) -> bool:
+        """Note that the block before ``child`` (cached here) lives in ``slot`` on another node;
+        False when ``child`` is not here, is noted already, or the link budget is spent."""
+        entry = self.engine.lookup(child)
+        if entry is None or child in self.uplink_of:
+            return False
+        if self.link_count + len(self.uplink_of) >= self.max_links:
+            self.stats.links_refused += 1
+            return False
+        key = self.engine.key_of(entry)
+        self.uplink_of[key] = slot
+        self.uplinks.setdefault(slot, set()).add(key)
+        return True
+
+    def _forget_uplink(self, key: bytes) -> None:
+        slot = self.uplink_of.pop(key, None)
+        if slot is not None:
+            noted = self.uplinks[slot]
+            noted.discard(key)
+            if not noted:
+                del self.uplinks[slot]
+
+    def _on_map(self, old, new) -> None:
+        """Drop the children noted under the slots a node lost by dying (it left the map with
+        no move of the slot), whose blocks before them died with it."""
+        gone = {node for node in old.nodes if node not in new.nodes}
+        if not gone or not self.uplinks:
+            return
+        owners, at = old.owner_list, now_us()
+        for slot in [s for s in self.uplinks if owners[s] in gone and s not in old.migrating]:
+            for key in self.uplinks[slot].copy():
+                self._forget_uplink(key)
+                self._queue(key, at)
 
     def link_moved(self, parent: bytes, child: bytes, drop_us: int | None = None) -> bool:
         """A link that came with a slot move's push (KV.IMPORTLINK): recorded as `link` does; when
@@ -198,6 +261,8 @@ class Cascade:
     def _on_final_drop(self, entry: int, key: bytes) -> None:
         remote = self.children.pop(key, ())
         self.link_count -= len(remote)
+        if self.uplink_of:
+            self._forget_uplink(key)
         if key == self.departing:
             self.departing = None
             return              # a value leaving with a slot move: its links went with it (moved_links.py)
@@ -290,28 +355,32 @@ class Cascade:
         self._schedule()
 
     def _flush(self) -> None:
-        for addr in [addr for addr in self.outgoing if addr not in self.sending]:
-            batch = self.outgoing.pop(addr)
-            self.outgoing_count -= len(batch.keys)
+        for addr in {*self.outgoing, *self.up_outgoing} - self.sending:
+            batch = self.outgoing.pop(addr, None)
+            keys = batch.keys if batch is not None else []
+            commands = [(KV_CASCADE, batch.since_us, *keys[i:i + CASCADE_MAX])
+                        for i in range(0, len(keys), CASCADE_MAX)]
+            up = self.up_outgoing.pop(addr, [])
+            commands += [(KV_UPLINK, *up[i:i + 2 * CASCADE_MAX]) for i in range(0, len(up), 2 * CASCADE_MAX)]
+            self.outgoing_count -= len(keys) + len(up) // 2
             self.sending.add(addr)
-            self._tasks.spawn(self._send(addr, batch))
+            self._tasks.spawn(self._send(addr, commands, len(keys)))
 
-    async def _send(self, addr: str, batch: Outgoing) -> None:
-        """One peer's batch, pipelined in commands of at most CASCADE_MAX keys; lost on an error."""
-        keys = batch.keys
-        commands = [(KV_CASCADE, batch.since_us, *keys[i:i + CASCADE_MAX]) for i in range(0, len(keys), CASCADE_MAX)]
+    async def _send(self, addr: str, commands: list, keys: int) -> None:
+        """One peer's commands (its cascade, in commands of at most CASCADE_MAX keys, then the
+        links it is told of); lost on an error."""
         try:
             replies = await self.peers.link(addr).pipeline(commands)
             failed = [reply for reply in replies if isinstance(reply, PeerReplyError)]
             if failed:
                 raise failed[0]
-            self.stats.sent += len(keys)
+            self.stats.sent += keys
         except (PeerError, PeerReplyError) as e:
-            self.stats.send_failures += len(keys)
-            log.debug("A cascade of %d keys to %s was lost: %s", len(keys), addr, e)
+            self.stats.send_failures += keys
+            log.debug("A cascade of %d keys to %s was lost: %s", keys, addr, e)
         finally:
             self.sending.discard(addr)
-            if addr in self.outgoing:
+            if addr in self.outgoing or addr in self.up_outgoing:
                 self._schedule()
 
     # ------------------------------------------------------------ INFO and leaving
@@ -323,7 +392,8 @@ class Cascade:
 
     def info(self) -> dict[str, int]:
         s = self.stats
-        return {"cluster_cascade_links": self.link_count, "cluster_cascade_links_displaced": s.links_displaced,
+        return {"cluster_cascade_links": self.link_count, "cluster_cascade_uplinks": len(self.uplink_of),
+                "cluster_cascade_links_displaced": s.links_displaced,
                 "cluster_cascade_links_refused": s.links_refused, "cluster_cascade_dropped": s.dropped,
                 "cluster_cascade_sent": s.sent, "cluster_cascade_send_failures": s.send_failures,
                 "cluster_cascade_kept_fresh": s.kept_fresh, "cluster_cascade_cut_short": s.cut_short,
@@ -335,8 +405,10 @@ class Cascade:
         self.engine.final_drop_listeners.remove(self._on_final_drop)
         self.engine.commit_listeners.remove(self._on_commit)
         self.engine.overwrite_listeners.remove(self._on_commit)
+        self.cluster.remove_listener(self._on_map)
         self.cluster.cascade = None
         self.queue.clear()
         self.outgoing.clear()
+        self.up_outgoing.clear()
         self.outgoing_count = 0
         self._tasks.cancel_all()

@@ -118,6 +118,9 @@ class ClusterState:
         """Call ``listener(old, new)`` after each map change."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: MapListener) -> None:
+        self._listeners.remove(listener)
+
     # ---------------------------------------------------------------- applying maps
 
     def apply(self, new: SlotMap) -> bool:
