@@ -552,6 +552,12 @@ def test_link_bad_input_gets_clear_errors(kv, cluster):
         here.execute_command("KV.CASCADE", now_us(), *[b"k"] * 1025)
     with pytest.raises(redis.ResponseError, match="microseconds"):
         here.execute_command("KV.CASCADE", b"soon", b"k")
+    for args, reason in [((b"1", b"k", b"2"), "wrong number of arguments"), ((b"x", b"k"), "integer"),
+                         ((b"16384", b"k"), "between 0 and 16383"), ((b"-1", b"k"), "between 0 and 16383"),
+                         ((b"1", b"c" * 1025), "longer than 1024 bytes"), ((b"1", b"k") * 1025, "at most 1024 pairs")]:
+        with pytest.raises(redis.ResponseError, match=reason):
+            here.execute_command("KV.UPLINK", *args)
+    assert here.execute_command("KV.UPLINK", b"5", parent, b"5", b"not-cached") == 1
     absent = b"{%s}absent" % parent                                 # same slot, not cached
     assert here.execute_command("KV.LINK", parent, b"child-1", absent, b"child-2") == 1
     here.execute_command("ACL", "SETUSER", "tenant-a", "on", ">pw", "~bad-*", "+@all")
