@@ -52,7 +52,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -227,7 +227,8 @@ class KVClusterClient:
         return {addr: indices for addr, indices in zip(addrs, groups) if indices}
 
     def _scatter(self, keys: Sequence[Key], run: Callable[[BlockTransport, list[int]], list[Any]],
-                 tail_first: bool = True, also: Iterable[str] = ()) -> list[Any]:
+                 tail_first: bool = True, also: Iterable[str] = (),
+                 failures: dict[str, tuple[list[int], Exception]] | None = None) -> list[Any]:
         """Run ``run(transport, indices)`` on every node with keys, in parallel; results in key order.
 
         Each node gets its part ``tail_first`` (last key first): a batch is
@@ -241,6 +242,8 @@ class KVClusterClient:
         slot in the middle of a move) is run key by key, each following its
         own redirection. Nodes named in ``also`` are run too, with no keys (a
         cluster put's chain links for a node that stores none of the batch).
+        A node's error is raised once every node has answered, or, given
+        ``failures``, recorded there (address -> (its indices, the error)).
         """
         results: list[Any] = [None] * len(keys)
         pending = self._by_node(keys)
@@ -252,6 +255,7 @@ class KVClusterClient:
             futures = {addr: self._pool.submit(run, self._transport(addr), indices)
                        for addr, indices in pending.items()}
             moved: list[int] = []
+            failed: dict[str, tuple[list[int], Exception]] = {}
             for addr, future in futures.items():
                 try:
                     for index, value in zip(pending[addr], future.result()):
@@ -263,7 +267,13 @@ class KVClusterClient:
                         for i in pending[addr]:
                             results[i] = self._on_key(keys[i], lambda c, i=i: run(c, [i])[0])
                     else:
-                        raise
+                        failed[addr] = (pending[addr], exc)
+                except (KVError, OSError) as exc:       # a node gone, timed out, refusing
+                    failed[addr] = (pending[addr], exc)
+            if failed and failures is None:
+                raise next(iter(failed.values()))[1]
+            if failures is not None:
+                failures.update(failed)
             if not moved:
                 return results
             self.refresh()
@@ -464,8 +474,28 @@ class KVClusterClient:
         in chain order (not tail first), so an ancestor is there when its descendant is linked to it."""
         local, remote = self._chain_links(keys, links)
         by_node = {self._transport(addr): chain for addr, chain in remote.items()}
-        return self._scatter(keys, lambda t, ix: put(t, ix, [local[i] for i in ix], by_node.pop(t, [])),
-                             tail_first=False, also=remote)
+        failures: dict[str, tuple[list[int], Exception]] = {}
+        stored = self._scatter(keys, lambda t, ix: put(t, ix, [local[i] for i in ix], by_node.pop(t, [])),
+                               tail_first=False, also=remote, failures=failures)
+        if failures:
+            self._give_back(keys, links, [i for indices, _ in failures.values() for i in indices])
+            raise next(iter(failures.values()))[1]
+        return stored
+
+    def _give_back(self, keys: list[Key], links: list[Key | None], failed: list[int]) -> None:
+        """After a node failed its part of a batch put: delete the blocks that follow a block not
+        written (through the batch's links, parents before children). No prefix lookup reaches
+        them, and nothing links them to the missing block, so no cascade would ever drop them.
+        Best effort: a node that fails this too keeps them."""
+        index = {key_bytes(key): i for i, key in enumerate(keys)}
+        cut = set(failed)
+        for i, parent in enumerate(links):
+            if parent is not None and index.get(key_bytes(parent)) in cut:
+                cut.add(i)
+        after = [keys[i] for i in sorted(cut - set(failed))]
+        if after:
+            with suppress(KVError, OSError):
+                self._scatter(after, lambda t, ix: [t.client.delete(after[i]) for i in ix], failures={})
 
     def _chain_links(self, keys: list[Key], links: list[Key | None]) -> tuple[list[Key | None], dict[str, list]]:
         """Each block's nearest ancestor (through the batch's own links) on the block's node, and, per

@@ -264,12 +264,17 @@ class ClusterSim:
     def write_chain(self, keys: list[bytes], hits: int) -> int:
         """Write ``keys[hits:]`` as a cluster client's batch put does: each block under its nearest
         ancestor on the same node, and a link at its predecessor's node when that is another one
-        (KV.LINK, which the client pipelines after that node's puts). Returns the blocks not written."""
+        (KV.LINK, which the client pipelines after that node's puts). Returns the blocks not written:
+        after one that could not be, none is kept (the client gives back what it stored past it,
+        `KVClusterClient._give_back`)."""
         nearest: dict[str, bytes] = {}              # node address -> the chain's last block there
         before: SimNode | None = None
         errors = 0
         for i, key in enumerate(keys):
             node = self.route(key)
+            if errors:
+                errors += 1
+                continue
             if i >= hits and not self.write(node, key, nearest.get(node.addr) if node else None):
                 errors += 1
             elif i >= hits and before is not None and before is not node and before.services:

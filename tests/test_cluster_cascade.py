@@ -622,3 +622,22 @@ def test_chains_stay_prefixes_when_a_node_dies(cluster_factory):
         return all(row == [True] * sum(row) + [False] * (len(row) - sum(row)) for row in kept)
     wait_until(prefixes, what="every chain to be a prefix again")
     assert any(not present(keys[-1]) for keys in chains) and any(present(keys[0]) for keys in chains)
+
+
+def test_a_batch_put_with_a_dead_node_leaves_no_block_past_the_first_it_could_not_write(cluster_factory):
+    """Its blocks after the dead node's first one are unreachable and nothing links them to the
+    missing block: the client deletes what it stored of them before it raises the node's error."""
+    up = cluster_factory(3, extra=("--node-timeout", "30"))
+    addrs = [f"{h}:{p}" for h, p in up.addrs]
+    with KVClusterClient(addrs, fast_path="off", timeout=2, retries=0) as kv:
+        keys = [b"gap-%03d" % i for i in range(24)]
+        owners = [kv.node_of(k) for k in keys]
+        victim = owners[5]
+        first = owners.index(victim)
+        assert any(o != victim for o in owners[first + 1:])
+        os.kill(next(n["pid"] for n in up.info["nodes"] if n["addr"] == victim), signal.SIGKILL)
+        with pytest.raises((ConnectionError, OSError)):
+            kv.batch_put([(k, bytes(1000)) for k in keys], parents=[None] + keys[:-1])
+    survivors = {a: redis.Redis(*a.rsplit(":", 1), socket_timeout=5) for a in addrs if a != victim}
+    stored = [survivors[o].exists(k) == 1 if o != victim else False for k, o in zip(keys, owners)]
+    assert stored == [True] * first + [False] * (len(keys) - first)
