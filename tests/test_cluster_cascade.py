@@ -200,6 +200,16 @@ def test_children_of_a_dead_nodes_blocks_go_when_the_map_drops_it_and_not_after_
     asyncio.run(scenario())
 
 
+def test_a_note_that_comes_before_its_child_waits_for_the_childs_commit():
+    async def scenario():
+        engine, cascade, links = node()
+        child = keys_of(A, b"early", 1)[0]
+        assert cascade.uplink(7, child) is False and cascade.info()["cluster_cascade_uplinks"] == 0
+        engine.put(child, b"v" * 100)
+        assert cascade.uplink_of == {child: 7} and not cascade.pending_up
+    asyncio.run(scenario())
+
+
 def test_a_re_put_of_the_parent_keeps_its_links_and_cascades_nothing():
     async def scenario():
         engine, cascade, links = node()
@@ -602,8 +612,9 @@ def test_chains_stay_prefixes_when_a_node_dies(cluster_factory):
         chains = [_chain(kv, f"dies-{n}", 24) for n in range(6)]
         victim = kv.node_of(chains[0][3])
     survivors = [a for a in addrs if a != victim]
-    uplinks = sum(redis.Redis(*a.rsplit(":", 1)).info("cluster")["cluster_cascade_uplinks"] for a in survivors)
-    assert uplinks > 0
+    infos = lambda: [redis.Redis(*a.rsplit(":", 1)).info("cluster") for a in addrs]     # noqa: E731
+    wait_until(lambda: sum(i["cluster_cascade_uplinks"] for i in infos()) == sum(i["cluster_cascade_links"]
+               for i in infos()) > 0, what="every link noted at its child's node")
     os.kill(next(n["pid"] for n in up.info["nodes"] if n["addr"] == victim), signal.SIGKILL)
     clients = [redis.Redis(*a.rsplit(":", 1), socket_timeout=5) for a in survivors]
     wait_until(lambda: all(int(c.execute_command("CLUSTER INFO")["cluster_known_nodes"]) == 2 for c in clients),

@@ -68,7 +68,9 @@ node notes the slot of the block before each such child. When a map takes a
 slot from a node that left the map without a move (it died: a clean leave
 moves its slots in a step first, and their values and links with them), every
 node drops the children it noted under that slot, and they cascade on. The notes
-share the node's link budget and go with the child's final drop.
+share the node's link budget and go with the child's final drop. A note may come
+before its child (the batch put reaches the nodes in parallel): it waits, at most
+``PENDING_UPLINKS`` of them, the oldest going first, for the child's commit.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ KV_UPLINK = "KV.UPLINK"
 CASCADE_MAX = 1024          # keys one KV.CASCADE may carry
 LINK_KEY_MAX = 1024         # bytes of a child key a link may name
 LINKS_PER_KEY = 16          # remote children kept per key
+PENDING_UPLINKS = 4096      # notes waiting for their child's commit
 LINK_BUDGET_SHARE = 32768   # DRAM bytes per link allowed (about 1/256 of DRAM at ~128 bytes a link) ...
 MIN_LINKS = 4096            # ... but never fewer than this
 DROPS_PER_TICK = 256        # local drops per loop tick
@@ -138,6 +141,7 @@ class Cascade:
         self.uplinks: dict[int, set[bytes]] = {}            # a slot -> own keys whose predecessor lives there
         self.uplink_of: dict[bytes, int] = {}               # own key -> its predecessor's slot (on another node)
         self.up_outgoing: dict[str, list] = {}              # peer address -> [slot, child, ...] to tell it
+        self.pending_up: OrderedDict[bytes, int] = OrderedDict()    # a note whose child is not here yet
         self.queue: deque[tuple[bytes, int]] = deque()     # (own key, drop time) to drop here
         self.outgoing: dict[str, Outgoing] = {}            # peer address -> keys to send
         self.outgoing_count = 0
@@ -198,10 +202,17 @@ class Cascade:
         self._schedule()
 
     def uplink(self, slot: int, child: bytes) -> bool:
-        """Note that the block before ``child`` (cached here) lives in ``slot`` on another node;
-        False when ``child`` is not here, is noted already, or the link budget is spent."""
+        """Note that the block before ``child`` lives in ``slot`` on another node; False when it is
+        noted already, the link budget is spent, or ``child`` is not here yet (the note then
+        waits for its commit)."""
         entry = self.engine.lookup(child)
-        if entry is None or child in self.uplink_of:
+        if entry is None:
+            self.pending_up[child] = slot
+            self.pending_up.move_to_end(child)
+            if len(self.pending_up) > PENDING_UPLINKS:
+                self.pending_up.popitem(last=False)
+            return False
+        if child in self.uplink_of:
             return False
         if self.link_count + len(self.uplink_of) >= self.max_links:
             self.stats.links_refused += 1
@@ -248,6 +259,10 @@ class Cascade:
     def _on_commit(self, key: bytes, entry: int = -1) -> None:
         """Remember when ``key`` was written (a commit, or a rewrite in place, which commits nothing);
         a value a slot move pushed here was written before, on its source: no write here."""
+        if self.pending_up:
+            slot = self.pending_up.pop(key, None)
+            if slot is not None:
+                self.uplink(slot, key)
         moves = self.cluster.moves
         if moves is not None and moves.guard.storing:
             return
@@ -410,5 +425,6 @@ class Cascade:
         self.queue.clear()
         self.outgoing.clear()
         self.up_outgoing.clear()
+        self.pending_up.clear()
         self.outgoing_count = 0
         self._tasks.cancel_all()
