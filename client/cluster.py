@@ -495,7 +495,7 @@ class KVClusterClient:
         after = [keys[i] for i in sorted(cut - set(failed))]
         if after:
             with suppress(KVError, OSError):
-                self._scatter(after, lambda t, ix: [t.client.delete(after[i]) for i in ix], failures={})
+                self.delete(*after)
 
     def _chain_links(self, keys: list[Key], links: list[Key | None]) -> tuple[list[Key | None], dict[str, list]]:
         """Each block's nearest ancestor (through the batch's own links) on the block's node, and, per

@@ -123,6 +123,7 @@ def match(table: Table, s: Settings) -> None:
         keys = [b"match-%04d" % i for i in range(256)]
         kv.batch_put([(k, b"x" * 64) for k in keys], parents=[None] + keys[:-1])
         probes = [redis.Redis(*addr) for addr in up.addrs]
+        cascades_settled(probes)                               # the links' notes (KV.UPLINK) are sent
         idle = _served(probes, twice=True)                     # what asking costs
         before = _served(probes)
         times = []

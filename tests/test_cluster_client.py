@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from client import BlockHasher, KVClusterClient, PutsFailed
+from loadtest.bench_cluster import cascades_settled
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,7 @@ def test_prefix_match_over_nodes_is_one_parallel_round(client, cluster):
     assert len({client.node_of(k) for k in keys}) == 3
     cached = 200
     client.batch_put([(k, b"kv" * 50) for k in keys[:cached]], parents=[None] + keys[:cached - 1])
+    cascades_settled([redis.Redis(*addr) for addr in cluster.addrs])    # the links' notes (KV.UPLINK) are sent
     first = _commands_served(cluster)
     before = _commands_served(cluster)              # what asking costs (connection set-up, INFO)
     assert client.match_prefix(keys) == cached

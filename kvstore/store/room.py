@@ -551,8 +551,7 @@ class RoomMaker:
         for done in range(WORK_BATCH):
             if not self._work(chunk, job, "big"):
                 return done > 0
-            if self.jobs.get(chunk) is not job or job.clear == (job.offset + job.span) >> self.engine.allocator.page_order \
-                    or self._over_budget():
+            if self.jobs.get(chunk) is not job or self._cleared(job) or self._over_budget():
                 break
         return True
 
