@@ -22,7 +22,8 @@
              matched prefix): >= 99 % of chains keep a prefix of their blocks,
              counted once the nodes' eviction cascades have settled.
 - cost:      a 1-node cluster vs a standalone node, redis-py SET/GET of 1 MiB:
-             ratio >= 0.95.
+             ratio >= 0.95 (short passes taking turns, eight a repeat: one slow
+             spell of this shared host moves one sample, not a column).
 - rebalance: a 4th node joins a 3-node cluster under a uniform read load over a
              working set that fits: hit ratio over the next 30 s / before >= 0.9.
 
@@ -54,7 +55,8 @@ from loadtest.report import Table, Target, log, machine_info
 from loadtest.sealed import seal, verify
 
 MIB = 1 << 20
-COST_VALUES = 256         # 1 MiB values per SET/GET pass of the cost figure: long enough to outlast a hiccup
+COST_VALUES = 64          # 1 MiB values per SET/GET pass of the cost figure ...
+COST_TURNS = 8            # ... and passes of each server a repeat, taking turns
 FIGURES = ("striped", "match", "prefix", "cost", "failover", "hotblock", "rebalance")
 SUBJECT, REFERENCE = "kvstore", "reference"      # each row names what the two are
 ERRORS = (OSError, KVError, redis.RedisError, RuntimeError)
@@ -203,11 +205,10 @@ def cluster_cost(table: Table, s: Settings) -> None:
     value = os.urandom(MIB)
     with ClusterUp(nodes=1, dram_size="1gb") as up, ProcessGroup() as group:
         standalone = start_kvstore(group, "1gb")
-        servers = {SUBJECT: up.addrs[0], REFERENCE: (standalone.host, standalone.port)}
-        for repeat in range(s.repeats):
-            order = list(servers.items())
-            for column, addr in order if repeat % 2 == 0 else order[::-1]:      # neither always goes first
-                client = redis.Redis(*addr)
+        clients = {SUBJECT: redis.Redis(*up.addrs[0]), REFERENCE: redis.Redis(standalone.host, standalone.port)}
+        for turn in range(s.repeats * COST_TURNS):
+            order = list(clients.items())
+            for column, client in order if turn % 2 == 0 else order[::-1]:      # neither always goes first
                 for op, seconds in _set_get(client, value, COST_VALUES).items():
                     rows[op].add(column, COST_VALUES * MIB / seconds / 1e9)
 

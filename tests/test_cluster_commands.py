@@ -258,3 +258,22 @@ def test_unserved_slots_and_an_incomplete_map():
     assert routed(state, [unserved]) == b"-CLUSTERDOWN Hash slot not served\r\n"
     assert routed(state, [served]) == b"-CLUSTERDOWN The cluster is down\r\n"
     assert routed(state, []) is None
+
+
+def test_a_slot_at_rest_here_is_served_whatever_the_flags(redis_cluster):
+    """`ClusterState.serves_at_rest` lets plain GETs and SETs skip routing: it holds only
+    where `redirect` would answer None, with or without ASKING."""
+    first, second, ids = redis_cluster
+    moving = b"{%s}" % next(b"%d" % i for i in range(100000) if keyslot(b"%d" % i) == 100)
+    keys = [key_in(range(0, 5001)), key_in(range(5001, SLOTS)), moving]
+    for me in (0, 1):
+        state = mirror(first, second, ids, me)
+        for key in keys:
+            at_rest = state.serves_at_rest(key)
+            assert at_rest == (keyslot(key) != 100 and state.is_mine(keyslot(key)))
+            if at_rest:
+                assert routed(state, [key], False) is None and routed(state, [key], True) is None
+    nodes = {A: "127.0.0.1:7001"}
+    partial = ClusterState(A, nodes[A])
+    partial.apply(SlotMap.build(1, nodes, [A] * 100 + [None] * (SLOTS - 100)))
+    assert not partial.serves_at_rest(key_in(range(0, 100)))        # CLUSTERDOWN: not every slot served

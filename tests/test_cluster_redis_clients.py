@@ -104,3 +104,29 @@ def test_kv_match_spans_the_slots_of_one_node_and_redirects_a_foreign_key(cluste
     foreign = next(k for k in (f"blk:{i}".encode() for i in range(200)) if _owner_of(cluster, k.decode()) != addr)
     reply = _raw(addr, "KV.MATCH", mine[0], foreign)
     assert reply.startswith(b"-MOVED %d " % keyslot(foreign))
+
+
+def test_a_pipelined_batch_of_plain_gets_and_sets_is_routed_per_key(cluster):
+    """Plain GETs and SETs skip dispatch's generic checks on a cluster node too (the slot at
+    rest here): in one pipelined write, each key still gets its own answer, a foreign key
+    MOVED between two served here, and a big value (received into the arena) as well."""
+    owner = _owner_of(cluster, "{p}a")
+    foreign = next(f"{{p{i}}}x" for i in range(1000) if _owner_of(cluster, f"{{p{i}}}x") != owner)
+    big = b"v" * (300 * 1024)
+    commands = [("SET", "{p}a", "1"), ("SET", foreign, "2"), ("GET", "{p}a"), ("GET", foreign),
+                ("SET", "{p}b", big), ("GET", "{p}b"), ("GET", "{p}missing")]
+    payload = b"".join(b"*%d\r\n" % len(c) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in
+                                                     (x if isinstance(x, bytes) else x.encode() for x in c))
+                       for c in commands)
+    host, port = _owner_of(cluster, foreign)
+    moved = b"-MOVED %d %s:%d\r\n" % (keyslot(foreign.encode()), host.encode(), port)
+    expected = b"+OK\r\n" + moved + b"$1\r\n1\r\n" + moved + b"+OK\r\n" + b"$%d\r\n%s\r\n" % (len(big), big) + b"$-1\r\n"
+    with socket.create_connection(owner, timeout=10) as sock:
+        sock.sendall(payload)
+        got = b""
+        while len(got) < len(expected):
+            chunk = sock.recv(1 << 20)
+            assert chunk, got
+            got += chunk
+    assert got == expected
+    assert redis.Redis(*owner).get("{p}a") == b"1"

@@ -43,7 +43,7 @@ import numpy as np
 from kvstore.cluster.assign import finish_moves, plan_moves, rebalance
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.mapchange import apply_change
-from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError
+from kvstore.cluster.slots import SLOTS, SlotMap, SlotMapError, keyslot
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -91,6 +91,13 @@ class ClusterState:
 
     def is_mine(self, slot: int) -> bool:
         return self.mine[slot] == 1
+
+    def serves_at_rest(self, key: bytes) -> bool:
+        """Whether ``key``'s slot is this node's and not moving, with every slot served: then
+        `routing.redirect` answers None for it whatever the connection's flags, and a plain GET
+        or SET of it may skip the routing step (kvstore/commands/dispatch.py)."""
+        slot = keyslot(key)
+        return self.mine[slot] == 1 and self.map.assigned == SLOTS and slot not in self.map.migrating
 
     def addr_of(self, node_id: str) -> str | None:
         return self.map.nodes.get(node_id)

@@ -188,9 +188,9 @@ def run_plain(conn) -> None:
     value. When none of those checks can matter for this connection right
     now (`_plain_allowed`), a request that is exactly ``GET key`` or ``SET
     key value`` (no options, no parse failure; a big value received into the
-    arena is committed where it lies, or given back) goes straight to `_execute`, where
-    every command runs (no cluster here, so no copies to wait for), with the same
-    error replies; the batch runs there as one loop, with no call per command. Nothing
+    arena is committed where it lies, or given back; on a cluster node, a key of a
+    slot served here and not moving, `ClusterState.serves_at_rest`) goes straight to
+    `_execute`, where every command runs, with the same error replies; the batch runs there as one loop, with no call per command. Nothing
     a plain GET or SET does can change what `_plain_allowed` looked at, and no
     other client runs until this batch ends, so it is asked once per batch;
     any other request ends the batch and takes the generic path.
@@ -203,11 +203,12 @@ def run_plain(conn) -> None:
 def _plain_allowed(conn) -> bool:
     """Whether this connection's requests need none of the checks `dispatch` makes before
     a GET or SET runs: authenticated as a user allowed everything, no MULTI, no ASKING,
-    no CLIENT REPLY OFF or SKIP, no CLIENT PAUSE, no cluster routing, no SSD index still loading,
-    no maxmemory lowered below the arena (Redis's out-of-memory refusal is dispatch's to make)."""
+    no CLIENT REPLY OFF or SKIP, no CLIENT PAUSE, no SSD index still loading, no maxmemory
+    lowered below the arena (Redis's out-of-memory refusal is dispatch's to make). A cluster
+    node's routing is asked per key (`_execute`)."""
     server, tiers, engine = conn.server, conn.tiers, conn.engine
     return conn.authenticated and conn.user.unrestricted and conn.transaction.queued is None and not conn.redirects.asking \
-        and not conn.reply_mode.muted and server.pause is None and server.cluster is None \
+        and not conn.reply_mode.muted and server.pause is None \
         and (tiers is None or not tiers.loading) and engine.limit >= engine.allocator.capacity
 
 
@@ -266,20 +267,17 @@ def _copies_serve(conn, cmd: Command, keys: list, reply: bytes) -> bool:
 
 
 def _run(conn, cmd: Command, args: list) -> None:
-    """A checked request runs: `_execute`, then a write of a replicated key waits for its copies."""
+    """A checked request runs (`_execute`), under its name in INFO commandstats."""
     name = cmd.name
     if cmd.subcommands and len(args) > 1:
         name = f"{name}|{args[1].lower().decode(errors='replace')}"     # client|list, as Redis names it
     _execute(conn, cmd, name, cmd.handler, args)
-    cluster = conn.server.cluster
-    if cluster is not None and cluster.copies is not None and cluster.copies.unacked:
-        # A write of a replicated key: the reply waits until its copies are gone.
-        conn.defer(cluster.copies.take_unacked(), _ordering_only)
 
 
 def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | None, backlog=None) -> None:
     """Where every command runs, checked (`_run`) or plain (`run_plain`): the handler, its
-    INFO commandstats row, the slowlog, the reply, and a write's wait for SSD.
+    INFO commandstats row, the slowlog, the reply, and a write's wait for SSD and for the
+    removal of a replicated key's copies.
 
     A checked command comes with its ``cmd``, ``name``, ``handler`` and ``args``, and what
     it raises goes back to `dispatch`. `run_plain` hands over its ``backlog`` instead: the
@@ -292,6 +290,8 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
     a plain command's time also holds the batch's few steps between two handlers.
     """
     server, tiers, rows = conn.server, conn.tiers, conn.server.stats.cmdstats
+    cluster = server.cluster
+    copies = None if cluster is None else cluster.copies
     if backlog is not None:
         by_name, done, has_extents = conn.commands.by_name, 0, False
         threshold = server.slowlog.threshold_ns
@@ -304,7 +304,8 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
                 request = backlog.popleft()
                 args, failure, has_extents = request
                 plain = _PLAIN.get(args[0])
-                if plain is None or len(args) != plain[0] or failure is not None:
+                if plain is None or len(args) != plain[0] or failure is not None \
+                        or (cluster is not None and not cluster.serves_at_rest(args[1])):
                     backlog.appendleft(request)     # not plain: the generic path takes it
                     return
                 _, handler, name = plain
@@ -333,6 +334,9 @@ def _execute(conn, cmd: Command | None, name: str | None, handler, args: list | 
                     conn.wbuf += reply
                 if tiers is not None and tiers.has_unacked():
                     _wait_for_ssd(conn, tiers)
+                if copies is not None and copies.unacked:
+                    # A write of a replicated key: the reply waits until its copies are gone.
+                    conn.defer(copies.take_unacked(), _ordering_only)
             except Exception as exc:
                 if backlog is None:
                     raise
