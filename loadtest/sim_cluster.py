@@ -134,6 +134,7 @@ class ClusterSim:
         self.key_reads: Counter[bytes] = Counter()              # block reads per key (the hottest block)
         self.chains: deque[list[bytes]] = deque(maxlen=CHAINS_CHECKED)
         self.moving_keys: set[bytes] = set()                    # values of the moving slots at a step's start
+        self.predecessor: dict[bytes, bytes] = {}               # block -> the block before it in its chain
         self._value = bytes(settings.nic.value_bytes)
 
     # ------------------------------------------------------------ nodes
@@ -218,6 +219,7 @@ class ClusterSim:
             hits += 1
         errors += self.write_chain(keys, hits)
         self.chains.append(keys)
+        self.predecessor.update(zip(keys[1:], keys))
         self.log.append((asyncio.get_running_loop().time(), len(keys), hits, errors))
 
     def route(self, key: bytes) -> SimNode | None:
@@ -299,6 +301,16 @@ class ClusterSim:
         node = self.up(m.nodes.get(m.owner(keyslot(key))))
         return node is not None and key in node.engine.index
 
+    def chain_held_before(self, key: bytes) -> bool:
+        """Whether every block before ``key`` in its chain is at its owner: a prefix match would
+        reach ``key`` (the trace's hash ids are prefix-chained: a block has one predecessor)."""
+        seen = 0
+        while (key := self.predecessor.get(key)) is not None and seen < len(self.predecessor):
+            if not self.owner_holds(key):
+                return False
+            seen += 1
+        return True
+
     def not_prefix(self) -> float:
         """The share of the latest chains whose cached blocks are not a prefix of them (a block
         cached after one that is not: unreachable by a prefix match)."""
@@ -349,6 +361,8 @@ class ClusterSim:
         block = self.settings.nic.block_bytes
         report.to_move_bytes = len(self.moving_keys) * block
         report.kept_bytes = sum(map(self.owner_holds, self.moving_keys)) * block
+        report.reachable_lost_bytes = sum(not self.owner_holds(key) and self.chain_held_before(key)
+                                          for key in self.moving_keys) * block
         report.etcd = etcd_rates(etcd0, self.etcd.stats, max(report.settled_s, POLL_S))
         after = self.leader().cluster.map
         report.slots_moved = moved_slots(before, after)

@@ -34,6 +34,7 @@ class EventReport:
     map_bytes: int = 0
     to_move_bytes: int = 0          # what the sources held of the moving slots when the step began
     kept_bytes: int = 0             # ... of it, held by the slots' owners when the cluster settled
+    reachable_lost_bytes: int = 0   # ... of it not held then although every block before it in its chain is
     not_prefix_before: float = 0.0  # share of the latest chains whose cached blocks are not a prefix
     not_prefix_after: float = 0.0   # ... at the end of the window after the event
 
@@ -41,6 +42,12 @@ class EventReport:
     def move_dropped(self) -> float:
         """Of what a clean move would move, the share not at its new owner once settled."""
         return 1 - self.kept_bytes / self.to_move_bytes if self.to_move_bytes else 0.0
+
+    @property
+    def move_lost(self) -> float:
+        """Of what a clean move would move, the share not at its new owner once settled that a prefix
+        match would still reach (the rest followed an earlier block of its chain: no lookup reads it)."""
+        return self.reachable_lost_bytes / self.to_move_bytes if self.to_move_bytes else 0.0
 
     @property
     def move_ratio(self) -> float:
@@ -86,7 +93,7 @@ def print_report(r: SimReport, wall_s: float, cpu_s: float) -> None:
           f"move budget max({s.move_budget:g} s, 1.5 x DRAM / NIC), node timeout {s.node_timeout:g} s, hot-reads {s.hot_reads:g}")
     print("| event | nodes | slots moved | ideal | ratio | moved GiB | dropped GiB | lost GiB "
           "| coverage (s) | settled (s) | hit before | hit after | errors | keepalives/s "
-          "| watch events | txns (failed) | map bytes | to move GiB | not kept | chains not prefix before / after |")
+          "| watch events | txns (failed) | map bytes | to move GiB | not kept (reachable) | chains not prefix before / after |")
     print("|" + "---|" * 20)
     for e in r.events:
         t = e.etcd
@@ -95,7 +102,7 @@ def print_report(r: SimReport, wall_s: float, cpu_s: float) -> None:
               f"| {e.lost_bytes / gib:.1f} | {e.coverage_s:.2f} | {e.settled_s:.2f} | {e.hit_before:.3f} "
               f"| {e.hit_after:.3f} | {e.errors_after} | {t['keepalives_per_s']:.0f} | {t['watch_events']} "
               f"| {t['txns']} ({t['txns_failed']}) | {e.map_bytes} | {e.to_move_bytes / gib:.1f} "
-              f"| {e.move_dropped:.1%} | {e.not_prefix_before:.1%} / {e.not_prefix_after:.1%} |")
+              f"| {e.move_dropped:.1%} ({e.move_lost:.1%}) | {e.not_prefix_before:.1%} / {e.not_prefix_after:.1%} |")
     t = r.steady_etcd
     print(f"steady state: hit ratio {r.steady_hit:.3f}, DRAM holds {r.retention_s:.0f} s of writes, "
           f"{t['keepalives_per_s']:.1f} keep-alives/s, {t['watch_events_per_s']:.1f} watch "
