@@ -103,6 +103,9 @@ class Admission:
     refused: int = field(default=0, init=False)     # requests the decode check turned away
     # `audited`: the fixed mode whose arrival check is in force (set by the caller's `Audit`)
     follow: str = field(default="predictive", init=False)
+    # `audited`: run the predictive check while another mode is in force, so its odds stay
+    # current (live); a replay's live run takes the predictive shadow's odds instead
+    forecasts_while_following: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -125,7 +128,7 @@ class Admission:
         if mode == "early":
             if not decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s):
                 reason = REJECT_DECODE
-        if mode == "predictive" or self.mode == "audited":
+        if mode == "predictive" or (self.mode == "audited" and self.forecasts_while_following):
             # audited: the predictive check runs whatever the mode in force, so the odds it
             # learns from its own forecasts are current when the audit hands it the decisions
             verdict, hold = self._predictive(now_s, placement, decode, input_length,

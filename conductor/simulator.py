@@ -131,6 +131,8 @@ class Simulator:
                     shadow._arrive(rid, req, now)
                 if live is self.shadows[audit.start]:
                     continue        # the live run is that shadow until the audit first leaves it
+                if mode == "predictive" and live.admission.follow != "predictive":
+                    live._take_odds(self.shadows["predictive"])
                 live.admission.follow = mode
             live._drain(now)
             live._arrive(rid, req, now)
@@ -159,7 +161,20 @@ class Simulator:
             shadow.on_outcome = keep
         live.cfg = self.cfg
         live.admission.mode = "audited"
+        live.admission.forecasts_while_following = False
         return live
+
+    def _take_odds(self, shadow: Simulator) -> None:
+        """Back to predictive after following another mode: each decode instance takes what
+        the predictive shadow's learned of its forecasts' odds meanwhile.
+
+        While another mode is in force the live run makes no forecast: a forecast
+        counts every request in flight against each other, and behind the deep
+        prefill queue the baseline builds that is thousands of them at each arrival
+        (the cost of a replay grew with their square). The shadow has forecast every
+        arrival all along, on the same arrivals, as fixed predictive does."""
+        for mine, theirs in zip(self.decodes, shadow.decodes):
+            mine.odds.adopt(theirs.odds)
 
     def _summary(self) -> RunSummary:
         return summarize(self.out, policy=self.cfg.policy, admission=self.cfg.admission,

@@ -2,6 +2,7 @@
 that follows it (shadows of every fixed mode, the live run forked from one on a switch)."""
 import random
 
+import numpy as np
 import pytest
 
 from conductor.audit import Audit
@@ -236,3 +237,47 @@ def test_live_audited_admission_replays_the_fixed_modes_on_the_arrivals_it_sched
     live.report("d1", 0.0, 0, 0)
     live.schedule("r-next", [], 100, 8)
     assert audit.restarts == 1 and len(audit.trace) == 1 and audit.shape == (2, 2)
+
+
+class Scripted(Audit):
+    """An audit whose mode in force follows a script: [(first arrival, mode), ...]."""
+
+    def __init__(self, script: list[tuple[int, str]]):
+        super().__init__(MODES, "predictive")
+        self.script, self.seen = script, 0
+
+    def decide(self) -> None:
+        mode = [m for first, m in self.script if first <= self.seen][-1]
+        if mode != self.mode:
+            self.switches.append((self.audited, self.mode, mode))
+            self.mode = mode
+        self.seen += 1
+
+
+def test_following_another_mode_the_replay_forecasts_nothing_and_returns_with_the_shadows_odds():
+    trace = overloaded_trace()
+    audit = Scripted([(0, "predictive"), (100, "baseline"), (300, "predictive")])
+    sim = Simulator(trace, SimConfig(prefill=15, decode=1, admission="audited"), SMALL, audit=audit)
+    taken = {}
+    original = Simulator._take_odds
+
+    def take(live, shadow):
+        taken["filed"] = sum(d.odds._seq for d in live.decodes)
+        original(live, shadow)
+        taken["same"] = all(np.array_equal(mine.odds._count, theirs.odds._count)
+                            and np.array_equal(mine.odds._fitted, theirs.odds._fitted)
+                            for mine, theirs in zip(live.decodes, shadow.decodes))
+        taken["learned"] = sum(int(d.odds._count.sum()) for d in shadow.decodes)
+        taken["shadow"] = shadow
+
+    Simulator._take_odds = take
+    try:
+        sim.run()
+    finally:
+        Simulator._take_odds = original
+    assert [s[1:] for s in audit.switches] == [("predictive", "baseline"), ("baseline", "predictive")]
+    assert taken["shadow"] is sim.shadows["predictive"]
+    # forecasts filed by the live run: the first 100 arrivals' (inherited from the shadow it
+    # forked from), none while the baseline was in force
+    assert taken["filed"] <= 100
+    assert taken["same"] and taken["learned"] > 0
