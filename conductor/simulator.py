@@ -161,6 +161,7 @@ class Simulator:
             shadow.on_outcome = keep
         live.cfg = self.cfg
         live.admission.mode = "audited"
+        live.admission.follow = shadow.cfg.admission        # what its decisions were until now
         live.admission.forecasts_while_following = False
         return live
 

@@ -243,7 +243,7 @@ class Scripted(Audit):
     """An audit whose mode in force follows a script: [(first arrival, mode), ...]."""
 
     def __init__(self, script: list[tuple[int, str]]):
-        super().__init__(MODES, "predictive")
+        super().__init__(MODES, script[0][1])
         self.script, self.seen = script, 0
 
     def decide(self) -> None:
@@ -281,3 +281,18 @@ def test_following_another_mode_the_replay_forecasts_nothing_and_returns_with_th
     # forked from), none while the baseline was in force
     assert taken["filed"] <= 100
     assert taken["same"] and taken["learned"] > 0
+
+
+def test_a_run_that_starts_in_another_mode_takes_the_shadows_odds_when_predictive_comes():
+    audit = Scripted([(0, "early"), (200, "predictive")])
+    sim = Simulator(overloaded_trace(), SimConfig(prefill=15, decode=1, admission="audited"), SMALL,
+                    audit=audit)
+    taken = []
+    original = Simulator._take_odds
+    Simulator._take_odds = lambda live, shadow: taken.append(shadow) or original(live, shadow)
+    try:
+        sim.run()
+    finally:
+        Simulator._take_odds = original
+    assert [s[1:] for s in audit.switches] == [("early", "predictive")]
+    assert taken == [sim.shadows["predictive"]]
