@@ -103,9 +103,10 @@ class Admission:
     refused: int = field(default=0, init=False)     # requests the decode check turned away
     # `audited`: the fixed mode whose arrival check is in force (set by the caller's `Audit`)
     follow: str = field(default="predictive", init=False)
-    # `audited`: run the predictive check while another mode is in force, so its odds stay
-    # current (live); a replay's live run takes the predictive shadow's odds instead
-    forecasts_while_following: bool = field(default=True, init=False)
+    # `audited`: while another mode is in force the predictive check still runs, on one
+    # arrival in this many (the live conductor: every one; a replay: `Simulator._fork`)
+    forecast_every: int = field(default=1, init=False)
+    _following: int = field(default=0, init=False)  # arrivals decided while another mode was
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -128,9 +129,7 @@ class Admission:
         if mode == "early":
             if not decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s):
                 reason = REJECT_DECODE
-        if mode == "predictive" or (self.mode == "audited" and self.forecasts_while_following):
-            # audited: the predictive check runs whatever the mode in force, so the odds it
-            # learns from its own forecasts are current when the audit hands it the decisions
+        if mode == "predictive" or (self.mode == "audited" and self._forecasts_while_following()):
             verdict, hold = self._predictive(now_s, placement, decode, input_length,
                                              output_estimate, queues)
             if mode == "predictive":
@@ -139,6 +138,13 @@ class Admission:
         if reason is None:
             self.prefill_spent_s += placement.service_s
         return reason
+
+    def _forecasts_while_following(self) -> bool:
+        """audited, another mode in force: whether the predictive check runs on this arrival
+        anyway, so the odds it learns from its own forecasts in this run's state are current
+        when the audit hands it the decisions again."""
+        self._following += 1
+        return self._following % self.forecast_every == 0
 
     def _predictive(self, now_s: float, placement: Placement, decode: DecodeView,
                     input_length: int, output_estimate: float,

@@ -98,12 +98,6 @@ class FitOdds:
             return 1.0 if slack >= 0 else 0.0
         return float(self._fitted[band, cell, :n].mean())
 
-    def adopt(self, other: FitOdds) -> None:
-        """Take the outcomes ``other`` has learned (not its forecasts still waiting: those are
-        another run's requests, judged by another instance's load)."""
-        self._fitted, self._count = other._fitted.copy(), other._count.copy()
-        self._next, self._misses = other._next.copy(), other._misses.copy()
-
     def misses(self) -> np.ndarray:
         """Per horizon band over the whole run: count, sum and sum of squares of
         (actual - forecast) KV tokens."""

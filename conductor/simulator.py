@@ -44,6 +44,15 @@ from conductor.trace import BLOCK_TOKENS, TraceRequest
 
 _PREFILL_DONE, _DECODE_JOIN, _DECODE_STEP = 0, 1, 2
 
+# An audited replay's live run, while another mode is in force, still forecasts one arrival
+# in this many (`Admission.forecast_every`). A forecast counts every request in flight against
+# the ones due before it, and behind the deep prefill queue the baseline builds that is
+# thousands at each arrival: forecasting every arrival made a replay of the 4 k / 85 % /
+# 40-token grid cells cost the square of that queue (18-20 min of CPU and unfinished). The
+# odds need outcomes of forecasts made in this run's state, not many: each cell keeps its
+# last 64 (docs/conductor.md compares this with taking the predictive shadow's odds).
+FORECAST_EVERY = 8
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -131,8 +140,6 @@ class Simulator:
                     shadow._arrive(rid, req, now)
                 if live is self.shadows[audit.start]:
                     continue        # the live run is that shadow until the audit first leaves it
-                if mode == "predictive" and live.admission.follow != "predictive":
-                    live._take_odds(self.shadows["predictive"])
                 live.admission.follow = mode
             live._drain(now)
             live._arrive(rid, req, now)
@@ -162,20 +169,8 @@ class Simulator:
         live.cfg = self.cfg
         live.admission.mode = "audited"
         live.admission.follow = shadow.cfg.admission        # what its decisions were until now
-        live.admission.forecasts_while_following = False
+        live.admission.forecast_every = FORECAST_EVERY
         return live
-
-    def _take_odds(self, shadow: Simulator) -> None:
-        """Back to predictive after following another mode: each decode instance takes what
-        the predictive shadow's learned of its forecasts' odds meanwhile.
-
-        While another mode is in force the live run makes no forecast: a forecast
-        counts every request in flight against each other, and behind the deep
-        prefill queue the baseline builds that is thousands of them at each arrival
-        (the cost of a replay grew with their square). The shadow has forecast every
-        arrival all along, on the same arrivals, as fixed predictive does."""
-        for mine, theirs in zip(self.decodes, shadow.decodes):
-            mine.odds.adopt(theirs.odds)
 
     def _summary(self) -> RunSummary:
         return summarize(self.out, policy=self.cfg.policy, admission=self.cfg.admission,

@@ -7,7 +7,7 @@ import pytest
 
 from conductor.audit import Audit
 from conductor.costmodel import CostModel
-from conductor.simulator import SimConfig, Simulator, replay
+from conductor.simulator import FORECAST_EVERY, SimConfig, Simulator, replay
 from conductor.trace import TraceRequest
 
 MODES = ("baseline", "early", "predictive")
@@ -254,45 +254,38 @@ class Scripted(Audit):
         self.seen += 1
 
 
-def test_following_another_mode_the_replay_forecasts_nothing_and_returns_with_the_shadows_odds():
+def test_following_another_mode_the_replay_forecasts_one_arrival_in_forecast_every():
     trace = overloaded_trace()
     audit = Scripted([(0, "predictive"), (100, "baseline"), (300, "predictive")])
     sim = Simulator(trace, SimConfig(prefill=15, decode=1, admission="audited"), SMALL, audit=audit)
-    taken = {}
-    original = Simulator._take_odds
+    filed = {}
+    original = Simulator._arrive
 
-    def take(live, shadow):
-        taken["filed"] = sum(d.odds._seq for d in live.decodes)
-        original(live, shadow)
-        taken["same"] = all(np.array_equal(mine.odds._count, theirs.odds._count)
-                            and np.array_equal(mine.odds._fitted, theirs.odds._fitted)
-                            for mine, theirs in zip(live.decodes, shadow.decodes))
-        taken["learned"] = sum(int(d.odds._count.sum()) for d in shadow.decodes)
-        taken["shadow"] = shadow
+    def arrive(live, rid, req, now):
+        if rid == 300 and live is not sim.shadows["predictive"] and live.cfg.admission == "audited":
+            filed["live"] = sum(d.odds._seq for d in live.decodes)
+            filed["shadow"] = sum(d.odds._seq for d in sim.shadows["predictive"].decodes)
+        return original(live, rid, req, now)
 
-    Simulator._take_odds = take
+    Simulator._arrive = arrive
     try:
         sim.run()
     finally:
-        Simulator._take_odds = original
+        Simulator._arrive = original
     assert [s[1:] for s in audit.switches] == [("predictive", "baseline"), ("baseline", "predictive")]
-    assert taken["shadow"] is sim.shadows["predictive"]
-    # forecasts filed by the live run: the first 100 arrivals' (inherited from the shadow it
-    # forked from), none while the baseline was in force
-    assert taken["filed"] <= 100
-    assert taken["same"] and taken["learned"] > 0
+    assert sim.admission.forecast_every == FORECAST_EVERY > 1
+    # by arrival 300 the predictive shadow forecast each arrival it did not reject for its TTFT;
+    # the live run the same for the first 100 (it forked from that shadow), then one in
+    # FORECAST_EVERY of the 200 under the baseline
+    following = filed["live"] - filed["shadow"] * 100 // 300
+    assert 0 < filed["live"] < filed["shadow"]
+    assert abs(following - 200 // FORECAST_EVERY) <= 200 // FORECAST_EVERY
 
 
-def test_a_run_that_starts_in_another_mode_takes_the_shadows_odds_when_predictive_comes():
-    audit = Scripted([(0, "early"), (200, "predictive")])
-    sim = Simulator(overloaded_trace(), SimConfig(prefill=15, decode=1, admission="audited"), SMALL,
-                    audit=audit)
-    taken = []
-    original = Simulator._take_odds
-    Simulator._take_odds = lambda live, shadow: taken.append(shadow) or original(live, shadow)
-    try:
-        sim.run()
-    finally:
-        Simulator._take_odds = original
-    assert [s[1:] for s in audit.switches] == [("early", "predictive")]
-    assert taken == [sim.shadows["predictive"]]
+def test_the_live_conductor_forecasts_every_arrival_while_following():
+    from conductor.admission import Admission, Slo
+    admission = Admission("audited", Slo())
+    assert admission.forecast_every == 1
+    admission.follow = "baseline"
+    assert all(admission._forecasts_while_following() for _ in range(10))
+

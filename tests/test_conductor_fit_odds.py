@@ -29,20 +29,6 @@ def test_a_pessimistic_forecast_learns_that_such_requests_fit():
     assert odds.chance(1.5, -0.3) == 0.0
 
 
-def test_adopted_odds_are_the_others_outcomes_and_keep_their_own_forecasts_waiting():
-    learned = scored([True, True, True, False] * 8)
-    mine = FitOdds()
-    mine.file(0.0, 2.0, -0.03, 1000.0, ("mine",))
-    mine.adopt(learned)
-    assert mine.chance(1.5, -0.03) == pytest.approx(0.75)
-    assert (mine.misses() == learned.misses()).all()
-    learned._record(band_of(1.5), 3, False)         # a copy: later outcomes stay the other's
-    assert mine.chance(1.5, -0.03) == pytest.approx(0.75)
-    seen = []
-    mine.score_due(2.0, lambda due_s, request: seen.append(request) or (True, 0.0))
-    assert seen == [("mine",)]
-
-
 def test_forecasts_are_scored_only_when_due():
     odds = FitOdds()
     odds.file(0.0, 2.0, -0.03, 1000.0, ())
