@@ -190,7 +190,8 @@ def run_plain(conn) -> None:
     key value`` (no options, no parse failure; a big value received into the
     arena is committed where it lies, or given back; on a cluster node, a key of a
     slot served here and not moving, `ClusterState.serves_at_rest`) goes straight to
-    `_execute`, where every command runs, with the same error replies; the batch runs there as one loop, with no call per command. Nothing
+    `_execute`, where every command runs, with the same error replies; the batch runs
+    there as one loop, with no call per command. Nothing
     a plain GET or SET does can change what `_plain_allowed` looked at, and no
     other client runs until this batch ends, so it is asked once per batch;
     any other request ends the batch and takes the generic path.
