@@ -37,7 +37,10 @@ def store(kvstore_module_factory):
 
 
 def address(daemon) -> dict:
-    return {"store_host": daemon.host, "store_port": daemon.port, "namespace": "smollm2-test"}
+    # a generous timeout: with the suite's other workers loading the host a load can take
+    # longer than the default 2 s, and a timeout makes every block of it a miss
+    return {"store_host": daemon.host, "store_port": daemon.port, "namespace": "smollm2-test",
+            "store_timeout_s": 30}
 
 
 @pytest.fixture
