@@ -304,11 +304,11 @@ class ClusterSim:
     def chain_held_before(self, key: bytes) -> bool:
         """Whether every block before ``key`` in its chain is at its owner: a prefix match would
         reach ``key`` (the trace's hash ids are prefix-chained: a block has one predecessor)."""
-        seen = 0
-        while (key := self.predecessor.get(key)) is not None and seen < len(self.predecessor):
+        seen = {key}                                 # a trace whose ids repeat in one prompt loops
+        while (key := self.predecessor.get(key)) is not None and key not in seen:
             if not self.owner_holds(key):
                 return False
-            seen += 1
+            seen.add(key)
         return True
 
     def not_prefix(self) -> float:

@@ -97,7 +97,7 @@ class ClusterState:
         `routing.redirect` answers None for it whatever the connection's flags, and a plain GET
         or SET of it may skip the routing step (kvstore/commands/dispatch.py)."""
         slot = keyslot(key)
-        return self.mine[slot] == 1 and self.map.assigned == SLOTS and slot not in self.map.migrating
+        return self.is_mine(slot) and self.ok and slot not in self.map.migrating
 
     def addr_of(self, node_id: str) -> str | None:
         return self.map.nodes.get(node_id)
