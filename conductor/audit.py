@@ -10,33 +10,38 @@ arrivals as the live decisions and run on the same cost model (calibrated
 from the workers' timings where `--calibrate` is given), and lets the live
 arrival check follow the mode that has served the most within the SLO.
 
-The outcomes. An arrival's outcome in a shadow is known when the shadow
-rejects it (at arrival or at decode) or its KV joins a decode batch within
-the TTFT SLO (served; the batch's TBT is the decode check's to keep). The
-modes are compared on the same arrivals: an arrival enters the windows as
-soon as every shadow has resolved it, at most about one TTFT SLO after it
-came. (Waiting for every earlier arrival too, so that arrivals enter in
-arrival order, held the windows up to 1,300 arrivals behind at 128
-requests a second: a request held or queued in one shadow blocked all the
-ones after it.)
+The score. A shadow's request counts for its mode when its KV joins a
+decode batch within the TTFT SLO (served), at that moment: the modes are
+compared on what each served in the same seconds, not on what became of
+the same arrivals. Counted by arrival (as first built: an arrival entered
+the windows once every shadow had resolved it), a mode that admits into a
+deep prefill queue is credited for its admissions a TTFT SLO before the
+requests its queue delays and turns away at decode are charged, and those
+fall in later windows: on the held-out trace the baseline's first fill
+(+208 served among the first 30 s of arrivals, paid back over the next
+minute) switched the audit to the baseline, and the live run served 0.961
+of fixed predictive at 1.67 x the load and 0.984 at 1 x. Counted when
+served, the baseline never led there and the audit never left predictive
+(1.000 at both loads). Served requests are also known at once, so the
+windows reach the newest arrival instead of trailing it by up to a TTFT
+SLO.
 
-The windows and the switch. Two windows of audited arrivals, measured in
-seconds of the audit's clock (the newest arrival's time): the long one (the
-arrivals audited in the last `WINDOW_S`) and the recent one (its newer
-`RECENT_S`). A mode *beats* the mode in force in a window when it served
-more there by more than chance would make it: by more than Z x sqrt(d), d
-the window's arrivals on which the two modes' outcomes differ (were both
-equally good, each of those would go either way with even odds), and by
-more than `MARGIN` of the window. The audit looks once per arrival, before
-its decision; the mode in force changes only to a mode that beats it in
-both windows (the one with the most served in the long window among them),
-and not before `MIN_AUDITED` arrivals have been audited. So, by
-construction:
+The windows and the switch. Two windows measured in seconds of the audit's
+clock (the newest arrival's time): the long one (the last `WINDOW_S`) and
+the recent one (its newer `RECENT_S`). A mode *beats* the mode in force in
+a window when it served more there by more than chance would make it: by
+more than Z x sqrt(d), d the requests that only one of the two served in
+the window (were both equally good, each of those would fall to either
+with even odds), and by more than `MARGIN` of the window's arrivals. The
+audit looks once per arrival, before its decision; the mode in force
+changes only to a mode that beats it in both windows (the one with the
+most served in the long window among them), and not before `MIN_AUDITED`
+arrivals. So, by construction:
 
-    at every decision (past MIN_AUDITED audited arrivals), no mode served
-    more than the mode in force by more than max(MARGIN x n, Z x sqrt(d))
-    over the n arrivals audited in the last WINDOW_S seconds while also
-    doing so over the last RECENT_S (the bound: `challengers` is empty), and
+    at every decision (past MIN_AUDITED arrivals), no mode served more than
+    the mode in force by more than max(MARGIN x n, Z x sqrt(d)) over the
+    last WINDOW_S seconds (n arrivals) while also doing so over the last
+    RECENT_S (the bound: `challengers` is empty), and
 
     a switch needs a lead that chance alone makes with odds of about 1 in
     700 at each look (Z = 3) in both windows, so the modes do not flap on
@@ -44,15 +49,9 @@ construction:
 
 Why seconds, not arrivals. The traces judged here run at 16 to 128 requests
 a second. Windows of 4,096 and 512 arrivals were the whole run at 16 a
-second and 4 s at 128: on the held-out trace the baseline's lead while the
-cluster first fills (one 30-s stretch, paid back over the next minute by
-prefill it wasted) held the long window for the rest of the run, and the
-audit stayed with the baseline (0.984 and 0.919 of fixed predictive).
-Within a TTFT SLO of an admission its outcome is known, and so is the cost
-of the queue it joined to the requests behind it; windows of one and two
-TTFT SLOs (the default 30 s) forget such a lead once it has been paid for,
-and the mode it beat takes over again. Shorter windows (15 and 30 s) came
-back sooner but served no more on the held-out trace.
+second and 4 s at 128: a lead while the cluster first fills held the long
+window for the rest of the run. Windows of one and two TTFT SLOs (the
+default 30 s) forget a lead once it has been paid for.
 
 What the bound covers and what it does not. While the live run has not
 switched it *is* the shadow of the mode in force (the same deterministic
@@ -60,11 +59,11 @@ replay): the simulator runs that shadow as the live run until the first
 switch, then forks a copy of it that follows the audit. After a switch the
 live run starts from a state the new mode did not make, and a lead over the
 windows is not a promise about what follows: a mode that serves more by
-filling the prefill queue pays for it up to a TTFT SLO later, when the
-queued requests meet a full decode instance. The audit then follows it and
-comes back, and the round trip costs the live run (docs/conductor.md, the
-grid and the held-out trace, measure the audited run against the best
-fixed mode on every trace).
+filling the prefill queue is ahead by that queue when the trace ends: after
+the last arrival it feeds decode for up to a TTFT SLO more, which no
+window sees coming (docs/conductor.md, the grid and the held-out trace,
+measure the audited run against the best fixed mode on every trace, over
+the whole run and by the last arrival).
 
 What was tried and not kept (judged on four generated traces, two where
 predictive wins by 3-4 %, two where the baseline and predictive tie, and
@@ -101,45 +100,60 @@ from collections.abc import Sequence
 
 AUDITED_MODES = ("baseline", "early", "predictive")
 START_MODE = "predictive"   # the mode in force until the audit says otherwise
-WINDOW_S = 60.0             # the long window: arrivals audited in the last this many seconds
+WINDOW_S = 60.0             # the long window: what was served in the last this many seconds
 RECENT_S = 30.0             # ... and the recent one (its newer half: the default TTFT SLO)
-MARGIN = 0.02               # the lead, as a share of a window, a mode needs at least
+MARGIN = 0.02               # the lead, as a share of a window's arrivals, a mode needs at least
 Z = 3.0                     # ... and in standard deviations of the paired count
-MIN_AUDITED = 768           # no switch before this many arrivals have been audited
+MIN_AUDITED = 768           # no switch before this many arrivals
 
-_PENDING = -1
+
+def _differs(mask: int, i: int, j: int) -> int:
+    return ((mask >> i) ^ (mask >> j)) & 1
 
 
 class Window:
-    """The outcomes of the arrivals audited in the last ``span_s`` seconds: per mode the
-    arrivals served within the SLO, and per pair of modes the arrivals on which their
-    outcomes differ."""
+    """The last ``span_s`` seconds: the arrivals in them, and per mode the requests whose KV
+    joined a decode batch within the SLO in them (served), and per pair of modes the
+    requests that only one of the two served in them."""
 
     def __init__(self, modes: int, span_s: float):
         self.span_s = span_s
-        self._rows: deque[tuple[float, tuple[int, ...]]] = deque()   # (audited at, outcomes)
+        self._arrivals: deque[float] = deque()
+        self._served: deque[tuple[float, int, object]] = deque()   # (at, mode, request)
+        self._masks: dict = {}          # request -> the modes that served it in the window
         self.scores = [0] * modes
         self._pairs = [(i, j) for i in range(modes) for j in range(i + 1, modes)]
         self._differ = {p: 0 for p in self._pairs}
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._arrivals)
 
-    def add(self, now_s: float, outcomes: tuple[int, ...]) -> None:
-        self._count(outcomes, 1)
-        self._rows.append((now_s, outcomes))
+    def arrived(self, now_s: float) -> None:
+        self._arrivals.append(now_s)
+
+    def served(self, now_s: float, mode: int, rid) -> None:
+        self.scores[mode] += 1
+        self._served.append((now_s, mode, rid))
+        self._set(rid, self._masks.get(rid, 0) | 1 << mode)
 
     def expire(self, now_s: float) -> None:
-        """Drop the arrivals audited more than ``span_s`` before ``now_s``."""
-        while self._rows and self._rows[0][0] < now_s - self.span_s:
-            self._count(self._rows.popleft()[1], -1)
+        """Drop what happened more than ``span_s`` before ``now_s``."""
+        cut = now_s - self.span_s
+        while self._arrivals and self._arrivals[0] < cut:
+            self._arrivals.popleft()
+        while self._served and self._served[0][0] < cut:
+            _, mode, rid = self._served.popleft()
+            self.scores[mode] -= 1
+            self._set(rid, self._masks[rid] & ~(1 << mode))
 
-    def _count(self, outcomes: tuple[int, ...], sign: int) -> None:
-        for i, o in enumerate(outcomes):
-            self.scores[i] += sign * o
+    def _set(self, rid, mask: int) -> None:
+        old = self._masks.get(rid, 0)
         for i, j in self._pairs:
-            if outcomes[i] != outcomes[j]:
-                self._differ[i, j] += sign
+            self._differ[i, j] += _differs(mask, i, j) - _differs(old, i, j)
+        if mask:
+            self._masks[rid] = mask
+        else:
+            del self._masks[rid]
 
     def differ(self, i: int, j: int) -> int:
         return self._differ[min(i, j), max(i, j)] if i != j else 0
@@ -156,13 +170,13 @@ class Window:
 
 
 class Audit:
-    """Per-mode outcomes of recent arrivals, and the mode in force.
+    """Per-mode requests served lately, and the mode in force.
 
     ``decided(now_s)`` moves the audit's clock to an arrival's time, looks at the
-    windows and returns the mode in force for that arrival; ``arrived(rid)`` opens
-    it; ``resolve(mode, rid, served)`` records a shadow's outcome for it. An
-    arrival enters the windows, stamped with the clock, once every mode has
-    resolved it.
+    windows and returns the mode in force for that arrival; ``arrived(rid)`` counts
+    it; ``resolve(mode, rid, served)`` records a shadow's outcome for it, at the
+    clock's time: a request served (its KV joined a decode batch within the SLO)
+    counts for its mode in the windows from then on.
     """
 
     def __init__(self, modes: Sequence[str] = AUDITED_MODES, start: str = START_MODE,
@@ -181,11 +195,10 @@ class Audit:
         self.mode = start
         self.now_s = 0.0                            # the newest arrival's time
         self._index = {m: i for i, m in enumerate(self.modes)}
-        self._open: dict = {}                       # arrival -> outcome per mode (-1 pending)
         self.long = Window(len(self.modes), window_s)
         self.recent = Window(len(self.modes), recent_s)
-        self.audited = 0                            # arrivals that have entered the windows
-        self.switches: list[tuple[int, str, str]] = []  # (audited arrivals then, from, to)
+        self.audited = 0                            # arrivals seen
+        self.switches: list[tuple[int, str, str]] = []  # (arrivals seen then, from, to)
         self.in_force = {m: 0 for m in self.modes}  # arrivals decided while each was in force
         self.worst_gap = 0                          # the most the mode in force trailed, long
 
@@ -194,17 +207,10 @@ class Audit:
         """Served within the SLO, per mode, over the long window."""
         return self.long.scores
 
-    @property
-    def open(self) -> int:
-        """Audited arrivals some run has not resolved yet."""
-        return len(self._open)
-
-    def forget_open(self) -> None:
-        """Drop the arrivals not yet resolved (their shadows are gone)."""
-        self._open.clear()
-
     def arrived(self, rid) -> None:
-        self._open[rid] = [_PENDING] * len(self.modes)
+        self.long.arrived(self.now_s)
+        self.recent.arrived(self.now_s)
+        self.audited += 1
 
     def decided(self, now_s: float) -> str:
         """The mode in force for the live decision on an arrival at ``now_s`` (counted in
@@ -217,15 +223,10 @@ class Audit:
         return self.mode
 
     def resolve(self, mode: str, rid, served: bool) -> None:
-        outcomes = self._open.get(rid)
-        if outcomes is None:
-            return
-        outcomes[self._index[mode]] = int(served)
-        if _PENDING not in outcomes:
-            del self._open[rid]
-            self.long.add(self.now_s, tuple(outcomes))
-            self.recent.add(self.now_s, tuple(outcomes))
-            self.audited += 1
+        if served:
+            i = self._index[mode]
+            self.long.served(self.now_s, i, rid)
+            self.recent.served(self.now_s, i, rid)
 
     def gap(self) -> int:
         """How many fewer arrivals the mode in force served than the best, long window."""

@@ -97,7 +97,6 @@ class LiveAudit:
     def _start(self, now_s: float, shape: tuple[int, int]) -> None:
         if self.shadows:
             self.restarts += 1
-            self.audit.forget_open()
         self.shape, self.trace, self._ids, self._start_s = shape, [], {}, now_s
         config = SimConfig(prefill=shape[0], decode=shape[1], policy=self.policy, slo=self.slo,
                            cache_tokens_per_node=self.cache_tokens_per_node,

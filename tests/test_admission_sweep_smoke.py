@@ -1,8 +1,11 @@
 """`bench_conductor --generalize` end to end on two tiny generated traces (a smoke test: no
 figures are asserted, the benchmark prints them)."""
 from conductor.tracegen import spec_from
+from conductor.costmodel import CostModel
+from conductor.simulator import SimConfig, Simulator
+from conductor.trace import TraceRequest
 from loadtest.admission_sweep import (ALL_MODES, FAMILY, GRID, _bias_table, generalize, grid_map,
-                                      report)
+                                      report, served_while_loaded)
 
 
 def test_generalize_reports_every_trace_mode_and_horizon():
@@ -15,6 +18,9 @@ def test_generalize_reports_every_trace_mode_and_horizon():
     text = report(results, wall_s=1.0)
     assert f"| {names[0]} |" in text and "| agent |" in text
     assert "Best fixed mode" in text and "Audited >= 0.98" in text
+    assert "served by the last arrival" in text
+    for r in results:
+        assert all(0 < r.while_loaded[m] <= r.runs[m].completed_in_slo for m in ALL_MODES)
     assert "| 0-0.5 s |" in _bias_table(results)
     assert "steady (CV 0.3), answers 40 |" in grid_map(results[:1])
 
@@ -33,3 +39,15 @@ def test_the_family_spans_the_generator():
     arrivals = {spec_from(preset, **overrides).arrival for preset, overrides, _ in FAMILY.values()}
     assert arrivals == {"poisson", "bursty", "diurnal"}
     assert {preset for preset, _, _ in FAMILY.values()} == {"conversation", "documents"}
+
+
+def test_served_while_loaded_counts_the_kv_that_joined_decode_by_the_last_arrival():
+    # three requests 10 s apart: the first two join decode within their 10 s, the last one
+    # a prefill after the trace's last arrival
+    trace = [TraceRequest(10.0 * i, 8000, 20, tuple(range(100 * i, 100 * i + 16)))
+             for i in range(3)]
+    sim = Simulator(trace, SimConfig(prefill=1, decode=1, admission="baseline"),
+                    CostModel.from_testbed())
+    summary = sim.run()
+    assert summary.completed_in_slo == 3 and sim.out.ttft_s[2] > 0
+    assert served_while_loaded(sim, trace, speed=1.0) == 2

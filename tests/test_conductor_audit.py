@@ -21,20 +21,23 @@ def feed(audit: Audit, rid: int, outcomes: dict[str, bool], at_s: float) -> None
         audit.resolve(mode, rid, served)
 
 
-def test_an_arrival_enters_the_windows_once_every_mode_resolved_it():
-    a = Audit(MODES, "predictive", window_s=100, recent_s=100, margin=0, z=0, min_audited=0)
+def test_a_request_counts_for_a_mode_when_that_mode_serves_it():
+    a = Audit(MODES, "predictive", window_s=10, recent_s=5, margin=0, z=0, min_audited=0)
+    a.decided(0.0)
     a.arrived(0)
-    a.arrived(1)
-    a.resolve("baseline", 0, False)
-    a.resolve("early", 0, False)
-    assert a.audited == 0 and a.open == 2       # one mode still pending on arrival 0
-    for m in MODES:
-        a.resolve(m, 1, True)                   # a later arrival need not wait for it
-    assert a.audited == 1 and a.scores == [1, 1, 1]
+    a.resolve("baseline", 0, False)             # turned away: never counts
     a.resolve("predictive", 0, True)
-    assert a.audited == 2 and a.scores == [1, 1, 2] and a.open == 0
-    a.resolve("baseline", 0, True)              # an outcome for an audited arrival: ignored
-    assert a.scores == [1, 1, 2]
+    assert a.scores == [0, 0, 1] and a.long.differ(0, 2) == 1 and a.long.differ(0, 1) == 0
+    a.decided(1.0)          # counted at the clock when served, not at the arrival's time
+    a.arrived(1)
+    a.resolve("early", 0, True)                 # arrival 0 served later by another mode
+    assert a.scores == [0, 1, 1] and a.long.differ(1, 2) == 0 and a.long.differ(0, 1) == 1
+    a.decided(5.5)                              # the recent window no longer holds 0.0
+    assert a.recent.scores == [0, 1, 0] and a.recent.differ(1, 2) == 1
+    a.decided(10.5)
+    assert a.scores == [0, 1, 0] and len(a.long) == 1
+    a.decided(11.5)
+    assert a.scores == [0, 0, 0] and a.long.differ(1, 2) == 0 and len(a.long) == 0
 
 
 def test_the_windows_slide_in_time():
