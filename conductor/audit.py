@@ -18,7 +18,7 @@ the windows once every shadow had resolved it), a mode that admits into a
 deep prefill queue is credited for its admissions a TTFT SLO before the
 requests its queue delays and turns away at decode are charged, and those
 fall in later windows: on the held-out trace the baseline's first fill
-(+208 served among the first 30 s of arrivals, paid back over the next
+(+206-208 served in one 30-s block of arrivals, paid back over the next
 minute) switched the audit to the baseline, and the live run served 0.961
 of fixed predictive at 1.67 x the load and 0.984 at 1 x. Counted when
 served, the baseline never led there and the audit never left predictive

@@ -151,19 +151,25 @@ def _misses(sim: Simulator) -> np.ndarray:
     return sum(d.odds.misses() for d in sim.decodes) * np.array([1.0, 1 / cap, cap ** -2])
 
 
+def joined_s(sim: Simulator, trace, speed: float) -> np.ndarray:
+    """When each request served within the SLO joined a decode batch (its first token, then
+    the KV transfer), seconds of the run; NaN for the others."""
+    out, n, slo = sim.out, len(trace), sim.cfg.slo
+    arrival = np.fromiter((r.arrival_s for r in trace), float, n) / speed
+    inputs = np.fromiter((r.input_length for r in trace), float, n)
+    ttft, tbt = out.ttft_s[:n], out.tbt_s[:n]
+    with np.errstate(invalid="ignore"):
+        ok = (out.status[:n] == SERVED) & (ttft <= slo.ttft_s) & (tbt <= slo.tbt_s)
+    return np.where(ok, arrival + ttft + sim.cost.transfer_s(inputs), np.nan)
+
+
 def served_while_loaded(sim: Simulator, trace, speed: float) -> int:
     """Requests served within the SLO whose KV joined a decode batch by the last arrival's
     time: the goodput while the trace still loads the cluster. After the last arrival a
     mode with a deep prefill queue goes on feeding decode for up to a TTFT SLO, which a
     run of a few minutes counts as a lead it would not have in an unending stream."""
-    out = sim.out
-    n = len(trace)
-    arrival = np.fromiter((r.arrival_s for r in trace), float, n) / speed
-    ttft, tbt = out.ttft_s[:n], out.tbt_s[:n]
-    slo = sim.cfg.slo
     with np.errstate(invalid="ignore"):
-        ok = (out.status[:n] == SERVED) & (ttft <= slo.ttft_s) & (tbt <= slo.tbt_s)
-        return int((ok & (arrival + ttft <= arrival[-1])).sum())
+        return int((joined_s(sim, trace, speed) <= trace[-1].arrival_s / speed).sum())
 
 
 def find_speed(trace, cost: CostModel) -> tuple[float, RunSummary]:
@@ -187,14 +193,14 @@ def find_speed(trace, cost: CostModel) -> tuple[float, RunSummary]:
     return best[1], best[2]
 
 
-def run_trace(name: str, requests: int, seed: int, load: float = 1.0,
-              min_span_s: float = MIN_SPAN_S) -> TraceResult:
-    """One trace of `FAMILY` or `GRID` (or "heldout"), at ``load`` x the speed where the
-    baseline rejects 20-40 %: every fixed mode and the audited one, in one audited replay."""
-    preset, overrides, varies = HELDOUT if name == "heldout" else {**FAMILY, **GRID}[name]
+def sized_trace(name: str, requests: int, seed: int, load: float = 1.0,
+                min_span_s: float = MIN_SPAN_S) -> tuple:
+    """(spec, trace, cost model, speed) of a trace of `FAMILY` or `GRID` (or "heldout") at
+    ``load`` x the speed where the baseline rejects 20-40 %, the grid's and the held-out
+    trace as long as ``min_span_s`` at that speed makes them."""
+    preset, overrides, _ = HELDOUT if name == "heldout" else {**FAMILY, **GRID}[name]
     spec = spec_from(preset, requests=requests, seed=seed, **overrides)
     trace = list(generate(spec))
-    reusable, total = reusable_blocks(trace)
     cost = CostModel.from_testbed()
     speed, _ = find_speed(trace, cost)
     speed *= load
@@ -204,7 +210,16 @@ def run_trace(name: str, requests: int, seed: int, load: float = 1.0,
         spec = spec_from(preset, requests=math.ceil(requests * min_span_s / span), seed=seed,
                          **overrides)
         trace = list(generate(spec))
-        reusable, total = reusable_blocks(trace)
+    return spec, trace, cost, speed
+
+
+def run_trace(name: str, requests: int, seed: int, load: float = 1.0,
+              min_span_s: float = MIN_SPAN_S) -> TraceResult:
+    """One trace of `FAMILY` or `GRID` (or "heldout"), at ``load`` x the speed where the
+    baseline rejects 20-40 %: every fixed mode and the audited one, in one audited replay."""
+    spec, trace, cost, speed = sized_trace(name, requests, seed, load, min_span_s)
+    reusable, total = reusable_blocks(trace)
+    varies = (HELDOUT if name == "heldout" else {**FAMILY, **GRID}[name])[2]
     summary, sim = _replay(trace, cost, "audited", speed)
     runs = {**sim.shadow_summaries, "audited": summary}    # its shadows are the fixed modes
     loaded = {m: served_while_loaded(s, trace, speed)

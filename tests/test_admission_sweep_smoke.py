@@ -4,6 +4,7 @@ from conductor.tracegen import spec_from
 from conductor.costmodel import CostModel
 from conductor.simulator import SimConfig, Simulator
 from conductor.trace import TraceRequest
+from loadtest.admission_drain import drain_table
 from loadtest.admission_sweep import (ALL_MODES, FAMILY, GRID, _bias_table, generalize, grid_map,
                                       report, served_while_loaded)
 
@@ -51,3 +52,14 @@ def test_served_while_loaded_counts_the_kv_that_joined_decode_by_the_last_arriva
     summary = sim.run()
     assert summary.completed_in_slo == 3 and sim.out.ttft_s[2] > 0
     assert served_while_loaded(sim, trace, speed=1.0) == 2
+
+
+def test_the_drain_table_splits_each_modes_goodput_at_the_last_arrival():
+    name = next(iter(GRID))
+    text = drain_table(name, ["baseline", "predictive"], requests=200, span_s=0.0)
+    rows = [line for line in text.splitlines() if line.startswith(("| baseline", "| predictive"))]
+    assert len(rows) == 2 and "after the last arrival" in text
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        stretches, whole = cells[1:-2], int(cells[-1].replace(",", ""))
+        assert sum(int(c.replace(",", "")) for c in stretches) == whole
