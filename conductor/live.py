@@ -78,7 +78,8 @@ class LiveAudit:
     the request gives it (else the prior). The shadows are simulated clusters of as
     many prefill and decode instances as were live at the first arrival; when that
     changes, or after `RESTART_AFTER` arrivals (the replay keeps every request), they
-    start again from empty and the audit forgets the arrivals they had not resolved.
+    start again from empty (what the old ones served stays in the audit's windows until
+    it ages out of them).
     """
 
     RESTART_AFTER = 100_000
