@@ -78,8 +78,8 @@ class LiveAudit:
     the request gives it (else the prior). The shadows are simulated clusters of as
     many prefill and decode instances as were live at the first arrival; when that
     changes, or after `RESTART_AFTER` arrivals (the replay keeps every request), they
-    start again from empty (what the old ones served stays in the audit's windows until
-    it ages out of them).
+    start again from empty: the audit forgets the arrivals they had not resolved, and
+    what they served stays in its windows until it ages out of them.
     """
 
     RESTART_AFTER = 100_000
@@ -98,6 +98,7 @@ class LiveAudit:
     def _start(self, now_s: float, shape: tuple[int, int]) -> None:
         if self.shadows:
             self.restarts += 1
+            self.audit.forget_open()
         self.shape, self.trace, self._ids, self._start_s = shape, [], {}, now_s
         config = SimConfig(prefill=shape[0], decode=shape[1], policy=self.policy, slo=self.slo,
                            cache_tokens_per_node=self.cache_tokens_per_node,

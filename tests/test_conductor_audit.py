@@ -40,6 +40,65 @@ def test_a_request_counts_for_a_mode_when_that_mode_serves_it():
     assert a.scores == [0, 0, 0] and a.long.differ(1, 2) == 0 and len(a.long) == 0
 
 
+def test_an_arrival_enters_the_fate_windows_once_every_mode_resolved_it():
+    a = Audit(MODES, "predictive", window_s=100, recent_s=100, margin=0, z=0, min_audited=0)
+    a.arrived(0)
+    a.arrived(1)
+    a.resolve("baseline", 0, False)
+    a.resolve("early", 0, False)
+    long_fates = a.fates[0]
+    assert len(long_fates) == 0             # one mode still pending on arrival 0
+    for m in MODES:
+        a.resolve(m, 1, True)               # a later arrival need not wait for it
+    assert len(long_fates) == 1 and long_fates.scores == [1, 1, 1]
+    a.resolve("predictive", 0, True)
+    assert len(long_fates) == 2 and long_fates.scores == [1, 1, 2]
+    assert long_fates.differ(0, 2) == 1 and long_fates.differ(0, 1) == 0
+    a.resolve("baseline", 0, True)          # an outcome for an arrival already in: ignored
+    assert long_fates.scores == [1, 1, 2] and a.scores == [2, 1, 2]
+
+
+def test_a_lead_counted_by_service_only_does_not_switch():
+    # early serves each arrival at once, predictive arrival k at 2k s (its holds growing):
+    # the arrivals every mode has resolved were served by both, but in the seconds so far
+    # early has served more
+    a = Audit(MODES, "predictive", window_s=20, recent_s=10, margin=0, z=0, min_audited=0)
+    for t in range(30):
+        a.decided(float(t))
+        a.arrived(t)
+        a.resolve("baseline", t, False)
+        a.resolve("early", t, True)
+        if t % 2 == 0:
+            a.resolve("predictive", t // 2, True)
+    a.decided(30.0)
+    early, predictive = 1, 2
+    assert a.long.lead(early, predictive) == 10 and a.recent.lead(early, predictive) == 5
+    assert a.fates[0].lead(early, predictive) == 0 and len(a.fates[0]) == 10
+    assert a.mode == "predictive" and a.switches == []
+
+
+def test_a_lead_counted_by_arrival_only_does_not_switch():
+    # the baseline serves every arrival at once, predictive turns them away but serves one
+    # request a second that it admitted before (a queue being worked off): by arrival the
+    # baseline leads, in the seconds so far the two served as many (a first fill)
+    a = Audit(MODES, "predictive", window_s=20, recent_s=10, margin=0, z=0, min_audited=0)
+    for t in range(30):
+        a.decided(float(t))
+        a.arrived(t)
+        a.resolve("baseline", t, True)
+        a.resolve("early", t, False)
+        a.resolve("predictive", t, False)
+        a.resolve("predictive", ("queued", t), True)
+    a.decided(30.0)
+    baseline, predictive = 0, 2
+    assert a.fates[0].lead(baseline, predictive) == 20 and a.fates[1].lead(baseline, predictive) == 10
+    assert a.long.lead(baseline, predictive) == 0
+    assert a.mode == "predictive" and a.switches == []
+    a.resolve("baseline", ("queued", 29), True)     # now ahead by service too: it switches
+    a.decided(30.5)
+    assert a.mode == "baseline"
+
+
 def test_the_windows_slide_in_time():
     # one arrival a second; the long window keeps 3.5 s of audited arrivals, the recent 1.5 s
     a = Audit(MODES, "predictive", window_s=3.5, recent_s=1.5, margin=0, z=100, min_audited=0)
