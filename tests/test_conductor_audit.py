@@ -58,19 +58,25 @@ def test_an_arrival_enters_the_fate_windows_once_every_mode_resolved_it():
     assert long_fates.scores == [1, 1, 2] and a.scores == [2, 1, 2]
 
 
+def one_arrival_a_second(seconds: int, outcomes) -> Audit:
+    """An audit (windows of 20 and 10 s, any lead switches) fed arrival t at t s for
+    ``seconds``, each second's ``outcomes(t)`` (mode, request, served) resolved then."""
+    a = Audit(MODES, "predictive", window_s=20, recent_s=10, margin=0, z=0, min_audited=0)
+    for t in range(seconds):
+        a.decided(float(t))
+        a.arrived(t)
+        for mode, rid, served in outcomes(t):
+            a.resolve(mode, rid, served)
+    a.decided(float(seconds))
+    return a
+
+
 def test_a_lead_counted_by_service_only_does_not_switch():
     # early serves each arrival at once, predictive arrival k at 2k s (its holds growing):
     # the arrivals every mode has resolved were served by both, but in the seconds so far
     # early has served more
-    a = Audit(MODES, "predictive", window_s=20, recent_s=10, margin=0, z=0, min_audited=0)
-    for t in range(30):
-        a.decided(float(t))
-        a.arrived(t)
-        a.resolve("baseline", t, False)
-        a.resolve("early", t, True)
-        if t % 2 == 0:
-            a.resolve("predictive", t // 2, True)
-    a.decided(30.0)
+    a = one_arrival_a_second(30, lambda t: [("baseline", t, False), ("early", t, True)]
+                             + [("predictive", t // 2, True)] * (t % 2 == 0))
     early, predictive = 1, 2
     assert a.long.lead(early, predictive) == 10 and a.recent.lead(early, predictive) == 5
     assert a.fates[0].lead(early, predictive) == 0 and len(a.fates[0]) == 10
@@ -81,15 +87,9 @@ def test_a_lead_counted_by_arrival_only_does_not_switch():
     # the baseline serves every arrival at once, predictive turns them away but serves one
     # request a second that it admitted before (a queue being worked off): by arrival the
     # baseline leads, in the seconds so far the two served as many (a first fill)
-    a = Audit(MODES, "predictive", window_s=20, recent_s=10, margin=0, z=0, min_audited=0)
-    for t in range(30):
-        a.decided(float(t))
-        a.arrived(t)
-        a.resolve("baseline", t, True)
-        a.resolve("early", t, False)
-        a.resolve("predictive", t, False)
-        a.resolve("predictive", ("queued", t), True)
-    a.decided(30.0)
+    a = one_arrival_a_second(30, lambda t: [("baseline", t, True), ("early", t, False),
+                                            ("predictive", t, False),
+                                            ("predictive", ("queued", t), True)])
     baseline, predictive = 0, 2
     assert a.fates[0].lead(baseline, predictive) == 20 and a.fates[1].lead(baseline, predictive) == 10
     assert a.long.lead(baseline, predictive) == 0
