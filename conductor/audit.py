@@ -105,8 +105,8 @@ from collections.abc import Sequence
 
 AUDITED_MODES = ("baseline", "early", "predictive")
 START_MODE = "predictive"   # the mode in force until the audit says otherwise
-WINDOW_S = 60.0             # the long window: what was served in the last this many seconds
-RECENT_S = 30.0             # ... and the recent one (its newer half: the default TTFT SLO)
+WINDOW_S = 60.0             # the long windows: the last this many seconds of the audit's clock
+RECENT_S = 30.0             # ... and the recent ones (their newer half: the default TTFT SLO)
 MARGIN = 0.02               # the lead, as a share of a window's arrivals, a mode needs at least
 Z = 3.0                     # ... and in standard deviations of the paired count
 MIN_AUDITED = 768           # no switch before this many arrivals
