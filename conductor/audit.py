@@ -147,7 +147,7 @@ class _Scores:
         return self.lead(i, j) > self.needed(i, j, margin, z)
 
 
-class Window(_Scores):
+class ServiceWindow(_Scores):
     """The last ``span_s`` seconds, counted by service: the arrivals in them, and per mode
     the requests whose KV joined a decode batch within the SLO in them."""
 
@@ -209,10 +209,7 @@ class FateWindow(_Scores):
     def _count(self, mask: int, sign: int) -> None:
         for i in range(len(self.scores)):
             self.scores[i] += sign * (mask >> i & 1)
-        if sign > 0:
-            self._count_pairs(0, mask)
-        else:
-            self._count_pairs(mask, 0)
+        self._count_pairs(*((0, mask) if sign > 0 else (mask, 0)))
 
 
 class Audit:
@@ -243,8 +240,8 @@ class Audit:
         self.now_s = 0.0                            # the newest arrival's time
         self._index = {m: i for i, m in enumerate(self.modes)}
         self._open: dict = {}                       # arrival -> outcome per mode (-1 pending)
-        self.long = Window(len(self.modes), window_s)
-        self.recent = Window(len(self.modes), recent_s)
+        self.long = ServiceWindow(len(self.modes), window_s)
+        self.recent = ServiceWindow(len(self.modes), recent_s)
         self.fates = (FateWindow(len(self.modes), window_s),
                       FateWindow(len(self.modes), recent_s))
         self.audited = 0                            # arrivals seen
