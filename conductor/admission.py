@@ -199,13 +199,15 @@ class Admission:
         w = service_s * self.joined / self.prefill_spent_s
         return displaced * self.joined / (self.joined + self.refused) / (1 + w)
 
-    def at_decode(self, decode: DecodeView, input_length: int,
-                  output_estimate: float) -> bool:
-        """Whether the decode instance takes the request now that its KV has arrived."""
+    def at_decode(self, decode: DecodeView, input_length: int, output_estimate: float,
+                  counts_refusal: bool = True) -> bool:
+        """Whether the decode instance takes the request now that its KV has arrived
+        (``counts_refusal``: False where a refused KV may still wait for a slot, and the
+        caller counts its fate once known)."""
         if self.mode == "none":
             return True
         taken = decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s)
-        self.reached_decode(int(taken), int(not taken))
+        self.reached_decode(int(taken), int(not taken and counts_refusal))
         return taken
 
     def reached_decode(self, taken: int, refused: int = 0) -> None:

@@ -9,6 +9,10 @@ for it). Only three things happen later and go through the event heap: a
 prefill finishing (its blocks enter the node's cache, its KV starts moving
 to decode), the KV reaching the decode instance (the decode-stage admission
 check, then joining the batch), and a decode instance's next departure.
+The decode check refuses a KV that finds no room at once (the paper's decode
+stage), or, with `SimConfig.decode_wait_s`, lets it wait in the store for a
+slot that long (within the TTFT SLO, its first token counted from the join),
+as `workers/decode.py` queues requests that have not joined its batch yet.
 Decode batches are simulated per event, never per token (see `decode`).
 Caches hold 512-token blocks under the store's eviction policy (see
 `cache`). Arrivals are processed in timestamp order; all events due by an
@@ -39,7 +43,7 @@ from conductor.metrics import (REJECTED_AT_ARRIVAL, REJECTED_AT_DECODE, Outcomes
                                RunSummary, summarize)
 from conductor.outputs import OutputLengths
 from conductor.overtaking import RecentAdmissions
-from conductor.policy import Candidates, Placement, make_policy
+from conductor.policy import Candidates, DecodeLoad, Placement, make_policy
 from conductor.trace import BLOCK_TOKENS, TraceRequest
 
 _PREFILL_DONE, _DECODE_JOIN, _DECODE_STEP = 0, 1, 2
@@ -66,6 +70,8 @@ class SimConfig:
     balancing_threshold: float = 1.0
     block_tokens: int = BLOCK_TOKENS
     seed: int = 0
+    # How long a KV that finds its decode instance full may wait for a slot (0: refused at once)
+    decode_wait_s: float = 0.0
 
 
 @dataclass
@@ -73,6 +79,13 @@ class _Inflight:
     placement: Placement
     decode: int
     pinned: tuple[int, ...]
+
+
+@dataclass
+class _Waiting:
+    service_s: float        # its prefill, wasted if no slot frees in time
+    since_s: float          # when its KV reached the decode instance
+    until_s: float          # the last moment it may join
 
 
 class Simulator:
@@ -107,6 +120,9 @@ class Simulator:
         self._events: list[tuple] = []
         self._seq = 0
         self._inflight: dict[int, _Inflight] = {}
+        # per decode instance: requests whose KV waits for a slot (`decode_wait_s`), in arrival order
+        self._waiting: list[dict[int, _Waiting]] = [{} for _ in self.decodes]
+        self._wait_ends: list[list[tuple[float, int]]] = [[] for _ in self.decodes]  # (until, rid)
         self.on_outcome = on_outcome
         self.audit: Audit | None = None
         self.shadows: dict[str, Simulator] = {}
@@ -248,22 +264,68 @@ class Simulator:
         decode = self.decodes[fl.decode]
         decode.unbind(rid)
         decode.advance(now)
-        taken = self.admission.at_decode(decode, req.input_length, self.outputs.mean)
-        if taken:
-            decode.join(rid, req.input_length, req.output_length, now)
-            self._schedule_departure(decode)
+        waits = self.cfg.decode_wait_s > 0
+        if self.admission.at_decode(decode, req.input_length, self.outputs.mean,
+                                    counts_refusal=not waits):
+            self._join(decode, rid, now)
+        elif waits and self._may_wait(decode, rid):
+            until_s = now + min(self.cfg.decode_wait_s, self.cfg.slo.ttft_s - self.out.ttft_s[rid])
+            self._waiting[fl.decode][rid] = _Waiting(fl.placement.service_s, now, until_s)
+            heapq.heappush(self._wait_ends[fl.decode], (until_s, rid))
         else:
-            self.out.status[rid] = REJECTED_AT_DECODE
-            self.out.wasted_prefill_s += fl.placement.service_s
+            self.admission.reached_decode(0, int(waits))
+            self._refuse(rid, fl.placement.service_s)
         self.board.publish(decode)
+
+    def _may_wait(self, decode: DecodeInstance, rid: int) -> bool:
+        """Whether a KV the decode check refused may wait for a slot: the TTFT SLO leaves
+        it time, and it would fit the instance once the batch empties."""
+        req = self.trace[rid]
+        return (self.out.ttft_s[rid] < self.cfg.slo.ttft_s
+                and decode.fits(DecodeLoad(0, 0.0), req.input_length, self.outputs.mean,
+                                self.cfg.slo.tbt_s))
+
+    def _join(self, decode: DecodeInstance, rid: int, now: float) -> None:
+        req = self.trace[rid]
+        decode.join(rid, req.input_length, req.output_length, now)
+        self._schedule_departure(decode)
         if self.on_outcome is not None:
-            self.on_outcome(rid, taken and self.out.ttft_s[rid] <= self.cfg.slo.ttft_s)
+            self.on_outcome(rid, self.out.ttft_s[rid] <= self.cfg.slo.ttft_s)
+
+    def _refuse(self, rid: int, service_s: float) -> None:
+        self.out.status[rid] = REJECTED_AT_DECODE
+        self.out.wasted_prefill_s += service_s
+        if self.on_outcome is not None:
+            self.on_outcome(rid, False)
+
+    def _seat_waiting(self, j: int, now: float) -> None:
+        """After departures: a waiting KV whose wait ran out is refused, then every other
+        one that fits now joins, first come first (a large one that does not fit yet lets
+        smaller ones behind it in), its first token that much later."""
+        decode, waiting, ends = self.decodes[j], self._waiting[j], self._wait_ends[j]
+        while ends and ends[0][0] < now:
+            _, rid = heapq.heappop(ends)
+            w = waiting.pop(rid, None)
+            if w is not None:
+                self.admission.reached_decode(0, 1)
+                self._refuse(rid, w.service_s)
+        for rid, w in list(waiting.items()):
+            if decode.batch >= self.cost.decode_max_batch:
+                break
+            if decode.fits(decode.load(), self.trace[rid].input_length, self.outputs.mean,
+                           self.cfg.slo.tbt_s):
+                del waiting[rid]
+                self.admission.reached_decode(1)
+                self.out.ttft_s[rid] += now - w.since_s
+                self._join(decode, rid, now)
 
     def _decode_step(self, j: int, now: float) -> None:
         decode = self.decodes[j]
         for r in decode.pop_finished(now):
             self.out.tbt_s[r.request] = (now - r.join_s) / r.output_length
             self.outputs.observe(r.output_length)
+        if self._waiting[j]:
+            self._seat_waiting(j, now)
         self._schedule_departure(decode)
         self.board.publish(decode)
 

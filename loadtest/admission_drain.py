@@ -7,6 +7,10 @@ goodput; an unending stream has no such end. This table separates the two, for a
 of `admission_sweep`'s grid (or its family, or "heldout") at the bench's speed:
 
     python -m loadtest.admission_drain "steady / 4k / reuse 85% / answers 40" [--span 900]
+
+`--decode-wait S` replays the same trace with a decode stage that lets a KV finding no
+room wait up to S seconds for a slot (`SimConfig.decode_wait_s`) instead of refusing it:
+what the decode check's refusals cost in wasted prefill and what they buy in goodput.
 """
 from __future__ import annotations
 
@@ -21,25 +25,28 @@ STRETCH_EDGES_S = (0.0, 15.0, 30.0, 60.0, 120.0, 180.0, 240.0)
 
 
 def drain_table(name: str, modes: list[str], requests: int = GRID_REQUESTS, seed: int = 5,
-                span_s: float = MIN_SPAN_S) -> str:
+                span_s: float = MIN_SPAN_S, decode_wait_s: float = 0.0) -> str:
     """A markdown table: per mode, joins per stretch, after the last arrival, the rate
-    from 30 s to the last arrival and the whole run's goodput."""
+    from 30 s to the last arrival, the whole run's goodput and its wasted prefill."""
     _, trace, cost, speed = sized_trace(name, requests, seed, min_span_s=span_s)
     end = trace[-1].arrival_s / speed
     edges = [e for e in STRETCH_EDGES_S if e < end] + [end, np.inf]
     heads = [f"{a:.0f}-{b:.0f} s" for a, b in zip(edges, edges[1:-1])]
-    lines = [f"{name}: {len(trace):,} requests at {speed:.2f}x, last arrival at {end:.0f} s", "",
+    wait = f", KV waits up to {decode_wait_s:g} s at decode" if decode_wait_s else ""
+    lines = [f"{name}: {len(trace):,} requests at {speed:.2f}x, last arrival at {end:.0f} s"
+             f"{wait}", "",
              "| mode | " + " | ".join(heads) + " | after the last arrival "
-             "| rate from 30 s to the last arrival | whole run |",
-             "|---" * (len(heads) + 4) + "|"]
+             "| rate from 30 s to the last arrival | whole run | wasted prefill |",
+             "|---" * (len(heads) + 5) + "|"]
     for mode in modes:
-        summary, sim = _replay(trace, cost, mode, speed)
+        summary, sim = _replay(trace, cost, mode, speed, decode_wait_s)
         joined = joined_s(sim, trace, speed)
         joined = joined[~np.isnan(joined)]
         counts = np.histogram(joined, edges)[0]
         rate = ((joined > 30.0) & (joined <= end)).sum() / max(end - 30.0, 1e-9)
         lines.append(f"| {mode} | " + " | ".join(f"{c:,}" for c in counts)
-                     + f" | {rate:.1f}/s | {summary.completed_in_slo:,} |")
+                     + f" | {rate:.1f}/s | {summary.completed_in_slo:,} "
+                     f"| {summary.wasted_prefill_s:,.0f} s |")
     return "\n".join(lines)
 
 
@@ -51,8 +58,11 @@ def main() -> None:
     ap.add_argument("--modes", default="baseline,predictive",
                     help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--requests", type=int, default=GRID_REQUESTS)
+    ap.add_argument("--decode-wait", type=float, default=0.0, metavar="S",
+                    help="seconds a KV finding decode full may wait for a slot (default 0)")
     args = ap.parse_args()
-    print(drain_table(args.trace, args.modes.split(","), args.requests, span_s=args.span))
+    print(drain_table(args.trace, args.modes.split(","), args.requests, span_s=args.span,
+                      decode_wait_s=args.decode_wait))
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ class TraceResult:
         return self.runs[mode].completed_in_slo
 
 
-def _replay(trace, cost: CostModel, mode: str, speed: float) -> tuple[RunSummary, Simulator]:
+def _replay(trace, cost: CostModel, mode: str, speed: float,
+            decode_wait_s: float = 0.0) -> tuple[RunSummary, Simulator]:
     sim = Simulator(trace, SimConfig(prefill=PREFILL, decode=DECODE, admission=mode,
-                                     speed=speed), cost)
+                                     speed=speed, decode_wait_s=decode_wait_s), cost)
     return sim.run(), sim
 
 

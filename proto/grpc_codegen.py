@@ -2,15 +2,18 @@
 
 Generated code goes stale silently when a .proto changes, so it lives outside
 the source tree: `load("conductor")` runs grpc_tools.protoc into a cache
-folder (KVSTORE_PROTO_CACHE, else ~/.cache/kvstore/proto) whenever the stubs
-are missing or older than their .proto, then imports `<name>_pb2` and
-`<name>_pb2_grpc` from there. A lock file keeps two processes that start at
+folder (KVSTORE_PROTO_CACHE, else ~/.cache/kvstore/proto, in a subfolder per
+grpcio-tools version) whenever the stubs are missing or older than their
+.proto, then imports `<name>_pb2` and `<name>_pb2_grpc` from there. The stubs
+refuse a grpcio older than the grpcio-tools that wrote them, so two
+environments on one machine must not share them. A lock file keeps two processes that start at
 once from writing the same files together.
 """
 from __future__ import annotations
 
 import fcntl
 import importlib
+from importlib import metadata
 import os
 import sys
 from pathlib import Path
@@ -21,7 +24,7 @@ PROTO_DIR = Path(__file__).resolve().parent
 
 def cache_dir() -> Path:
     root = os.environ.get("KVSTORE_PROTO_CACHE") or Path.home() / ".cache" / "kvstore" / "proto"
-    return Path(root)
+    return Path(root) / f"grpcio-tools-{metadata.version('grpcio-tools')}"
 
 
 def _stale(proto: Path, out: Path, name: str) -> bool:

@@ -94,6 +94,26 @@ def test_predictive_holds_a_request_until_decode_has_room():
     assert summary.rejected_at_decode == 1
 
 
+def test_a_kv_that_finds_decode_full_waits_for_a_slot_when_waiting_is_on():
+    # B's KV reaches decode at 2.048 (TTFT 1.948) and finds no room beside A, which
+    # leaves at 1.024 + 1,000 steps = 11.024; waiting up to 30 s it joins then, its
+    # first token counted from the join: TTFT 1.948 + 8.976.
+    summary, out = run(_overlap_trace(), admission="baseline", slo=Slo(30, 0.1),
+                       decode_wait_s=30.0)
+    assert (summary.rejected, summary.completed_in_slo) == (0, 2)
+    assert out.ttft_s[1] == pytest.approx(10.924)
+    assert summary.wasted_prefill_s == 0
+
+
+@pytest.mark.parametrize("wait_s, ttft_slo_s", [(5.0, 30.0), (30.0, 8.0)])
+def test_a_waiting_kv_is_refused_when_its_wait_or_the_ttft_slo_runs_out(wait_s, ttft_slo_s):
+    # the slot frees at 11.024: after 5 s of waiting, and after the 8-s TTFT SLO
+    summary, _ = run(_overlap_trace(), admission="baseline", slo=Slo(ttft_slo_s, 0.1),
+                     decode_wait_s=wait_s)
+    assert (summary.rejected_at_decode, summary.completed_in_slo) == (1, 1)
+    assert summary.wasted_prefill_s == pytest.approx(1.024)
+
+
 def test_no_admission_serves_everything():
     summary, _ = run(_overlap_trace(), admission="none")
     assert summary.rejected == 0 and summary.admitted == 2
