@@ -33,14 +33,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(kind: type, flag: str):
+def _positive(kind: type, flag: str, zero: bool = False):
+    """A parser of numbers above 0 (or at least 0, with ``zero``)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be a number, got '{text}'") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero):
+            need = "at least 0" if zero else "positive"
+            raise argparse.ArgumentTypeError(f"{flag} must be {need}, got {text}")
         return value
     return parse
 
@@ -79,6 +81,10 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=_positive(float, "--speed"), default=1.0,
                    help="replay speed: timestamps are divided by this (default 1)")
     _slo_flags(p)
+    p.add_argument("--decode-wait", type=_positive(float, "--decode-wait", zero=True),
+                   default=0.0, metavar="S", help="seconds a KV that finds its decode "
+                   "instance full may wait for a slot, within the TTFT SLO (default 0: "
+                   "refused at once, as in the paper)")
     p.add_argument("--compare", action="store_true", help="run all four policies")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", help="write TTFT CDF and load-over-time plots")
@@ -96,7 +102,8 @@ def _run_replay(args: argparse.Namespace) -> int:
                            admission=args.rejection, speed=args.speed,
                            slo=Slo(args.ttft_slo, args.tbt_slo),
                            cache_tokens_per_node=args.cache_tokens_per_node,
-                           balancing_threshold=args.balancing_threshold, seed=args.seed)
+                           balancing_threshold=args.balancing_threshold, seed=args.seed,
+                           decode_wait_s=args.decode_wait)
         runs.append(replay(trace, config, cost, stderr_progress(policy)))
     summaries = [s for s, _ in runs]
     if args.json:

@@ -49,6 +49,7 @@ def test_calibrate_uses_the_fitted_model(capsys, tmp_path):
     (["--ttft-slo", "0"], "--ttft-slo must be positive"),
     (["--tbt-slo", "0"], "--tbt-slo must be positive"),
     (["--speed", "-2"], "--speed must be positive"),
+    (["--decode-wait", "-1"], "--decode-wait must be at least 0"),
     (["--policy", "fastest"], "invalid choice: 'fastest'"),
 ])
 def test_bad_flags(capsys, args, message):
