@@ -1,5 +1,7 @@
 """`bench_conductor --generalize` end to end on two tiny generated traces (a smoke test: no
 figures are asserted, the benchmark prints them)."""
+import pytest
+
 from conductor.tracegen import spec_from
 from conductor.costmodel import CostModel
 from conductor.simulator import SimConfig, Simulator
@@ -54,9 +56,12 @@ def test_served_while_loaded_counts_the_kv_that_joined_decode_by_the_last_arriva
     assert served_while_loaded(sim, trace, speed=1.0) == 2
 
 
-def test_the_drain_table_splits_each_modes_goodput_at_the_last_arrival():
+@pytest.mark.parametrize("decode_wait_s", [0.0, 30.0])
+def test_the_drain_table_splits_each_modes_goodput_at_the_last_arrival(decode_wait_s):
     name = next(iter(GRID))
-    text = drain_table(name, ["baseline", "predictive"], requests=200, span_s=0.0)
+    text = drain_table(name, ["baseline", "predictive"], requests=200, span_s=0.0,
+                       decode_wait_s=decode_wait_s)
+    assert ("KV waits up to 30 s at decode" in text) == bool(decode_wait_s)
     rows = [line for line in text.splitlines() if line.startswith(("| baseline", "| predictive"))]
     assert len(rows) == 2 and "after the last arrival" in text
     for row in rows:
