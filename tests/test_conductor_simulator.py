@@ -105,6 +105,19 @@ def test_a_kv_that_finds_decode_full_waits_for_a_slot_when_waiting_is_on():
     assert summary.wasted_prefill_s == 0
 
 
+def test_a_waiting_kv_too_large_for_the_room_a_departure_leaves_lets_a_smaller_one_by():
+    # A (512 tokens) decodes until 10.512, D (512) until 4.024. B's KV (1,024) arrives
+    # at 2.048 and C's (512) at 2.56; neither fits beside A and D. When D leaves, A
+    # holds 863 tokens: C fits (863 + 512 + the 512-token output prior), B does not,
+    # so C joins at 4.024 and B once A has left.
+    trace = [req(0.0, [1], output=1000), req(0.0, [2], output=300), req(0.1, [3, 4]),
+             req(0.2, [5])]
+    summary, out = run(trace, admission="baseline", decode_wait_s=30.0)
+    assert summary.completed_in_slo == 4
+    assert out.ttft_s[3] == pytest.approx(4.024 - 0.2)
+    assert out.ttft_s[2] == pytest.approx(10.512 - 0.1)
+
+
 @pytest.mark.parametrize("wait_s, ttft_slo_s", [(5.0, 30.0), (30.0, 8.0)])
 def test_a_waiting_kv_is_refused_when_its_wait_or_the_ttft_slo_runs_out(wait_s, ttft_slo_s):
     # the slot frees at 11.024: after 5 s of waiting, and after the 8-s TTFT SLO
