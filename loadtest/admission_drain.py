@@ -18,6 +18,7 @@ import argparse
 
 import numpy as np
 
+from conductor.metrics import REJECTED_AT_ARRIVAL, REJECTED_AT_DECODE, SERVED
 from loadtest.admission_sweep import (GRID_REQUESTS, MIN_SPAN_S, MODES, _replay, joined_s,
                                       sized_trace)
 
@@ -27,7 +28,8 @@ STRETCH_EDGES_S = (0.0, 15.0, 30.0, 60.0, 120.0, 180.0, 240.0)
 def drain_table(name: str, modes: list[str], requests: int = GRID_REQUESTS, seed: int = 5,
                 span_s: float = MIN_SPAN_S, decode_wait_s: float = 0.0) -> str:
     """A markdown table: per mode, joins per stretch, after the last arrival, the rate
-    from 30 s to the last arrival, the whole run's goodput and its wasted prefill."""
+    from 30 s to the last arrival, the whole run's goodput, its wasted prefill and the
+    mean prompt of the requests served and turned away (which sizes each stage keeps)."""
     _, trace, cost, speed = sized_trace(name, requests, seed, min_span_s=span_s)
     end = trace[-1].arrival_s / speed
     edges = [e for e in STRETCH_EDGES_S if e < end] + [end, np.inf]
@@ -36,8 +38,10 @@ def drain_table(name: str, modes: list[str], requests: int = GRID_REQUESTS, seed
     lines = [f"{name}: {len(trace):,} requests at {speed:.2f}x, last arrival at {end:.0f} s"
              f"{wait}", "",
              "| mode | " + " | ".join(heads) + " | after the last arrival "
-             "| rate from 30 s to the last arrival | whole run | wasted prefill |",
-             "|---" * (len(heads) + 5) + "|"]
+             "| rate from 30 s to the last arrival | whole run | wasted prefill "
+             "| mean prompt: served / turned away at decode / at arrival |",
+             "|---" * (len(heads) + 6) + "|"]
+    inputs = np.fromiter((r.input_length for r in trace), float, len(trace))
     for mode in modes:
         summary, sim = _replay(trace, cost, mode, speed, decode_wait_s)
         joined = joined_s(sim, trace, speed)
@@ -46,8 +50,16 @@ def drain_table(name: str, modes: list[str], requests: int = GRID_REQUESTS, seed
         rate = ((joined > 30.0) & (joined <= end)).sum() / max(end - 30.0, 1e-9)
         lines.append(f"| {mode} | " + " | ".join(f"{c:,}" for c in counts)
                      + f" | {rate:.1f}/s | {summary.completed_in_slo:,} "
-                     f"| {summary.wasted_prefill_s:,.0f} s |")
+                     f"| {summary.wasted_prefill_s:,.0f} s "
+                     f"| {_mean_prompts(sim.out.status[:len(trace)], inputs)} |")
     return "\n".join(lines)
+
+
+def _mean_prompts(status: np.ndarray, inputs: np.ndarray) -> str:
+    """Mean input tokens of the requests served, turned away at decode and at arrival."""
+    means = [inputs[status == s].mean() if (status == s).any() else None
+             for s in (SERVED, REJECTED_AT_DECODE, REJECTED_AT_ARRIVAL)]
+    return " / ".join("-" if m is None else f"{m:,.0f}" for m in means)
 
 
 def main() -> None:

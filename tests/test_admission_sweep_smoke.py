@@ -66,5 +66,5 @@ def test_the_drain_table_splits_each_modes_goodput_at_the_last_arrival(decode_wa
     assert len(rows) == 2 and "after the last arrival" in text
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        stretches, whole = cells[1:-3], int(cells[-2].replace(",", ""))
+        stretches, whole = cells[1:-4], int(cells[-3].replace(",", ""))
         assert sum(int(c.replace(",", "")) for c in stretches) == whole
