@@ -199,15 +199,14 @@ class Admission:
         w = service_s * self.joined / self.prefill_spent_s
         return displaced * self.joined / (self.joined + self.refused) / (1 + w)
 
-    def at_decode(self, decode: DecodeView, input_length: int, output_estimate: float,
-                  counts_refusal: bool = True) -> bool:
-        """Whether the decode instance takes the request now that its KV has arrived
-        (``counts_refusal``: False where a refused KV may still wait for a slot, and the
-        caller counts its fate once known)."""
+    def at_decode(self, decode: DecodeView, input_length: int, output_estimate: float) -> bool:
+        """Whether the decode instance takes the request now that its KV has arrived (a
+        request taken is counted here; one refused, by the caller once its fate is known:
+        it may still wait for a slot)."""
         if self.mode == "none":
             return True
         taken = decode.fits(decode.load(), input_length, output_estimate, self.slo.tbt_s)
-        self.reached_decode(int(taken), int(not taken and counts_refusal))
+        self.reached_decode(int(taken))
         return taken
 
     def reached_decode(self, taken: int, refused: int = 0) -> None:

@@ -40,7 +40,7 @@ def _positive(kind: type, flag: str, zero: bool = False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be a number, got '{text}'") from None
-        if value < 0 or (value == 0 and not zero):
+        if not (value > 0 or (zero and value == 0)):     # NaN is neither
             need = "at least 0" if zero else "positive"
             raise argparse.ArgumentTypeError(f"{flag} must be {need}, got {text}")
         return value

@@ -264,16 +264,13 @@ class Simulator:
         decode = self.decodes[fl.decode]
         decode.unbind(rid)
         decode.advance(now)
-        waits = self.cfg.decode_wait_s > 0
-        if self.admission.at_decode(decode, req.input_length, self.outputs.mean,
-                                    counts_refusal=not waits):
+        if self.admission.at_decode(decode, req.input_length, self.outputs.mean):
             self._join(decode, rid, now)
-        elif waits and self._may_wait(decode, rid):
+        elif self.cfg.decode_wait_s > 0 and self._may_wait(decode, rid):
             until_s = now + min(self.cfg.decode_wait_s, self.cfg.slo.ttft_s - self.out.ttft_s[rid])
             self._waiting[fl.decode][rid] = _Waiting(fl.placement.service_s, now, until_s)
             heapq.heappush(self._wait_ends[fl.decode], (until_s, rid))
         else:
-            self.admission.reached_decode(0, int(waits))
             self._refuse(rid, fl.placement.service_s)
         self.board.publish(decode)
 
@@ -293,6 +290,7 @@ class Simulator:
             self.on_outcome(rid, self.out.ttft_s[rid] <= self.cfg.slo.ttft_s)
 
     def _refuse(self, rid: int, service_s: float) -> None:
+        self.admission.reached_decode(0, 1)
         self.out.status[rid] = REJECTED_AT_DECODE
         self.out.wasted_prefill_s += service_s
         if self.on_outcome is not None:
@@ -307,7 +305,6 @@ class Simulator:
             _, rid = heapq.heappop(ends)
             w = waiting.pop(rid, None)
             if w is not None:
-                self.admission.reached_decode(0, 1)
                 self._refuse(rid, w.service_s)
         for rid, w in list(waiting.items()):
             if decode.batch >= self.cost.decode_max_batch:
